@@ -1,0 +1,53 @@
+// Static memory accounting per pipeline rank (stage 3): parameters, weights,
+// gradients, optimizer state, communication/optimizer buffers and host
+// bytes, following design.md's accounting rules (each rule and its source is
+// in docs/accounting.md).
+//
+// All byte counts are per device. `grads` holds main gradients only; reduce
+// buckets, double buffers and gather buffers are `buffers`, at their maximum.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "memplan/planner/graph.h"
+#include "memplan/planner/layout.h"
+#include "memplan/planner/model.h"
+
+namespace memplan::planner {
+
+struct ModelTotals {
+  int64_t params = 0;         // every parameter once (tied embeddings once)
+  int64_t params_active = 0;  // touched per token: routed experts count top_k of E
+};
+
+struct StaticBreakdown {
+  int64_t params = 0;  // parameters held by this device
+  int64_t weights = 0;
+  int64_t grads = 0;
+  int64_t optimizer = 0;
+  int64_t buffers = 0;
+  int64_t total = 0;  // weights + grads + optimizer + buffers
+  int64_t host = 0;   // host bytes this device's training state needs
+  std::map<std::string, int64_t> buffer_detail;  // reduce_bucket, grad_double_buffer, muon_gather
+};
+
+// Parameters a device holds for `param`: TP shards tp_split weights, EP
+// divides routed experts. Returns 0 for a tied output head when pp == 1
+// (the embedding's storage is shared).
+int64_t LocalParamElements(const Model& model, const ParamSpec& param);
+
+// Bytes of optimizer state per parameter (before ZeRO-1 partitioning):
+// Adam: fp32 master (unless params are fp32) + m + v; Muon: master +
+// momentum for 2-D weights other than embedding and head, Adam for the rest.
+int64_t OptimizerBytesPerParam(const Model& model, const ParamSpec& param);
+bool UsesMuon(const Model& model, const ParamSpec& param);
+
+ModelTotals CountParameters(const Model& model, const std::vector<LayerGraph>& layers);
+
+StaticBreakdown AccountRank(const Model& model, const std::vector<LayerGraph>& layers,
+                            const PipelineLayout& layout, int64_t rank);
+
+}  // namespace memplan::planner

@@ -1,0 +1,201 @@
+// The model IR: a validated, defaults-filled `memplan.model/1` document.
+//
+// Stage 1 of the planner (design.md, "Data flow"): ParseModel() turns the JSON
+// of a model file into a `Model`, rejecting bad input with one-line errors
+// that name the file and the RFC 6901 pointer ("m.json: /arch/hidden:
+// expected an integer in [1, 1048576], got -4"). Unknown keys are errors.
+// NormalizedModelJson() writes the model back with every default filled in;
+// its sha256 is the model digest that ties plans to measurements.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "memplan/common/json_util.h"
+#include "memplan/common/status.h"
+#include "memplan/planner/graph.h"
+
+namespace memplan::planner {
+
+inline constexpr std::string_view kModelSchema = "memplan.model/1";
+
+// Stated maxima: anything larger is refused by a range check rather than
+// allowed to allocate or loop for hours.
+inline constexpr int64_t kMaxLayers = 100'000;
+inline constexpr int64_t kMaxHidden = 1 << 20;
+inline constexpr int64_t kMaxHeads = 1 << 16;
+inline constexpr int64_t kMaxVocab = 1 << 24;
+inline constexpr int64_t kMaxExperts = 1 << 20;
+inline constexpr int64_t kMaxSeqLen = 1 << 24;
+inline constexpr int64_t kMaxMicroBatch = 1 << 16;
+inline constexpr int64_t kMaxMicrobatches = 1'000'000;
+inline constexpr int64_t kMaxParallel = 1 << 20;
+
+enum class FfnAct { kGelu, kSwiglu };
+enum class Norm { kLayerNorm, kRmsNorm };
+enum class Attention { kStandard, kFlash };
+enum class Optimizer { kAdam, kMuon };
+enum class Router { kSoftmax, kSigmoid };
+
+struct MlaConfig {
+  int64_t q_lora_rank = 0;  // 0: queries are not compressed
+  int64_t kv_lora_rank = 0;
+  int64_t qk_nope_head_dim = 0;
+  int64_t qk_rope_head_dim = 0;
+  int64_t v_head_dim = 0;
+};
+
+struct MoeConfig {
+  int64_t experts = 0;
+  int64_t top_k = 0;
+  int64_t expert_ffn_hidden = 0;
+  int64_t shared_experts = 0;
+  int64_t shared_ffn_hidden = 0;  // defaults to expert_ffn_hidden
+  int64_t first_dense_layers = 0;
+  std::optional<int64_t> latent_dim;  // experts run at `hidden` when unset
+  double capacity_factor = 1.0;
+  Router router = Router::kSoftmax;
+};
+
+struct AttnResConfig {
+  int64_t block_layers = 0;
+};
+
+struct LinearAttentionConfig {
+  std::string kind = "kda";
+  int64_t full_attention_every = 0;
+  int64_t full_attention_offset = 0;
+  int64_t head_dim = 0;
+  int64_t chunk = 64;
+};
+
+struct Arch {
+  int64_t layers = 0;
+  int64_t hidden = 0;
+  int64_t heads = 0;
+  int64_t kv_heads = 0;
+  int64_t head_dim = 0;
+  int64_t ffn_hidden = 0;  // 0 when every layer is MoE
+  FfnAct ffn_act = FfnAct::kSwiglu;
+  Norm norm = Norm::kRmsNorm;
+  Attention attention = Attention::kFlash;
+  bool dropout = false;
+  int64_t vocab = 0;
+  bool tied_embeddings = false;
+  std::optional<MlaConfig> mla;
+  std::optional<MoeConfig> moe;
+  std::optional<AttnResConfig> attn_res;
+  std::optional<LinearAttentionConfig> linear_attention;
+
+  bool IsMoeLayer(int64_t layer) const;
+  // True for linear-attention (KDA) layers of a hybrid model.
+  bool IsLinearAttentionLayer(int64_t layer) const;
+};
+
+struct Train {
+  int64_t seq_len = 0;
+  int64_t micro_batch = 0;
+  int64_t microbatches = 0;
+  DType act_dtype = DType::kBF16;
+  DType param_dtype = DType::kBF16;
+  DType grad_dtype = DType::kFP32;
+  Optimizer optimizer = Optimizer::kAdam;
+};
+
+struct Parallel {
+  int64_t tp = 1;
+  bool sp = false;
+  int64_t pp = 1;
+  int64_t vp = 1;
+  int64_t dp = 1;
+  int64_t ep = 1;
+  int64_t cp = 1;
+  int zero = 0;
+  bool pipeline_zero2 = false;
+  bool grad_offload_host = false;
+  bool muon_gather_p2p = true;
+  // Layers per pipeline rank (length pp). Always filled after parsing.
+  std::vector<int64_t> pp_layout;
+  bool pp_layout_given = false;
+};
+
+struct Hardware {
+  std::string preset;
+  int64_t device_memory = 0;  // bytes
+  double hbm_bw = 0;          // bytes/s
+  double bf16_flops = 0;      // FLOP/s, dense
+  double d2h_bw = 0;          // bytes/s, per direction
+  double h2d_bw = 0;
+  double peer_bw = 0;     // NVLink inside a node, per direction
+  double pp_link_bw = 0;  // between pipeline ranks
+  int64_t host_memory = 0;  // host bytes available per GPU
+};
+
+enum class Policy { kKeep, kRecompute, kFp8, kOffloadHost, kOffloadRemote };
+std::string_view PolicyName(Policy p);
+
+struct PolicyAnnotation {
+  std::string match;             // fnmatch glob over tensor names
+  std::vector<Policy> policy;    // a legal composition
+};
+
+struct CostOverride {
+  std::string match;
+  std::optional<double> recompute_s;
+  std::optional<double> fp8_s;
+  std::optional<double> offload_s;
+};
+
+struct Options {
+  bool moe_grad_rewrite = false;
+  bool moe_recompute_dispatch = false;
+  bool attn_res_single_copy = false;
+  bool attn_res_checkpoint = false;
+  bool attn_res_pp_cache = false;
+  bool pp_balance = false;
+};
+
+struct Model {
+  std::string file;  // where it was read from (for messages; not in the digest)
+  std::string name;
+  std::string description;
+  Arch arch;
+  Train train;
+  Parallel parallel;
+  Hardware hardware;
+  int64_t budget = 0;
+  bool budget_given = false;
+  std::vector<CostOverride> costs;
+  std::vector<PolicyAnnotation> policies;
+  Options options;
+  // Explicit layer graphs from the model file's `graph`, by global layer
+  // index; they replace the template expansion of those layers.
+  std::vector<LayerGraph> graph;
+};
+
+// Hardware presets: h100, h200, b200, host. Sources are in docs/accounting.md.
+Expected<Hardware> HardwarePreset(std::string_view name);
+
+// Bytes held back from device memory when no budget is given: CUDA context,
+// NCCL and cuBLAS workspaces, allocator slack.
+int64_t DefaultReserveBytes(int64_t device_memory);
+
+// Layers per pipeline rank when `pp_layout` is not given: as even as
+// possible; when layers do not divide, the first and last ranks take fewer,
+// and no rank gets fewer than vp layers.
+std::vector<int64_t> DefaultPipelineLayout(int64_t layers, int64_t pp, int64_t vp);
+
+Expected<Model> ParseModel(const Json& doc, const std::string& file);
+Expected<Model> LoadModel(const std::string& path);
+
+// The model with defaults filled (sorted keys). Explicit graphs are included
+// as `graph` only when present.
+Json NormalizedModelJson(const Model& model);
+
+// "sha256:<hex>" of the compact dump of NormalizedModelJson().
+std::string ModelDigest(const Model& model);
+
+}  // namespace memplan::planner

@@ -1,0 +1,157 @@
+#include "memplan/planner/accounting.h"
+
+#include <algorithm>
+#include <tuple>
+
+#include "memplan/common/units.h"
+
+namespace memplan::planner {
+namespace {
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+bool IsExpert(const ParamSpec& p) { return p.kind == ParamKind::kExpert; }
+
+// Size of the group that partitions a parameter's gradient or optimizer
+// state: the data-parallel x context-parallel group, or for routed experts
+// the expert data-parallel group dp*cp/ep.
+int64_t PartitionGroup(const Model& m, const ParamSpec& p) {
+  int64_t dpcp = m.parallel.dp * m.parallel.cp;
+  return IsExpert(p) ? dpcp / m.parallel.ep : dpcp;
+}
+
+struct Matrix {
+  int64_t elements;
+  std::string name;
+};
+
+// Muon's gather for one chunk. allgather: the whole gathered fp32 buffer of
+// the chunk's Muon weights. p2p: only the matrices this DP rank owns
+// (matrices assigned to owners in decreasing size, round robin; DP rank 0
+// owns the most), double-buffered.
+int64_t MuonGatherBytes(const Model& m, const std::vector<LayerGraph>& layers,
+                        const std::vector<int64_t>& chunk) {
+  int64_t all = 0;
+  std::vector<Matrix> groups[2];  // 0: dense (dp*cp), 1: experts (dp*cp/ep)
+  for (int64_t layer : chunk) {
+    for (const auto& p : layers[static_cast<size_t>(layer)].params) {
+      if (!UsesMuon(m, p)) continue;
+      int64_t local = LocalParamElements(m, p);
+      if (PartitionGroup(m, p) <= 1) continue;  // not partitioned: no gather
+      all += local;
+      int64_t matrices = std::max<int64_t>(1, p.Matrices() / (IsExpert(p) ? m.parallel.ep : 1));
+      for (int64_t i = 0; i < matrices; ++i) {
+        groups[IsExpert(p) ? 1 : 0].push_back({local / matrices, p.name});
+      }
+    }
+  }
+  if (!m.parallel.muon_gather_p2p) return CheckedMul(all, 4, "muon gather buffer");
+  int64_t owned = 0;
+  for (int g = 0; g < 2; ++g) {
+    auto& mats = groups[g];
+    std::stable_sort(mats.begin(), mats.end(),
+                     [](const Matrix& a, const Matrix& b) { return a.elements > b.elements; });
+    int64_t owners = g == 0 ? m.parallel.dp * m.parallel.cp : m.parallel.dp * m.parallel.cp / m.parallel.ep;
+    for (size_t i = 0; i < mats.size(); i += static_cast<size_t>(owners)) owned += mats[i].elements;
+  }
+  return CheckedMul(2 * owned, 4, "muon gather buffer");
+}
+
+}  // namespace
+
+bool UsesMuon(const Model& model, const ParamSpec& param) {
+  if (model.train.optimizer != Optimizer::kMuon) return false;
+  if (param.kind == ParamKind::kEmbedding || param.kind == ParamKind::kHead) return false;
+  return param.shape.size() >= 2;
+}
+
+int64_t LocalParamElements(const Model& model, const ParamSpec& param) {
+  if (param.kind == ParamKind::kHead && model.arch.tied_embeddings && model.parallel.pp == 1) return 0;
+  int64_t n = param.Elements();
+  if (param.tp_split) n = CeilDiv(n, model.parallel.tp);
+  if (IsExpert(param)) n = CeilDiv(n, model.parallel.ep);
+  return n;
+}
+
+int64_t OptimizerBytesPerParam(const Model& model, const ParamSpec& param) {
+  int64_t master = model.train.param_dtype == DType::kFP32 ? 0 : 4;
+  int64_t states = UsesMuon(model, param) ? 4 : 8;  // Muon: momentum; Adam: m, v
+  return master + states;
+}
+
+ModelTotals CountParameters(const Model& model, const std::vector<LayerGraph>& layers) {
+  ModelTotals t;
+  const Arch& a = model.arch;
+  for (const auto& g : layers) {
+    for (const auto& p : g.params) {
+      if (p.kind == ParamKind::kHead && a.tied_embeddings) continue;
+      int64_t n = p.Elements();
+      t.params = CheckedAdd(t.params, n, "parameter count");
+      if (IsExpert(p) && a.moe) {
+        n = n / a.moe->experts * a.moe->top_k;
+      }
+      t.params_active += n;
+    }
+  }
+  return t;
+}
+
+StaticBreakdown AccountRank(const Model& model, const std::vector<LayerGraph>& layers,
+                            const PipelineLayout& layout, int64_t rank) {
+  const Parallel& par = model.parallel;
+  const int64_t pbytes = DTypeBytes(model.train.param_dtype);
+  const int64_t gbytes = DTypeBytes(model.train.grad_dtype);
+  const bool partition_grads = par.zero >= 2 || par.pipeline_zero2;
+  const bool partition_optimizer = par.zero >= 1 || par.pipeline_zero2;
+
+  StaticBreakdown s;
+  int64_t grad_partition = 0;  // gradient bytes after partitioning
+  int64_t largest_chunk_params = 0;
+  for (const auto& chunk : layout.chunks[static_cast<size_t>(rank)]) {
+    int64_t chunk_params = 0;
+    for (int64_t layer : chunk) {
+      for (const auto& p : layers[static_cast<size_t>(layer)].params) {
+        int64_t n = LocalParamElements(model, p);
+        chunk_params += n;
+        int64_t group = PartitionGroup(model, p);
+        grad_partition += CheckedMul(partition_grads ? CeilDiv(n, group) : n, gbytes, "gradient bytes");
+        int64_t opt = CheckedMul(n, OptimizerBytesPerParam(model, p), "optimizer bytes");
+        s.optimizer += partition_optimizer ? CeilDiv(opt, group) : opt;
+      }
+    }
+    s.params += chunk_params;
+    largest_chunk_params = std::max(largest_chunk_params, chunk_params);
+  }
+  s.weights = CheckedMul(s.params, pbytes, "weight bytes");
+
+  if (par.pipeline_zero2) {
+    // Reduced gradients land in a GPU double buffer sized for the largest
+    // model chunk, then accumulate into the partitions (host or device).
+    s.buffer_detail["grad_double_buffer"] = CheckedMul(2 * largest_chunk_params, gbytes, "double buffer");
+    if (par.grad_offload_host) {
+      s.host += grad_partition;
+    } else {
+      s.grads = grad_partition;
+    }
+  } else if (par.zero >= 2) {
+    s.grads = grad_partition;
+    // Megatron DDP's bucket: max(40M, 1M * dp) parameters, capped by the rank.
+    int64_t bucket = std::min(s.params, std::max<int64_t>(40'000'000, 1'000'000 * par.dp * par.cp));
+    s.buffer_detail["reduce_bucket"] = CheckedMul(bucket, gbytes, "reduce bucket");
+  } else {
+    s.grads = grad_partition;
+  }
+
+  if (model.train.optimizer == Optimizer::kMuon && partition_optimizer) {
+    int64_t gather = 0;
+    for (const auto& chunk : layout.chunks[static_cast<size_t>(rank)]) {
+      gather = std::max(gather, MuonGatherBytes(model, layers, chunk));
+    }
+    if (gather > 0) s.buffer_detail["muon_gather"] = gather;
+  }
+  for (const auto& [name, bytes] : s.buffer_detail) s.buffers += bytes;
+  s.total = s.weights + s.grads + s.optimizer + s.buffers;
+  return s;
+}
+
+}  // namespace memplan::planner

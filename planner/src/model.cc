@@ -1,0 +1,591 @@
+#include "memplan/planner/model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <set>
+
+#include "memplan/common/units.h"
+
+namespace memplan::planner {
+
+bool Arch::IsMoeLayer(int64_t layer) const {
+  return moe.has_value() && layer >= moe->first_dense_layers;
+}
+
+bool Arch::IsLinearAttentionLayer(int64_t layer) const {
+  if (!linear_attention) return false;
+  return layer % linear_attention->full_attention_every != linear_attention->full_attention_offset;
+}
+
+std::string_view PolicyName(Policy p) {
+  switch (p) {
+    case Policy::kKeep: return "keep";
+    case Policy::kRecompute: return "recompute";
+    case Policy::kFp8: return "fp8";
+    case Policy::kOffloadHost: return "offload_host";
+    case Policy::kOffloadRemote: return "offload_remote";
+  }
+  return "?";
+}
+
+Expected<Hardware> HardwarePreset(std::string_view name) {
+  // Device memory is what the driver reports (nvidia-smi "Total"), not the
+  // marketing figure; bandwidths are per direction. Sources:
+  // docs/accounting.md, "Hardware presets".
+  constexpr double kTB = 1e12;
+  constexpr double kGB = 1e9;
+  Hardware h;
+  h.preset = std::string(name);
+  if (name == "h100") {
+    h.device_memory = 81559 * kMiB;  // H100 SXM5 80GB HBM3
+    h.hbm_bw = 3.35 * kTB;
+    h.bf16_flops = 989e12;
+    h.d2h_bw = h.h2d_bw = 55 * kGB;  // PCIe Gen5 x16, measured-typical
+    h.peer_bw = 450 * kGB;           // NVLink 4, 900 GB/s bidirectional
+    h.pp_link_bw = 50 * kGB;         // 400 Gb/s InfiniBand NDR per GPU
+    h.host_memory = 256 * kGiB;      // 2 TiB per 8-GPU node
+  } else if (name == "h200") {
+    h.device_memory = 143771 * kMiB;  // H200 SXM 141GB HBM3e
+    h.hbm_bw = 4.8 * kTB;
+    h.bf16_flops = 989e12;
+    h.d2h_bw = h.h2d_bw = 55 * kGB;
+    h.peer_bw = 450 * kGB;
+    h.pp_link_bw = 50 * kGB;
+    h.host_memory = 256 * kGiB;
+  } else if (name == "b200") {
+    h.device_memory = 183359 * kMiB;  // B200 SXM 180GB HBM3e
+    h.hbm_bw = 8.0 * kTB;
+    h.bf16_flops = 2250e12;
+    h.d2h_bw = h.h2d_bw = 55 * kGB;
+    h.peer_bw = 900 * kGB;  // NVLink 5, 1.8 TB/s bidirectional
+    h.pp_link_bw = 50 * kGB;
+    h.host_memory = 512 * kGiB;  // 4 TiB per 8-GPU node
+  } else if (name == "host") {
+    // The host backend: "device" memory is a host arena.
+    h.device_memory = 8 * kGiB;
+    h.hbm_bw = 20 * kGB;
+    h.bf16_flops = 50e9;
+    h.d2h_bw = h.h2d_bw = 10 * kGB;
+    h.peer_bw = 10 * kGB;
+    h.pp_link_bw = 10 * kGB;
+    h.host_memory = 16 * kGiB;
+  } else {
+    return Error{ErrorCode::kBadInput, "expected one of h100|h200|b200|host"};
+  }
+  return h;
+}
+
+int64_t DefaultReserveBytes(int64_t device_memory) {
+  // 2 GiB (context, NCCL, cuBLAS) or 5% of the device, whichever is larger.
+  return std::max<int64_t>(2 * kGiB, device_memory / 20);
+}
+
+std::vector<int64_t> DefaultPipelineLayout(int64_t layers, int64_t pp, int64_t vp) {
+  int64_t per = (layers + pp - 1) / pp;
+  std::vector<int64_t> out(static_cast<size_t>(pp), per);
+  int64_t deficit = per * pp - layers;
+  // The first and last ranks also hold the embedding and the head: they give
+  // up layers first, alternately, down to vp; then the inner ranks do, round
+  // robin. Validation guarantees layers >= pp * vp, so this terminates.
+  std::vector<size_t> outer{0};
+  if (pp > 1) outer.push_back(static_cast<size_t>(pp - 1));
+  for (bool took = true; deficit > 0 && took;) {
+    took = false;
+    for (size_t r : outer) {
+      if (deficit > 0 && out[r] > vp) {
+        --out[r];
+        --deficit;
+        took = true;
+      }
+    }
+  }
+  for (bool took = true; deficit > 0 && took;) {
+    took = false;
+    for (size_t r = 1; r + 1 < out.size() && deficit > 0; ++r) {
+      if (out[r] > vp) {
+        --out[r];
+        --deficit;
+        took = true;
+      }
+    }
+  }
+  return out;
+}
+
+namespace {
+
+DType ReadDType(ObjectReader& r, std::string_view key, std::initializer_list<std::string_view> choices,
+                std::string_view fallback) {
+  DType d = DType::kBF16;
+  ParseDType(r.Enum(key, choices, fallback), &d);
+  return d;
+}
+
+std::vector<Policy> ReadPolicy(const Json& value, const JsonLocation& where) {
+  auto one = [&](const Json& v, const JsonLocation& w) {
+    std::string s = v.is_string() ? v.get<std::string>() : "";
+    for (Policy p : {Policy::kKeep, Policy::kRecompute, Policy::kFp8, Policy::kOffloadHost,
+                     Policy::kOffloadRemote}) {
+      if (s == PolicyName(p)) return p;
+    }
+    ThrowAt(w, "expected one of keep|recompute|fp8|offload_host|offload_remote, got " + Brief(v));
+  };
+  std::vector<Policy> out;
+  if (value.is_array()) {
+    if (value.empty()) ThrowAt(where, "expected a non-empty list of policies");
+    for (size_t i = 0; i < value.size(); ++i) out.push_back(one(value[i], where.Child(i)));
+  } else {
+    out.push_back(one(value, where));
+  }
+  // Legal compositions: keep | recompute | fp8 | [fp8,] offload_host|offload_remote.
+  auto offload = [](Policy p) { return p == Policy::kOffloadHost || p == Policy::kOffloadRemote; };
+  bool legal = (out.size() == 1) ||
+               (out.size() == 2 && out[0] == Policy::kFp8 && offload(out[1]));
+  if (!legal) {
+    ThrowAt(where,
+            "expected keep, recompute, fp8, offload_host, offload_remote or "
+            "[fp8, offload_host|offload_remote], got " + Brief(value));
+  }
+  return out;
+}
+
+std::string ReadGlob(ObjectReader& r) {
+  std::string s = r.String("match");
+  if (s.empty()) ThrowAt(r.At("match"), "expected a non-empty glob over tensor names");
+  return s;
+}
+
+void ParseArch(ObjectReader& r, Model& m) {
+  Arch& a = m.arch;
+  a.layers = r.Int("layers", 1, kMaxLayers);
+  a.hidden = r.Int("hidden", 1, kMaxHidden);
+  a.heads = r.Int("heads", 1, kMaxHeads);
+  a.kv_heads = r.Int("kv_heads", 1, kMaxHeads, a.heads);
+  if (a.kv_heads > a.heads || a.heads % a.kv_heads != 0) {
+    ThrowAt(r.At("kv_heads"), "expected a divisor of heads (" + std::to_string(a.heads) + "), got " +
+                                  std::to_string(a.kv_heads));
+  }
+  if (auto hd = r.OptInt("head_dim", 1, kMaxHidden)) {
+    a.head_dim = *hd;
+  } else {
+    if (a.hidden % a.heads != 0) {
+      ThrowAt(r.At("hidden"), "hidden (" + std::to_string(a.hidden) + ") is not divisible by heads (" +
+                                  std::to_string(a.heads) + "); give arch.head_dim explicitly");
+    }
+    a.head_dim = a.hidden / a.heads;
+  }
+  a.ffn_hidden = r.Int("ffn_hidden", 1, kMaxHidden * 64, 0);
+  a.ffn_act = r.Enum("ffn_act", {"gelu", "swiglu"}, "swiglu") == "gelu" ? FfnAct::kGelu : FfnAct::kSwiglu;
+  a.norm = r.Enum("norm", {"layernorm", "rmsnorm"}, "rmsnorm") == "layernorm" ? Norm::kLayerNorm : Norm::kRmsNorm;
+  a.attention = r.Enum("attention", {"standard", "flash"}, "flash") == "standard" ? Attention::kStandard
+                                                                                   : Attention::kFlash;
+  a.dropout = r.Bool("dropout", false);
+  a.vocab = r.Int("vocab", 1, kMaxVocab);
+  a.tied_embeddings = r.Bool("tied_embeddings", false);
+
+  if (const Json* v = r.Get("mla")) {
+    ObjectReader o(*v, r.At("mla"));
+    MlaConfig c;
+    c.q_lora_rank = o.Int("q_lora_rank", 0, kMaxHidden, 0);
+    c.kv_lora_rank = o.Int("kv_lora_rank", 1, kMaxHidden);
+    c.qk_nope_head_dim = o.Int("qk_nope_head_dim", 1, kMaxHidden);
+    c.qk_rope_head_dim = o.Int("qk_rope_head_dim", 1, kMaxHidden);
+    c.v_head_dim = o.Int("v_head_dim", 1, kMaxHidden);
+    o.Finish();
+    a.mla = c;
+  }
+  if (const Json* v = r.Get("moe")) {
+    ObjectReader o(*v, r.At("moe"));
+    MoeConfig c;
+    c.experts = o.Int("experts", 1, kMaxExperts);
+    c.top_k = o.Int("top_k", 1, c.experts);
+    c.expert_ffn_hidden = o.Int("expert_ffn_hidden", 1, kMaxHidden * 64);
+    c.shared_experts = o.Int("shared_experts", 0, 1024, 0);
+    c.shared_ffn_hidden = o.Int("shared_ffn_hidden", 1, kMaxHidden * 64, c.expert_ffn_hidden);
+    c.first_dense_layers = o.Int("first_dense_layers", 0, a.layers, 0);
+    c.latent_dim = o.OptInt("latent_dim", 1, kMaxHidden);
+    c.capacity_factor = o.Number("capacity_factor", 1e-3, 64, 1.0);
+    if (const Json* cf = o.Get("capacity_factor"); cf && !(cf->get<double>() > 0)) {
+      ThrowAt(o.At("capacity_factor"), "expected a positive number");
+    }
+    c.router = o.Enum("router", {"softmax", "sigmoid"}, "softmax") == "sigmoid" ? Router::kSigmoid
+                                                                                : Router::kSoftmax;
+    o.Finish();
+    a.moe = c;
+  }
+  if (const Json* v = r.Get("attn_res")) {
+    ObjectReader o(*v, r.At("attn_res"));
+    a.attn_res = AttnResConfig{o.Int("block_layers", 1, kMaxLayers)};
+    o.Finish();
+  }
+  if (const Json* v = r.Get("linear_attention")) {
+    ObjectReader o(*v, r.At("linear_attention"));
+    LinearAttentionConfig c;
+    c.kind = o.Enum("kind", {"kda"});
+    c.full_attention_every = o.Int("full_attention_every", 1, kMaxLayers);
+    c.full_attention_offset = o.Int("full_attention_offset", 0, c.full_attention_every - 1, 0);
+    c.head_dim = o.Int("head_dim", 1, kMaxHidden);
+    c.chunk = o.Int("chunk", 1, 1 << 16, 64);
+    o.Finish();
+    a.linear_attention = c;
+  }
+  r.Finish();
+  bool has_dense = !a.moe || a.moe->first_dense_layers > 0;
+  if (has_dense && a.ffn_hidden == 0) {
+    ThrowAt(r.where(), "missing required key \"ffn_hidden\" (the model has dense FFN layers)");
+  }
+}
+
+void ParseTrain(ObjectReader& r, Model& m) {
+  Train& t = m.train;
+  t.seq_len = r.Int("seq_len", 1, kMaxSeqLen);
+  t.micro_batch = r.Int("micro_batch", 1, kMaxMicroBatch);
+  t.microbatches = r.Int("microbatches", 1, kMaxMicrobatches);
+  t.act_dtype = ReadDType(r, "act_dtype", {"bf16", "fp16", "fp32"}, "bf16");
+  t.param_dtype = ReadDType(r, "param_dtype", {"bf16", "fp16", "fp32"}, "bf16");
+  t.grad_dtype = ReadDType(r, "grad_dtype", {"bf16", "fp32"}, "fp32");
+  t.optimizer = r.Enum("optimizer", {"adam", "muon"}, "adam") == "muon" ? Optimizer::kMuon : Optimizer::kAdam;
+  r.Finish();
+}
+
+void ParseParallel(const Json* value, const JsonLocation& where, Model& m) {
+  Parallel& p = m.parallel;
+  Json empty = Json::object();
+  ObjectReader r(value ? *value : empty, where);
+  p.tp = r.Int("tp", 1, kMaxParallel, 1);
+  p.sp = r.Bool("sp", false);
+  p.pp = r.Int("pp", 1, kMaxParallel, 1);
+  p.vp = r.Int("vp", 1, kMaxParallel, 1);
+  p.dp = r.Int("dp", 1, kMaxParallel, 1);
+  p.ep = r.Int("ep", 1, kMaxParallel, 1);
+  p.cp = r.Int("cp", 1, kMaxParallel, 1);
+  p.zero = static_cast<int>(r.Int("zero", 0, 2, 0));
+  p.pipeline_zero2 = r.Bool("pipeline_zero2", false);
+  p.grad_offload_host = r.Enum("grad_offload", {"none", "host"}, "none") == "host";
+  p.muon_gather_p2p = r.Enum("muon_gather", {"allgather", "p2p"}, "p2p") == "p2p";
+  const Json* layout = r.Get("pp_layout");
+  r.Finish();
+
+  const Arch& a = m.arch;
+  const Train& t = m.train;
+  auto at = [&](std::string_view key) { return where.Child(key); };
+  if (p.pp * p.vp > a.layers) {
+    ThrowAt(at(p.vp > 1 ? "vp" : "pp"), "pp*vp (" + std::to_string(p.pp * p.vp) +
+                                            ") exceeds arch.layers (" + std::to_string(a.layers) + ")");
+  }
+  if (p.vp > 1 && p.pp == 1) ThrowAt(at("vp"), "vp > 1 needs pp > 1 (interleaving is across pipeline ranks)");
+  if (t.microbatches < p.pp) {
+    ThrowAt(JsonLocation{where.file, "/train/microbatches"},
+            "expected at least pp (" + std::to_string(p.pp) + ") microbatches, got " +
+                std::to_string(t.microbatches));
+  }
+  if (p.vp > 1 && t.microbatches % p.pp != 0) {
+    ThrowAt(JsonLocation{where.file, "/train/microbatches"},
+            "interleaved 1F1B (vp > 1) needs microbatches to be a multiple of pp (" +
+                std::to_string(p.pp) + "), got " + std::to_string(t.microbatches));
+  }
+  if (a.heads % p.tp != 0) {
+    ThrowAt(at("tp"), "arch.heads (" + std::to_string(a.heads) + ") is not divisible by tp (" +
+                          std::to_string(p.tp) + ")");
+  }
+  if (a.kv_heads % p.tp != 0) {
+    ThrowAt(at("tp"), "arch.kv_heads (" + std::to_string(a.kv_heads) + ") is not divisible by tp (" +
+                          std::to_string(p.tp) + ")");
+  }
+  if (a.moe && a.moe->experts % p.ep != 0) {
+    ThrowAt(at("ep"), "arch.moe.experts (" + std::to_string(a.moe->experts) + ") is not divisible by ep (" +
+                          std::to_string(p.ep) + ")");
+  }
+  if ((p.dp * p.cp) % p.ep != 0) {
+    ThrowAt(at("ep"), "dp*cp (" + std::to_string(p.dp * p.cp) +
+                          ") must be a multiple of ep: EP is carved out of the data-parallel group");
+  }
+  if (t.seq_len % p.cp != 0) {
+    ThrowAt(at("cp"), "train.seq_len (" + std::to_string(t.seq_len) + ") is not divisible by cp (" +
+                          std::to_string(p.cp) + ")");
+  }
+  if (p.sp && ((t.seq_len / p.cp) * t.micro_batch) % p.tp != 0) {
+    ThrowAt(at("sp"), "sequence parallelism splits seq_len/cp*micro_batch tokens over tp; " +
+                          std::to_string((t.seq_len / p.cp) * t.micro_batch) + " is not divisible by " +
+                          std::to_string(p.tp));
+  }
+  if (p.grad_offload_host && !p.pipeline_zero2) {
+    ThrowAt(at("grad_offload"), "grad_offload \"host\" needs pipeline_zero2: true");
+  }
+  if (layout) {
+    JsonLocation lw = at("pp_layout");
+    ExpectArray(*layout, lw);
+    if (static_cast<int64_t>(layout->size()) != p.pp) {
+      ThrowAt(lw, "expected " + std::to_string(p.pp) + " entries (one per pipeline rank), got " +
+                      std::to_string(layout->size()));
+    }
+    int64_t sum = 0;
+    for (size_t i = 0; i < layout->size(); ++i) {
+      int64_t n = ExpectInt((*layout)[i], lw.Child(i), p.vp, kMaxLayers);
+      p.pp_layout.push_back(n);
+      sum += n;
+    }
+    if (sum != a.layers) {
+      ThrowAt(lw, "layers per rank sum to " + std::to_string(sum) + ", expected arch.layers (" +
+                      std::to_string(a.layers) + ")");
+    }
+    p.pp_layout_given = true;
+  } else {
+    p.pp_layout = DefaultPipelineLayout(a.layers, p.pp, p.vp);
+  }
+}
+
+void ParseHardware(ObjectReader& r, Model& m) {
+  std::string preset = r.Enum("preset", {"h100", "h200", "b200", "host"});
+  Hardware h = *HardwarePreset(preset);
+  if (auto v = r.OptBytes("device_memory")) h.device_memory = *v;
+  if (auto v = r.OptBandwidth("hbm_bw")) h.hbm_bw = *v;
+  if (auto v = r.OptFlopRate("bf16_flops")) h.bf16_flops = *v;
+  if (auto v = r.OptBandwidth("d2h_bw")) h.d2h_bw = *v;
+  if (auto v = r.OptBandwidth("h2d_bw")) h.h2d_bw = *v;
+  if (auto v = r.OptBandwidth("peer_bw")) h.peer_bw = *v;
+  if (auto v = r.OptBandwidth("pp_link_bw")) h.pp_link_bw = *v;
+  if (auto v = r.OptBytes("host_memory")) h.host_memory = *v;
+  r.Finish();
+  m.hardware = h;
+}
+
+void ParseOptions(const Json* value, const JsonLocation& where, Model& m) {
+  // Each technique is on by default where the architecture has the feature.
+  const Arch& a = m.arch;
+  bool moe = a.moe.has_value();
+  bool ar = a.attn_res.has_value();
+  Json empty = Json::object();
+  ObjectReader r(value ? *value : empty, where);
+  Options& o = m.options;
+  o.moe_grad_rewrite = r.Bool("moe_grad_rewrite", moe) && moe;
+  o.moe_recompute_dispatch = r.Bool("moe_recompute_dispatch", moe) && moe;
+  o.attn_res_single_copy = r.Bool("attn_res_single_copy", ar) && ar;
+  o.attn_res_checkpoint = r.Bool("attn_res_checkpoint", ar) && ar;
+  o.attn_res_pp_cache = r.Bool("attn_res_pp_cache", ar) && ar;
+  o.pp_balance = r.Bool("pp_balance", m.parallel.pp > 1) && m.parallel.pp > 1;
+  r.Finish();
+}
+
+void ParseGraph(const Json& value, const JsonLocation& where, Model& m) {
+  ObjectReader r(value, where);
+  const Json& layers = ExpectArray(r.Required("layers"), r.At("layers"));
+  r.Finish();
+  std::set<int64_t> seen;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    JsonLocation lw = where.Child("layers").Child(i);
+    LayerGraph g = LayerGraph::FromJson(layers[i], lw);
+    if (g.index >= m.arch.layers) {
+      ThrowAt(lw.Child("index"), "expected a layer index below arch.layers (" + std::to_string(m.arch.layers) +
+                                     "), got " + std::to_string(g.index));
+    }
+    if (!seen.insert(g.index).second) {
+      ThrowAt(lw.Child("index"), "layer " + std::to_string(g.index) + " is given twice");
+    }
+    m.graph.push_back(std::move(g));
+  }
+  std::sort(m.graph.begin(), m.graph.end(),
+            [](const LayerGraph& x, const LayerGraph& y) { return x.index < y.index; });
+}
+
+Model ParseModelOrThrow(const Json& doc, const std::string& file) {
+  JsonLocation root{file, ""};
+  ObjectReader r(doc, root);
+  Model m;
+  m.file = file;
+  {
+    const Json& schema = r.Required("schema");
+    if (!schema.is_string() || schema.get<std::string>() != kModelSchema) {
+      ThrowAt(r.At("schema"), "expected \"" + std::string(kModelSchema) + "\" (unknown schema version), got " +
+                                  Brief(schema));
+    }
+  }
+  m.name = r.String("name");
+  if (const Json* d = r.Get("description")) m.description = ExpectString(*d, r.At("description"));
+  {
+    ObjectReader a(r.Required("arch"), r.At("arch"));
+    ParseArch(a, m);
+  }
+  {
+    ObjectReader t(r.Required("train"), r.At("train"));
+    ParseTrain(t, m);
+  }
+  // Parallel checks read arch and train, so it comes after both.
+  ParseParallel(r.Get("parallel"), r.At("parallel"), m);
+  {
+    ObjectReader h(r.Required("hardware"), r.At("hardware"));
+    ParseHardware(h, m);
+  }
+  if (auto b = r.OptBytes("budget")) {
+    m.budget = *b;
+    m.budget_given = true;
+  } else {
+    m.budget = m.hardware.device_memory - DefaultReserveBytes(m.hardware.device_memory);
+  }
+  if (const Json* costs = r.Get("costs")) {
+    ExpectArray(*costs, r.At("costs"));
+    for (size_t i = 0; i < costs->size(); ++i) {
+      ObjectReader c((*costs)[i], r.At("costs").Child(i));
+      CostOverride o;
+      o.match = ReadGlob(c);
+      auto seconds = [&](std::string_view key) -> std::optional<double> {
+        if (!c.Has(key)) {
+          c.Get(key);
+          return std::nullopt;
+        }
+        return c.Number(key, 0, 1e6, 0);
+      };
+      o.recompute_s = seconds("recompute_s");
+      o.fp8_s = seconds("fp8_s");
+      o.offload_s = seconds("offload_s");
+      c.Finish();
+      if (!o.recompute_s && !o.fp8_s && !o.offload_s) {
+        ThrowAt(c.where(), "expected at least one of recompute_s, fp8_s, offload_s");
+      }
+      m.costs.push_back(std::move(o));
+    }
+  }
+  if (const Json* policies = r.Get("policies")) {
+    ExpectArray(*policies, r.At("policies"));
+    for (size_t i = 0; i < policies->size(); ++i) {
+      ObjectReader p((*policies)[i], r.At("policies").Child(i));
+      PolicyAnnotation a;
+      a.match = ReadGlob(p);
+      a.policy = ReadPolicy(p.Required("policy"), p.At("policy"));
+      p.Finish();
+      m.policies.push_back(std::move(a));
+    }
+  }
+  ParseOptions(r.Get("options"), r.At("options"), m);
+  if (const Json* g = r.Get("graph")) ParseGraph(*g, r.At("graph"), m);
+  r.Finish();
+  return m;
+}
+
+Json HardwareJson(const Hardware& h) {
+  return Json{{"preset", h.preset},         {"device_memory", h.device_memory},
+              {"hbm_bw", h.hbm_bw},         {"bf16_flops", h.bf16_flops},
+              {"d2h_bw", h.d2h_bw},         {"h2d_bw", h.h2d_bw},
+              {"peer_bw", h.peer_bw},       {"pp_link_bw", h.pp_link_bw},
+              {"host_memory", h.host_memory}};
+}
+
+}  // namespace
+
+Expected<Model> ParseModel(const Json& doc, const std::string& file) {
+  return CatchErrors([&] { return ParseModelOrThrow(doc, file); });
+}
+
+Expected<Model> LoadModel(const std::string& path) {
+  auto doc = ReadJsonFile(path);
+  if (!doc) return doc.error();
+  return ParseModel(*doc, path);
+}
+
+Json NormalizedModelJson(const Model& m) {
+  const Arch& a = m.arch;
+  Json arch{{"layers", a.layers},
+            {"hidden", a.hidden},
+            {"heads", a.heads},
+            {"kv_heads", a.kv_heads},
+            {"head_dim", a.head_dim},
+            {"ffn_act", a.ffn_act == FfnAct::kGelu ? "gelu" : "swiglu"},
+            {"norm", a.norm == Norm::kLayerNorm ? "layernorm" : "rmsnorm"},
+            {"attention", a.attention == Attention::kStandard ? "standard" : "flash"},
+            {"dropout", a.dropout},
+            {"vocab", a.vocab},
+            {"tied_embeddings", a.tied_embeddings}};
+  if (a.ffn_hidden) arch["ffn_hidden"] = a.ffn_hidden;
+  if (a.mla) {
+    arch["mla"] = {{"q_lora_rank", a.mla->q_lora_rank},
+                   {"kv_lora_rank", a.mla->kv_lora_rank},
+                   {"qk_nope_head_dim", a.mla->qk_nope_head_dim},
+                   {"qk_rope_head_dim", a.mla->qk_rope_head_dim},
+                   {"v_head_dim", a.mla->v_head_dim}};
+  }
+  if (a.moe) {
+    const MoeConfig& c = *a.moe;
+    arch["moe"] = {{"experts", c.experts},
+                   {"top_k", c.top_k},
+                   {"expert_ffn_hidden", c.expert_ffn_hidden},
+                   {"shared_experts", c.shared_experts},
+                   {"shared_ffn_hidden", c.shared_ffn_hidden},
+                   {"first_dense_layers", c.first_dense_layers},
+                   {"latent_dim", c.latent_dim ? Json(*c.latent_dim) : Json(nullptr)},
+                   {"capacity_factor", c.capacity_factor},
+                   {"router", c.router == Router::kSigmoid ? "sigmoid" : "softmax"}};
+  }
+  if (a.attn_res) arch["attn_res"] = {{"block_layers", a.attn_res->block_layers}};
+  if (a.linear_attention) {
+    const auto& l = *a.linear_attention;
+    arch["linear_attention"] = {{"kind", l.kind},
+                                {"full_attention_every", l.full_attention_every},
+                                {"full_attention_offset", l.full_attention_offset},
+                                {"head_dim", l.head_dim},
+                                {"chunk", l.chunk}};
+  }
+  const Train& t = m.train;
+  const Parallel& p = m.parallel;
+  Json j{{"schema", kModelSchema},
+         {"name", m.name},
+         {"arch", arch},
+         {"train",
+          {{"seq_len", t.seq_len},
+           {"micro_batch", t.micro_batch},
+           {"microbatches", t.microbatches},
+           {"act_dtype", DTypeName(t.act_dtype)},
+           {"param_dtype", DTypeName(t.param_dtype)},
+           {"grad_dtype", DTypeName(t.grad_dtype)},
+           {"optimizer", t.optimizer == Optimizer::kMuon ? "muon" : "adam"}}},
+         {"parallel",
+          {{"tp", p.tp},
+           {"sp", p.sp},
+           {"pp", p.pp},
+           {"vp", p.vp},
+           {"dp", p.dp},
+           {"ep", p.ep},
+           {"cp", p.cp},
+           {"zero", p.zero},
+           {"pipeline_zero2", p.pipeline_zero2},
+           {"grad_offload", p.grad_offload_host ? "host" : "none"},
+           {"muon_gather", p.muon_gather_p2p ? "p2p" : "allgather"},
+           {"pp_layout", p.pp_layout}}},
+         {"hardware", HardwareJson(m.hardware)},
+         {"budget", m.budget},
+         {"options",
+          {{"moe_grad_rewrite", m.options.moe_grad_rewrite},
+           {"moe_recompute_dispatch", m.options.moe_recompute_dispatch},
+           {"attn_res_single_copy", m.options.attn_res_single_copy},
+           {"attn_res_checkpoint", m.options.attn_res_checkpoint},
+           {"attn_res_pp_cache", m.options.attn_res_pp_cache},
+           {"pp_balance", m.options.pp_balance}}}};
+  if (!m.description.empty()) j["description"] = m.description;
+  Json costs = Json::array();
+  for (const auto& c : m.costs) {
+    Json cj{{"match", c.match}};
+    if (c.recompute_s) cj["recompute_s"] = *c.recompute_s;
+    if (c.fp8_s) cj["fp8_s"] = *c.fp8_s;
+    if (c.offload_s) cj["offload_s"] = *c.offload_s;
+    costs.push_back(cj);
+  }
+  j["costs"] = costs;
+  Json policies = Json::array();
+  for (const auto& a : m.policies) {
+    Json names = Json::array();
+    for (Policy p : a.policy) names.push_back(PolicyName(p));
+    policies.push_back({{"match", a.match}, {"policy", names}});
+  }
+  j["policies"] = policies;
+  if (!m.graph.empty()) {
+    Json layers = Json::array();
+    for (const auto& g : m.graph) layers.push_back(Json::parse(g.ToJson().dump()));
+    j["graph"] = {{"layers", layers}};
+  }
+  return j;
+}
+
+std::string ModelDigest(const Model& model) {
+  return "sha256:" + Sha256Hex(NormalizedModelJson(model).dump());
+}
+
+}  // namespace memplan::planner

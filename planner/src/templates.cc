@@ -1,0 +1,543 @@
+#include "memplan/planner/templates.h"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <utility>
+
+#include "memplan/common/check.h"
+#include "memplan/common/units.h"
+
+namespace memplan::planner {
+namespace {
+
+using Shape = std::vector<int64_t>;
+
+int64_t Product(const Shape& shape, std::string_view what) {
+  int64_t n = 1;
+  for (int64_t d : shape) n = CheckedMul(n, d, what);
+  return n;
+}
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Appends ops, tensors and params of one layer, naming them
+// layer<i>.<module>.<name>. Byte counts come from shape x dtype, so no
+// template states a byte formula twice.
+class Builder {
+ public:
+  Builder(const Model& model, int64_t layer, LayerGraph* graph)
+      : model_(model), layer_(layer), g_(graph) {
+    g_->index = layer;
+    prefix_ = "layer" + std::to_string(layer) + ".";
+  }
+
+  std::string Name(std::string_view module, std::string_view name) const {
+    return prefix_ + std::string(module) + "." + std::string(name);
+  }
+
+  // Declares a tensor and returns its full name.
+  std::string Tensor(std::string_view module, std::string_view name, Shape shape, DType dtype,
+                     bool saved, std::string_view sharding) {
+    TensorSpec t;
+    t.name = Name(module, name);
+    t.module = std::string(module);
+    t.bytes = CheckedMul(Product(shape, t.name), DTypeBytes(dtype), t.name);
+    t.shape = std::move(shape);
+    t.dtype = dtype;
+    t.saved = saved;
+    t.sharding = std::string(sharding);
+    g_->tensors.push_back(std::move(t));
+    return g_->tensors.back().name;
+  }
+
+  std::string Act(std::string_view module, std::string_view name, Shape shape, bool saved,
+                  std::string_view sharding) {
+    return Tensor(module, name, std::move(shape), model_.train.act_dtype, saved, sharding);
+  }
+
+  void SetProducer(const std::string& tensor, std::string producer) {
+    for (auto& t : g_->tensors) {
+      if (t.name == tensor) t.producer = std::move(producer);
+    }
+  }
+
+  void MarkSaved(const std::string& tensor, bool saved) {
+    for (auto& t : g_->tensors) {
+      if (t.name == tensor) t.saved = saved;
+    }
+  }
+
+  int64_t BytesOf(const std::string& tensor) const {
+    for (const auto& t : g_->tensors) {
+      if (t.name == tensor) return t.bytes;
+    }
+    MEMPLAN_CHECK(false, "template references an undeclared tensor");
+  }
+
+  // `weight_bytes`: parameter bytes the op reads (GEMM weights).
+  void Op(std::string_view module, std::string_view name, std::string_view kind,
+          std::vector<std::string> inputs, std::vector<std::string> outputs, double flops,
+          int64_t weight_bytes = 0) {
+    OpSpec op;
+    op.name = Name(module, name);
+    op.kind = std::string(kind);
+    op.module = std::string(module);
+    op.bytes_read = weight_bytes;
+    for (const auto& in : inputs) op.bytes_read += BytesOf(in);
+    for (const auto& out : outputs) op.bytes_written += BytesOf(out);
+    op.inputs = std::move(inputs);
+    op.outputs = std::move(outputs);
+    op.flops = flops;
+    g_->ops.push_back(std::move(op));
+  }
+
+  // Declares a parameter; returns its per-device bytes (for op bytes_read).
+  int64_t Param(std::string_view module, std::string_view name, Shape shape, ParamKind kind,
+                bool tp_split) {
+    ParamSpec p;
+    p.name = Name(module, name);
+    p.shape = std::move(shape);
+    p.kind = kind;
+    p.tp_split = tp_split;
+    int64_t elements = p.Elements();
+    if (tp_split) elements = CeilDiv(elements, model_.parallel.tp);
+    if (kind == ParamKind::kExpert) elements = CeilDiv(elements, model_.parallel.ep);
+    g_->params.push_back(std::move(p));
+    return CheckedMul(elements, DTypeBytes(model_.train.param_dtype), "parameter bytes");
+  }
+
+  const Model& model() const { return model_; }
+  int64_t layer() const { return layer_; }
+
+ private:
+  const Model& model_;
+  int64_t layer_;
+  LayerGraph* g_;
+  std::string prefix_;
+};
+
+// Per-device dimensions shared by the templates.
+struct Dims {
+  int64_t s = 0;    // local sequence (seq_len / cp)
+  int64_t skv = 0;  // keys attended by a local query (seq_len)
+  int64_t b = 0;
+  int64_t h = 0;
+  int64_t t = 1;
+  int64_t tokens = 0;    // s*b: tokens in TP regions
+  int64_t tokens_r = 0;  // tokens in norm/dropout/residual regions (/t with SP)
+  const char* shard_r = "replicated";  // sharding of the *_r regions
+};
+
+Dims MakeDims(const Model& m) {
+  Dims d;
+  d.s = m.train.seq_len / m.parallel.cp;
+  d.skv = m.train.seq_len;
+  d.b = m.train.micro_batch;
+  d.h = m.arch.hidden;
+  d.t = m.parallel.tp;
+  d.tokens = CheckedMul(d.s, d.b, "tokens per microbatch");
+  d.tokens_r = m.parallel.sp ? d.tokens / d.t : d.tokens;
+  d.shard_r = m.parallel.sp ? "sp" : "replicated";
+  return d;
+}
+
+double Gemm(int64_t m, int64_t k, int64_t n) {
+  return 2.0 * static_cast<double>(m) * static_cast<double>(k) * static_cast<double>(n);
+}
+
+// Norm over the residual stream: saves its input (`x`, given) and its output
+// (the next GEMM's input). rstd/mean are recomputed from the input in
+// backward (one reduction), as Korthikanti et al. assume.
+std::string AddNorm(Builder& B, const Dims& d, std::string_view module, const std::string& x,
+                    const std::string& out_module, std::string_view out_name, bool out_saved) {
+  const Arch& a = B.model().arch;
+  bool layernorm = a.norm == Norm::kLayerNorm;
+  int64_t wbytes = B.Param(module, "weight", {d.h}, ParamKind::kNorm, false);
+  if (layernorm) wbytes += B.Param(module, "bias", {d.h}, ParamKind::kNorm, false);
+  std::string y = B.Act(out_module, out_name, {d.tokens_r, d.h}, out_saved, d.shard_r);
+  B.Op(module, "norm", layernorm ? "layernorm" : "rmsnorm", {x}, {y},
+       (layernorm ? 8.0 : 4.0) * static_cast<double>(d.tokens_r * d.h), wbytes);
+  return y;
+}
+
+// Dropout on the residual stream: a 1-byte mask is saved.
+std::string AddResidualDropout(Builder& B, const Dims& d, std::string_view module,
+                               const std::string& x) {
+  std::string mask = B.Tensor(module, "dropout_mask", {d.tokens_r, d.h}, DType::kU8, true, d.shard_r);
+  std::string y = B.Act(module, "dropout_out", {d.tokens_r, d.h}, false, d.shard_r);
+  B.Op(module, "dropout", "dropout", {x}, {y, mask}, 2.0 * static_cast<double>(d.tokens_r * d.h));
+  return y;
+}
+
+// Core attention from saved q, k, v; returns the context (projection input).
+// standard: scores -> softmax (saved) [-> dropout: mask + output saved] -> PV.
+// flash: only the output and the log-sum-exp are saved.
+std::string AddAttentionCore(Builder& B, const Dims& d, std::string_view module,
+                             const std::string& q, const std::string& k, const std::string& v,
+                             int64_t heads_local, int64_t qk_dim, int64_t v_dim) {
+  const Arch& a = B.model().arch;
+  Shape prob_shape{d.b, heads_local, d.s, d.skv};
+  double score_flops = Gemm(d.b * heads_local * d.s, qk_dim, d.skv);
+  double pv_flops = Gemm(d.b * heads_local * d.s, d.skv, v_dim);
+  if (a.attention == Attention::kFlash) {
+    std::string out = B.Act(module, "out", {d.tokens, heads_local * v_dim}, true, "tp");
+    std::string lse = B.Tensor(module, "lse", {d.b, heads_local, d.s}, DType::kFP32, true, "tp");
+    B.Op(module, "flash", "flash_attention", {q, k, v}, {out, lse}, score_flops + pv_flops);
+    return out;
+  }
+  std::string scores = B.Act(module, "scores", prob_shape, false, "tp");
+  B.Op(module, "scores", "batched_gemm", {q, k}, {scores}, score_flops);
+  std::string probs = B.Act(module, "softmax_out", prob_shape, true, "tp");
+  B.Op(module, "softmax", "softmax", {scores}, {probs},
+       5.0 * static_cast<double>(Product(prob_shape, "scores")));
+  if (a.dropout) {
+    std::string mask = B.Tensor(module, "attn_dropout_mask", prob_shape, DType::kU8, true, "tp");
+    std::string dropped = B.Act(module, "probs", prob_shape, true, "tp");
+    B.Op(module, "attn_dropout", "dropout", {probs}, {dropped, mask},
+         2.0 * static_cast<double>(Product(prob_shape, "probs")));
+    probs = dropped;
+  }
+  std::string ctx = B.Act(module, "proj_in", {d.tokens, heads_local * v_dim}, true, "tp");
+  B.Op(module, "pv", "batched_gemm", {probs, v}, {ctx}, pv_flops);
+  return ctx;
+}
+
+// Output projection back to the residual stream (+ dropout).
+std::string AddOutputProjection(Builder& B, const Dims& d, std::string_view module,
+                                const std::string& ctx, int64_t in_full) {
+  int64_t in_local = in_full / d.t;
+  int64_t w = B.Param(module, "proj.weight", {in_full, d.h}, ParamKind::kLinear, true);
+  std::string out = B.Act(module, "proj_out", {d.tokens_r, d.h}, false, d.shard_r);
+  B.Op(module, "proj", "linear", {ctx}, {out}, Gemm(d.tokens, in_local, d.h), w);
+  if (B.model().arch.dropout) out = AddResidualDropout(B, d, module, out);
+  return out;
+}
+
+// gpt / llama attention (MHA or GQA). `x_in` is the normed input.
+std::string AddStandardAttention(Builder& B, const Dims& d, const std::string& x_in) {
+  const Arch& a = B.model().arch;
+  int64_t hq = a.heads / d.t;
+  int64_t hkv = a.kv_heads / d.t;
+  int64_t qkv_full = (a.heads + 2 * a.kv_heads) * a.head_dim;
+  int64_t w = B.Param("attn", "qkv.weight", {d.h, qkv_full}, ParamKind::kLinear, true);
+  std::string qkv = B.Act("attn", "qkv", {d.tokens, qkv_full / d.t}, false, "tp");
+  B.Op("attn", "qkv", "linear", {x_in}, {qkv}, Gemm(d.tokens, d.h, qkv_full / d.t), w);
+  std::string q = B.Act("attn", "q", {d.b, hq, d.s, a.head_dim}, true, "tp");
+  std::string k = B.Act("attn", "k", {d.b, hkv, d.s, a.head_dim}, true, "tp");
+  std::string v = B.Act("attn", "v", {d.b, hkv, d.s, a.head_dim}, true, "tp");
+  // Split (and RoPE for llama-style models) is elementwise on q and k.
+  B.Op("attn", "split", "split_rope", {qkv}, {q, k, v},
+       4.0 * static_cast<double>(d.tokens * (a.heads + a.kv_heads) * a.head_dim / d.t));
+  std::string ctx = AddAttentionCore(B, d, "attn", q, k, v, hq, a.head_dim, a.head_dim);
+  return AddOutputProjection(B, d, "attn", ctx, a.heads * a.head_dim);
+}
+
+// Multi-head latent attention (DeepSeek-V2/V3). Down-projections are not
+// tensor-parallel; up-projections and the output projection are.
+std::string AddMlaAttention(Builder& B, const Dims& d, const std::string& x_in) {
+  const Arch& a = B.model().arch;
+  const MlaConfig& m = *a.mla;
+  int64_t hq = a.heads / d.t;
+  int64_t qk = m.qk_nope_head_dim + m.qk_rope_head_dim;
+  std::string q_src = x_in;
+  int64_t q_in = d.h;
+  if (m.q_lora_rank > 0) {
+    int64_t w = B.Param("attn", "q_a.weight", {d.h, m.q_lora_rank}, ParamKind::kLinear, false);
+    std::string qa = B.Act("attn", "q_a", {d.tokens, m.q_lora_rank}, true, "replicated");
+    B.Op("attn", "q_a", "linear", {x_in}, {qa}, Gemm(d.tokens, d.h, m.q_lora_rank), w);
+    int64_t nw = B.Param("attn", "q_a_norm.weight", {m.q_lora_rank}, ParamKind::kNorm, false);
+    q_src = B.Act("attn", "q_b_in", {d.tokens, m.q_lora_rank}, true, "replicated");
+    B.Op("attn", "q_a_norm", "rmsnorm", {qa}, {q_src}, 4.0 * static_cast<double>(d.tokens * m.q_lora_rank), nw);
+    q_in = m.q_lora_rank;
+  }
+  int64_t wq = B.Param("attn", m.q_lora_rank > 0 ? "q_b.weight" : "q.weight", {q_in, a.heads * qk},
+                       ParamKind::kLinear, true);
+  std::string q = B.Act("attn", "q", {d.b, hq, d.s, qk}, true, "tp");
+  B.Op("attn", m.q_lora_rank > 0 ? "q_b" : "q", "linear", {q_src}, {q}, Gemm(d.tokens, q_in, hq * qk), wq);
+
+  int64_t kv_a_width = m.kv_lora_rank + m.qk_rope_head_dim;
+  int64_t wkva = B.Param("attn", "kv_a.weight", {d.h, kv_a_width}, ParamKind::kLinear, false);
+  std::string kva = B.Act("attn", "kv_a", {d.tokens, kv_a_width}, true, "replicated");
+  B.Op("attn", "kv_a", "linear", {x_in}, {kva}, Gemm(d.tokens, d.h, kv_a_width), wkva);
+  int64_t nw = B.Param("attn", "kv_norm.weight", {m.kv_lora_rank}, ParamKind::kNorm, false);
+  std::string kvb_in = B.Act("attn", "kv_b_in", {d.tokens, m.kv_lora_rank}, true, "replicated");
+  B.Op("attn", "kv_norm", "rmsnorm", {kva}, {kvb_in}, 4.0 * static_cast<double>(d.tokens * m.kv_lora_rank), nw);
+  int64_t kvb_full = a.heads * (m.qk_nope_head_dim + m.v_head_dim);
+  int64_t wkvb = B.Param("attn", "kv_b.weight", {m.kv_lora_rank, kvb_full}, ParamKind::kLinear, true);
+  std::string kv = B.Act("attn", "kv", {d.tokens, kvb_full / d.t}, false, "tp");
+  B.Op("attn", "kv_b", "linear", {kvb_in}, {kv}, Gemm(d.tokens, m.kv_lora_rank, kvb_full / d.t), wkvb);
+  std::string k = B.Act("attn", "k", {d.b, hq, d.s, qk}, true, "tp");
+  std::string v = B.Act("attn", "v", {d.b, hq, d.s, m.v_head_dim}, true, "tp");
+  B.Op("attn", "split", "split_rope", {kv, kva}, {k, v}, 4.0 * static_cast<double>(d.tokens * hq * qk));
+  std::string ctx = AddAttentionCore(B, d, "attn", q, k, v, hq, qk, m.v_head_dim);
+  return AddOutputProjection(B, d, "attn", ctx, a.heads * m.v_head_dim);
+}
+
+// Kimi Delta Attention: a chunked gated delta rule. Saves q, k, v, the
+// per-channel decay gates and beta (fp32), the per-chunk states (fp32), the
+// output before the gated norm, the output gate and the projection input.
+std::string AddKda(Builder& B, const Dims& d, const std::string& x_in) {
+  const Arch& a = B.model().arch;
+  const LinearAttentionConfig& la = *a.linear_attention;
+  int64_t heads = a.heads / d.t;
+  int64_t dk = la.head_dim;
+  int64_t width_full = a.heads * dk;
+  int64_t width = heads * dk;
+  int64_t wq = B.Param("kda", "q.weight", {d.h, width_full}, ParamKind::kLinear, true);
+  int64_t wk = B.Param("kda", "k.weight", {d.h, width_full}, ParamKind::kLinear, true);
+  int64_t wv = B.Param("kda", "v.weight", {d.h, width_full}, ParamKind::kLinear, true);
+  std::string q = B.Act("kda", "q", {d.tokens, width}, true, "tp");
+  std::string k = B.Act("kda", "k", {d.tokens, width}, true, "tp");
+  std::string v = B.Act("kda", "v", {d.tokens, width}, true, "tp");
+  B.Op("kda", "q_proj", "linear", {x_in}, {q}, Gemm(d.tokens, d.h, width), wq);
+  B.Op("kda", "k_proj", "linear", {x_in}, {k}, Gemm(d.tokens, d.h, width), wk);
+  B.Op("kda", "v_proj", "linear", {x_in}, {v}, Gemm(d.tokens, d.h, width), wv);
+  // Decay gate: low-rank projection (hidden -> head_dim -> heads*head_dim).
+  int64_t wg = B.Param("kda", "g_a.weight", {d.h, dk}, ParamKind::kLinear, false) +
+               B.Param("kda", "g_b.weight", {dk, width_full}, ParamKind::kLinear, true);
+  std::string g = B.Tensor("kda", "g", {d.tokens, width}, DType::kFP32, true, "tp");
+  B.Op("kda", "gate_proj", "linear", {x_in}, {g}, Gemm(d.tokens, d.h, dk) + Gemm(d.tokens, dk, width), wg);
+  int64_t wb = B.Param("kda", "beta.weight", {d.h, a.heads}, ParamKind::kLinear, true);
+  std::string beta = B.Tensor("kda", "beta", {d.tokens, heads}, DType::kFP32, true, "tp");
+  B.Op("kda", "beta_proj", "linear", {x_in}, {beta}, Gemm(d.tokens, d.h, heads), wb);
+  int64_t chunks = CeilDiv(d.s, la.chunk);
+  std::string states = B.Tensor("kda", "states", {d.b, heads, chunks, dk, dk}, DType::kFP32, true, "tp");
+  std::string o = B.Act("kda", "o", {d.tokens, width}, true, "tp");
+  // Chunked delta rule: intra-chunk attention plus state updates.
+  double delta_flops = 4.0 * static_cast<double>(d.tokens) * static_cast<double>(heads) *
+                       static_cast<double>(dk) * static_cast<double>(dk + la.chunk);
+  B.Op("kda", "delta_rule", "kda_chunked", {q, k, v, g, beta}, {o, states}, delta_flops);
+  int64_t wog = B.Param("kda", "o_gate_a.weight", {d.h, dk}, ParamKind::kLinear, false) +
+                B.Param("kda", "o_gate_b.weight", {dk, width_full}, ParamKind::kLinear, true);
+  std::string gate = B.Act("kda", "gate", {d.tokens, width}, true, "tp");
+  B.Op("kda", "o_gate_proj", "linear", {x_in}, {gate}, Gemm(d.tokens, d.h, dk) + Gemm(d.tokens, dk, width), wog);
+  int64_t wn = B.Param("kda", "o_norm.weight", {dk}, ParamKind::kNorm, false) +
+               B.Param("kda", "a_log", {a.heads}, ParamKind::kNorm, false);
+  std::string proj_in = B.Act("kda", "proj_in", {d.tokens, width}, true, "tp");
+  B.Op("kda", "gated_norm", "gated_rmsnorm", {o, gate}, {proj_in}, 6.0 * static_cast<double>(d.tokens * width), wn);
+  return AddOutputProjection(B, d, "kda", proj_in, width_full);
+}
+
+// Dense MLP: fc1 -> gelu|swiglu -> fc2 (+ dropout). `x_in` is the normed input.
+std::string AddMlp(Builder& B, const Dims& d, const std::string& x_in) {
+  const Arch& a = B.model().arch;
+  bool glu = a.ffn_act == FfnAct::kSwiglu;
+  int64_t f = a.ffn_hidden;
+  int64_t fc1_full = glu ? 2 * f : f;
+  int64_t w1 = B.Param("mlp", "fc1.weight", {d.h, fc1_full}, ParamKind::kLinear, true);
+  std::string h1 = B.Act("mlp", "fc1_out", {d.tokens, fc1_full / d.t}, true, "tp");
+  B.Op("mlp", "fc1", "linear", {x_in}, {h1}, Gemm(d.tokens, d.h, fc1_full / d.t), w1);
+  std::string act = B.Act("mlp", "fc2_in", {d.tokens, f / d.t}, true, "tp");
+  B.Op("mlp", "act", glu ? "swiglu" : "gelu", {h1}, {act}, 8.0 * static_cast<double>(d.tokens * f / d.t));
+  int64_t w2 = B.Param("mlp", "fc2.weight", {f, d.h}, ParamKind::kLinear, true);
+  std::string out = B.Act("mlp", "fc2_out", {d.tokens_r, d.h}, false, d.shard_r);
+  B.Op("mlp", "fc2", "linear", {act}, {out}, Gemm(d.tokens, f / d.t, d.h), w2);
+  if (a.dropout) out = AddResidualDropout(B, d, "mlp", out);
+  return out;
+}
+
+// MoE FFN: router + top-k, optional latent projection, dispatch, expert
+// grouped GEMMs, combine, shared experts. `x_in` (moe.x) is saved: it feeds
+// the router, the shared experts and the dispatch.
+std::string AddMoe(Builder& B, const Dims& d, const std::string& x_in) {
+  const Model& model = B.model();
+  const Arch& a = model.arch;
+  const MoeConfig& m = *a.moe;
+  bool glu = a.ffn_act == FfnAct::kSwiglu;
+  int64_t wr = B.Param("moe", "router.weight", {d.h, m.experts}, ParamKind::kRouter, false);
+  std::string logits = B.Tensor("moe", "logits", {d.tokens_r, m.experts}, DType::kFP32, false, d.shard_r);
+  B.Op("moe", "router", "linear", {x_in}, {logits}, Gemm(d.tokens_r, d.h, m.experts), wr);
+  std::string probs = B.Tensor("moe", "probs", {d.tokens_r, m.experts}, DType::kFP32, true, d.shard_r);
+  B.Op("moe", "router_act", m.router == Router::kSoftmax ? "softmax" : "sigmoid", {logits}, {probs},
+       5.0 * static_cast<double>(d.tokens_r * m.experts));
+  std::string idx = B.Tensor("moe", "topk_idx", {d.tokens_r, m.top_k}, DType::kI32, true, d.shard_r);
+  std::string gates = B.Tensor("moe", "topk_weights", {d.tokens_r, m.top_k}, DType::kFP32, true, d.shard_r);
+  B.Op("moe", "topk", "topk", {probs}, {idx, gates}, static_cast<double>(d.tokens_r * m.experts));
+
+  int64_t width = m.latent_dim.value_or(d.h);
+  std::string dispatch_in = x_in;
+  if (m.latent_dim) {
+    int64_t w = B.Param("moe", "latent_down.weight", {d.h, width}, ParamKind::kLinear, false);
+    dispatch_in = B.Act("moe", "latent", {d.tokens_r, width}, true, d.shard_r);
+    B.Op("moe", "latent_down", "linear", {x_in}, {dispatch_in}, Gemm(d.tokens_r, d.h, width), w);
+  }
+  // Each EP rank receives tokens*top_k tokens x capacity_factor.
+  int64_t routed = static_cast<int64_t>(
+      std::ceil(static_cast<double>(CheckedMul(d.tokens_r, m.top_k, "routed tokens")) * m.capacity_factor));
+  // With dispatch recompute, only the dispatch input is saved; the grouped
+  // GEMM input is rebuilt in backward by re-running the dispatch.
+  std::string fc1_in = B.Act("moe", "fc1_in", {routed, width}, !model.options.moe_recompute_dispatch, "ep");
+  B.Op("moe", "dispatch", "dispatch", {dispatch_in, idx}, {fc1_in}, 0);
+  int64_t fe = m.expert_ffn_hidden;
+  int64_t fc1_width = glu ? 2 * fe : fe;
+  int64_t w1 = B.Param("moe", "experts.fc1.weight", {m.experts, width, fc1_width}, ParamKind::kExpert, false);
+  std::string h1 = B.Act("moe", "fc1_out", {routed, fc1_width}, true, "ep");
+  B.Op("moe", "experts_fc1", "grouped_gemm", {fc1_in}, {h1}, Gemm(routed, width, fc1_width), w1);
+  std::string act = B.Act("moe", "fc2_in", {routed, fe}, true, "ep");
+  B.Op("moe", "experts_act", glu ? "swiglu" : "gelu", {h1}, {act}, 8.0 * static_cast<double>(routed * fe));
+  int64_t w2 = B.Param("moe", "experts.fc2.weight", {m.experts, fe, width}, ParamKind::kExpert, false);
+  // Natively dS = <dO, Y> needs the expert output Y; the rewrite computes
+  // dS = <dO W2^T, A> from the saved activation A instead.
+  std::string y = B.Act("moe", "fc2_out", {routed, width}, !model.options.moe_grad_rewrite, "ep");
+  B.Op("moe", "experts_fc2", "grouped_gemm", {act}, {y}, Gemm(routed, fe, width), w2);
+  std::string combined = B.Act("moe", "combine_out", {d.tokens_r, width}, m.latent_dim.has_value(), d.shard_r);
+  B.Op("moe", "combine", "combine", {y, gates, idx}, {combined}, 2.0 * static_cast<double>(routed * width));
+  std::string routed_out = combined;
+  if (m.latent_dim) {
+    int64_t w = B.Param("moe", "latent_up.weight", {width, d.h}, ParamKind::kLinear, false);
+    routed_out = B.Act("moe", "routed_out", {d.tokens_r, d.h}, false, d.shard_r);
+    B.Op("moe", "latent_up", "linear", {combined}, {routed_out}, Gemm(d.tokens_r, width, d.h), w);
+  }
+  if (m.shared_experts == 0) return routed_out;
+  int64_t fs = m.shared_experts * m.shared_ffn_hidden;
+  int64_t s1_full = glu ? 2 * fs : fs;
+  int64_t ws1 = B.Param("moe", "shared.fc1.weight", {d.h, s1_full}, ParamKind::kSharedExpert, true);
+  std::string s1 = B.Act("moe", "shared_fc1_out", {d.tokens, s1_full / d.t}, true, "tp");
+  B.Op("moe", "shared_fc1", "linear", {x_in}, {s1}, Gemm(d.tokens, d.h, s1_full / d.t), ws1);
+  std::string s_act = B.Act("moe", "shared_fc2_in", {d.tokens, fs / d.t}, true, "tp");
+  B.Op("moe", "shared_act", glu ? "swiglu" : "gelu", {s1}, {s_act}, 8.0 * static_cast<double>(d.tokens * fs / d.t));
+  int64_t ws2 = B.Param("moe", "shared.fc2.weight", {fs, d.h}, ParamKind::kSharedExpert, true);
+  std::string s_out = B.Act("moe", "shared_out", {d.tokens_r, d.h}, false, d.shard_r);
+  B.Op("moe", "shared_fc2", "linear", {s_act}, {s_out}, Gemm(d.tokens, fs / d.t, d.h), ws2);
+  std::string out = B.Act("moe", "ffn_out", {d.tokens_r, d.h}, false, d.shard_r);
+  B.Op("moe", "add_shared", "add", {routed_out, s_out}, {out}, static_cast<double>(d.tokens_r * d.h));
+  return out;
+}
+
+// Number of block representations layer `layer` attends over: the embedding
+// block, every completed block, and the current partial block.
+int64_t AttnResSources(int64_t layer, int64_t block_layers) {
+  return 1 + layer / block_layers + (layer % block_layers != 0 ? 1 : 0);
+}
+
+std::string LayerInputProducer(int64_t layer, const Model& model) {
+  if (layer == 0) return "";
+  const Arch& a = model.arch;
+  std::string ffn = a.IsMoeLayer(layer - 1) ? "moe" : "mlp";
+  if (a.attn_res) return "layer" + std::to_string(layer - 1) + ".attn_res.accumulate";
+  return "layer" + std::to_string(layer - 1) + "." + ffn + ".residual";
+}
+
+}  // namespace
+
+LayerGraph ExpandTemplateLayer(const Model& model, int64_t layer) {
+  MEMPLAN_CHECK(layer >= 0 && layer < model.arch.layers, "layer index out of range");
+  const Arch& a = model.arch;
+  LayerGraph g;
+  Builder B(model, layer, &g);
+  Dims d = MakeDims(model);
+  bool moe = a.IsMoeLayer(layer);
+  bool kda = a.IsLinearAttentionLayer(layer);
+  g.kind = std::string(kda ? "kda" : (a.mla ? "mla" : "attn")) + (moe ? "+moe" : "+mlp");
+  bool last = layer == a.layers - 1;
+
+  // --- Embedding (layer 0 only) --------------------------------------------
+  std::string stream;  // the residual-stream tensor entering the layer
+  if (layer == 0) {
+    std::string tokens = B.Tensor("embed", "tokens", {d.tokens}, DType::kI32, true, "replicated");
+    int64_t w = B.Param("embed", "weight", {a.vocab, d.h}, ParamKind::kEmbedding, true);
+    // Block AttnRes keeps the embedding as block b_0: saved once.
+    std::string emb = B.Act("embed", "out", {d.tokens_r, d.h}, a.attn_res.has_value(), d.shard_r);
+    (void)w;  // a lookup reads one row per token, not the table
+    B.Op("embed", "lookup", "embedding", {tokens}, {emb}, 0,
+         CheckedMul(d.tokens, d.h * DTypeBytes(model.train.param_dtype), "embedding rows"));
+    stream = emb;
+    if (a.dropout) stream = AddResidualDropout(B, d, "embed", emb);
+  }
+
+  // --- Layer input: plain residual stream or Block AttnRes -----------------
+  std::string x;
+  if (a.attn_res) {
+    const Options& o = model.options;
+    int64_t n = AttnResSources(layer, a.attn_res->block_layers);
+    // The block representations this layer attends over. With a single copy
+    // they are the earlier layers' `attn_res.partial` tensors, shared; without
+    // it each layer keeps a copy of its own.
+    std::string sources = B.Act("attn_res", "sources", {n * d.tokens_r, d.h}, !o.attn_res_single_copy, d.shard_r);
+    if (layer == 0) B.Op("attn_res", "gather", "copy", {stream}, {sources}, 0);
+    int64_t wq = B.Param("attn_res", "query", {d.h}, ParamKind::kNorm, false) +
+                 B.Param("attn_res", "norm.weight", {d.h}, ParamKind::kNorm, false);
+    // With checkpointing the softmax over blocks is recomputed in backward
+    // and the layer input itself is rebuilt from the sources.
+    bool saved = !o.attn_res_checkpoint;
+    std::string normed = B.Act("attn_res", "normed", {n * d.tokens_r, d.h}, saved, d.shard_r);
+    B.Op("attn_res", "norm", "rmsnorm", {sources}, {normed}, 4.0 * static_cast<double>(n * d.tokens_r * d.h), wq);
+    std::string weights = B.Tensor("attn_res", "weights", {d.tokens_r, n}, DType::kFP32, saved, d.shard_r);
+    B.Op("attn_res", "softmax", "attn_res_softmax", {normed}, {weights}, 2.0 * static_cast<double>(n * d.tokens_r * d.h));
+    x = B.Act("attn_norm", "x", {d.tokens_r, d.h}, saved, d.shard_r);
+    B.Op("attn_res", "mix", "attn_res_mix", {weights, sources}, {x}, 2.0 * static_cast<double>(n * d.tokens_r * d.h));
+  } else if (layer == 0) {
+    // The embedding output is the first layer's input: rename by a copy-free
+    // alias op so that attn_norm.x carries the layer-input name.
+    x = B.Act("attn_norm", "x", {d.tokens_r, d.h}, true, d.shard_r);
+    B.Op("embed", "to_layer", "identity", {stream}, {x}, 0);
+  } else {
+    x = B.Act("attn_norm", "x", {d.tokens_r, d.h}, true, d.shard_r);
+    B.SetProducer(x, LayerInputProducer(layer, model));
+  }
+
+  // --- Attention (or KDA) ----------------------------------------------------
+  std::string attn_module = kda ? "kda" : "attn";
+  std::string normed = AddNorm(B, d, "attn_norm", x, attn_module, kda ? "in" : "qkv_in", true);
+  std::string attn_out = kda ? AddKda(B, d, normed)
+                         : a.mla ? AddMlaAttention(B, d, normed)
+                                 : AddStandardAttention(B, d, normed);
+  std::string h2 = B.Act("ffn_norm", "x", {d.tokens_r, d.h}, true, d.shard_r);
+  B.Op(attn_module, "residual", "add", {x, attn_out}, {h2}, static_cast<double>(d.tokens_r * d.h));
+
+  // --- FFN -------------------------------------------------------------------
+  std::string ffn_module = moe ? "moe" : "mlp";
+  std::string ffn_in = AddNorm(B, d, "ffn_norm", h2, ffn_module, moe ? "x" : "fc1_in", true);
+  std::string ffn_out = moe ? AddMoe(B, d, ffn_in) : AddMlp(B, d, ffn_in);
+
+  // --- Layer output ----------------------------------------------------------
+  std::string out = last && !a.attn_res
+                        ? B.Act("head", "norm_x", {d.tokens_r, d.h}, true, d.shard_r)
+                        : B.Act(ffn_module, "out", {d.tokens_r, d.h}, false, d.shard_r);
+  B.Op(ffn_module, "residual", "add", {h2, ffn_out}, {out}, static_cast<double>(d.tokens_r * d.h));
+  if (a.attn_res) {
+    // The running block sum after this layer: the single generated copy of
+    // the block representation (completed at the block's last layer).
+    std::string partial = B.Act("attn_res", "partial", {d.tokens_r, d.h}, true, d.shard_r);
+    B.Op("attn_res", "accumulate", "add", {out}, {partial}, static_cast<double>(d.tokens_r * d.h));
+    if (last) {
+      out = B.Act("head", "norm_x", {d.tokens_r, d.h}, true, d.shard_r);
+      B.Op("head", "final_mix", "attn_res_mix", {partial}, {out}, 2.0 * static_cast<double>(d.tokens_r * d.h));
+    }
+  }
+
+  // --- Output head and loss (last layer only) --------------------------------
+  if (last) {
+    std::string head_in = AddNorm(B, d, "head_norm", out, "head", "in", true);
+    int64_t vocab_local = CeilDiv(a.vocab, d.t);
+    int64_t w = B.Param("head", "weight", {d.h, a.vocab}, ParamKind::kHead, true);
+    std::string logits = B.Act("head", "logits", {d.tokens, vocab_local}, false, "tp");
+    B.Op("head", "proj", "linear", {head_in}, {logits}, Gemm(d.tokens, d.h, vocab_local), w);
+    std::string probs = B.Tensor("loss", "probs", {d.tokens, vocab_local}, DType::kFP32, true, "tp");
+    std::string targets = B.Tensor("loss", "targets", {d.tokens}, DType::kI32, true, "replicated");
+    std::string loss = B.Tensor("loss", "value", {1}, DType::kFP32, false, "replicated");
+    B.Op("loss", "cross_entropy", "cross_entropy", {logits, targets}, {probs, loss},
+         5.0 * static_cast<double>(d.tokens * vocab_local));
+  }
+  g.Finalize(JsonLocation{model.file, "/arch"});
+  return g;
+}
+
+Expected<std::vector<LayerGraph>> ExpandModel(const Model& model) {
+  return CatchErrors([&]() -> std::vector<LayerGraph> {
+    std::vector<LayerGraph> layers;
+    layers.reserve(static_cast<size_t>(model.arch.layers));
+    size_t next_explicit = 0;
+    for (int64_t i = 0; i < model.arch.layers; ++i) {
+      if (next_explicit < model.graph.size() && model.graph[next_explicit].index == i) {
+        layers.push_back(model.graph[next_explicit++]);
+      } else {
+        layers.push_back(ExpandTemplateLayer(model, i));
+      }
+    }
+    return layers;
+  });
+}
+
+}  // namespace memplan::planner

@@ -1,0 +1,210 @@
+#include <doctest/doctest.h>
+
+#include <cmath>
+
+#include "memplan/planner/accounting.h"
+#include "memplan/planner/templates.h"
+#include "test_util.h"
+
+using namespace memplan;
+using namespace memplan::planner;
+using memplan::test::MustLoad;
+using memplan::test::MustParse;
+
+namespace {
+
+Json Dense(int64_t dp, int zero, const char* param_dtype = "bf16") {
+  return {{"schema", "memplan.model/1"},
+          {"name", "dense"},
+          {"arch", {{"layers", 4}, {"hidden", 512}, {"heads", 8}, {"ffn_hidden", 2048}, {"vocab", 4096}}},
+          {"train", {{"seq_len", 128}, {"micro_batch", 1}, {"microbatches", 4}, {"param_dtype", param_dtype}}},
+          {"parallel", {{"dp", dp}, {"zero", zero}}},
+          {"hardware", {{"preset", "h100"}}}};
+}
+
+struct Accounted {
+  Model model;
+  std::vector<LayerGraph> layers;
+  PipelineLayout layout;
+  StaticBreakdown rank(int64_t r) const { return AccountRank(model, layers, layout, r); }
+};
+
+Accounted Account(const Model& m) {
+  Accounted a{m, *ExpandModel(m), MakePipelineLayout(m)};
+  return a;
+}
+
+}  // namespace
+
+TEST_CASE("Megatron: 18 bytes per parameter with bf16 params, fp32 grads and Adam") {
+  auto a = Account(MustParse(Dense(1, 0)));
+  StaticBreakdown s = a.rank(0);
+  CHECK(s.buffers == 0);
+  CHECK(s.total == 18 * s.params);
+  CHECK(s.weights == 2 * s.params);
+  CHECK(s.grads == 4 * s.params);
+  CHECK(s.optimizer == 12 * s.params);
+}
+
+TEST_CASE("Megatron distributed optimizer: 6 + 12/d bytes per parameter") {
+  for (int64_t d : {2, 4, 8, 16, 64}) {
+    CAPTURE(d);
+    auto a = Account(MustParse(Dense(d, 1)));
+    StaticBreakdown s = a.rank(0);
+    CHECK(s.total * d == (6 * d + 12) * s.params);
+  }
+}
+
+TEST_CASE("fp32 params: 16 vs 8 + 8/d") {
+  auto plain = Account(MustParse(Dense(1, 0, "fp32"))).rank(0);
+  CHECK(plain.total == 16 * plain.params);
+  auto zero = Account(MustParse(Dense(8, 1, "fp32"))).rank(0);
+  CHECK(zero.total * 8 == (8 * 8 + 8) * zero.params);
+}
+
+TEST_CASE("ZeRO-2 partitions gradients and adds a reduce bucket") {
+  auto s = Account(MustParse(Dense(8, 2))).rank(0);
+  CHECK(s.grads * 8 == 4 * s.params);
+  REQUIRE(s.buffer_detail.count("reduce_bucket"));
+  CHECK(s.buffer_detail.at("reduce_bucket") == 4 * std::min<int64_t>(s.params, 40'000'000));
+  CHECK(s.total == s.weights + s.grads + s.optimizer + s.buffers);
+}
+
+TEST_CASE("tensor parallelism shards linear weights, replicates norms") {
+  Json j = Dense(1, 0);
+  auto one = Account(MustParse(j));
+  j["parallel"]["tp"] = 4;
+  auto four = Account(MustParse(j));
+  int64_t norms = 0;
+  for (const auto& g : one.layers) {
+    for (const auto& p : g.params) norms += p.kind == ParamKind::kNorm ? p.Elements() : 0;
+  }
+  CHECK(four.rank(0).params == (one.rank(0).params - norms) / 4 + norms);
+}
+
+TEST_CASE("EP divides routed experts; shared experts and router are replicated") {
+  Json j = {{"schema", "memplan.model/1"},
+            {"name", "moe"},
+            {"arch", {{"layers", 2}, {"hidden", 256}, {"heads", 4}, {"vocab", 512},
+                      {"moe", {{"experts", 16}, {"top_k", 2}, {"expert_ffn_hidden", 128}, {"shared_experts", 1}}}}},
+            {"train", {{"seq_len", 64}, {"micro_batch", 1}, {"microbatches", 1}}},
+            {"parallel", {{"dp", 8}, {"ep", 4}, {"zero", 1}}},
+            {"hardware", {{"preset", "host"}}}};
+  Model m = MustParse(j);
+  auto a = Account(m);
+  int64_t expert = 0, other = 0;
+  for (const auto& g : a.layers) {
+    for (const auto& p : g.params) (p.kind == ParamKind::kExpert ? expert : other) += p.Elements();
+  }
+  StaticBreakdown s = a.rank(0);
+  CHECK(s.params == expert / 4 + other);
+  // ZeRO-1: dense optimizer state over dp*cp = 8, experts over dp*cp/ep = 2.
+  CHECK(s.optimizer == 12 * other / 8 + 12 * (expert / 4) / 2);
+}
+
+TEST_CASE("Muon: 8 B/param for 2-D weights, Adam for embedding, head and norms") {
+  Json j = Dense(1, 0);
+  j["train"]["optimizer"] = "muon";
+  auto a = Account(MustParse(j));
+  int64_t adam = 0, muon = 0;
+  for (const auto& g : a.layers) {
+    for (const auto& p : g.params) (UsesMuon(a.model, p) ? muon : adam) += p.Elements();
+  }
+  CHECK(muon > 0);
+  CHECK(a.rank(0).optimizer == 8 * muon + 12 * adam);
+}
+
+TEST_CASE("Muon gather buffers: allgather holds the chunk, p2p only owned matrices") {
+  Json j = Dense(8, 1);
+  j["train"]["optimizer"] = "muon";
+  j["parallel"]["muon_gather"] = "allgather";
+  auto ag = Account(MustParse(j));
+  int64_t muon = 0;
+  for (const auto& g : ag.layers) {
+    for (const auto& p : g.params) muon += UsesMuon(ag.model, p) ? p.Elements() : 0;
+  }
+  CHECK(ag.rank(0).buffer_detail.at("muon_gather") == 4 * muon);
+  j["parallel"]["muon_gather"] = "p2p";
+  auto p2p = Account(MustParse(j));
+  int64_t buf = p2p.rank(0).buffer_detail.at("muon_gather");
+  // 4 layers x 4 matrices = 16 matrices over 8 owners, in decreasing size:
+  // 4 fc1 [512, 2*2048], 4 fc2, 4 qkv [512, 3*512], 4 proj. Rank 0 owns
+  // positions 0 and 8: one fc1 and one qkv, double-buffered.
+  CHECK(buf < ag.rank(0).buffer_detail.at("muon_gather"));
+  CHECK(buf == 2 * 4 * (512 * 4096 + 512 * 1536));
+  // Without a distributed optimizer there is nothing to gather.
+  j["parallel"]["zero"] = 0;
+  CHECK(Account(MustParse(j)).rank(0).buffer_detail.count("muon_gather") == 0);
+}
+
+TEST_CASE("pipeline ZeRO-2 with host partitions keeps only a double buffer on the GPU") {
+  Json j = Dense(4, 1);
+  j["parallel"]["pp"] = 2;
+  j["parallel"]["pipeline_zero2"] = true;
+  j["parallel"]["grad_offload"] = "host";
+  auto a = Account(MustParse(j));
+  for (int64_t r = 0; r < 2; ++r) {
+    StaticBreakdown s = a.rank(r);
+    CHECK(s.grads == 0);
+    CHECK(s.host == 4 * s.params / 4);
+    CHECK(s.buffer_detail.at("grad_double_buffer") == 2 * 4 * s.params);  // vp = 1: one chunk
+  }
+  j["parallel"]["grad_offload"] = "none";
+  StaticBreakdown device = Account(MustParse(j)).rank(0);
+  CHECK(device.grads == 4 * device.params / 4);
+  CHECK(device.host == 0);
+}
+
+TEST_CASE("embedding on the first stage, head on the last, tied copies") {
+  Json j = Dense(1, 0);
+  j["parallel"]["pp"] = 2;
+  j["arch"]["tied_embeddings"] = true;
+  auto a = Account(MustParse(j));
+  int64_t vh = 4096 * 512;
+  // Both stages hold a copy of the tied matrix under pp > 1.
+  int64_t r0 = a.rank(0).params, r1 = a.rank(1).params;
+  int64_t per_layer = (r0 - vh) / 2;
+  CHECK(r1 - vh - 512 == 2 * per_layer);  // + final rmsnorm on the last stage
+  auto single = Account(MustParse(Dense(1, 0)));
+  Json tied1 = Dense(1, 0);
+  tied1["arch"]["tied_embeddings"] = true;
+  CHECK(single.rank(0).params - Account(MustParse(tied1)).rank(0).params == vh);
+}
+
+TEST_CASE("uneven pp_layout moves parameters with the layers") {
+  Json j = Dense(1, 0);
+  j["parallel"]["pp"] = 2;
+  j["parallel"]["pp_layout"] = {1, 3};
+  auto a = Account(MustParse(j));
+  CHECK(a.layout.chunks[0][0] == std::vector<int64_t>{0});
+  CHECK(a.layout.chunks[1][0] == std::vector<int64_t>{1, 2, 3});
+  CHECK(a.rank(1).params > 2 * a.rank(0).params - 2 * 4096 * 512);
+}
+
+TEST_CASE("published parameter totals within 2%") {
+  struct Case {
+    const char* file;
+    double published;
+    double tolerance;
+  };
+  for (const Case& c : {Case{"gpt3-175b", 175e9, 0.02}, Case{"llama3-70b", 70.6e9, 0.02},
+                        Case{"deepseek-v3", 671e9, 0.02}, Case{"kimi-k2", 1.04e12, 0.02},
+                        Case{"kimi-k3-like", 2.8e12, 0.03}}) {
+    CAPTURE(c.file);
+    Model m = MustLoad(std::string("examples/models/") + c.file + ".json");
+    ModelTotals t = CountParameters(m, *ExpandModel(m));
+    double total = static_cast<double>(t.params);
+    CAPTURE(total);
+    CHECK(std::fabs(total - c.published) / c.published < c.tolerance);
+  }
+}
+
+TEST_CASE("active parameters: DeepSeek-V3 ~37B, Kimi K2 ~32.6B") {
+  for (auto [file, active] : {std::pair{"deepseek-v3", 37e9}, std::pair{"kimi-k2", 32.6e9}}) {
+    CAPTURE(file);
+    Model m = MustLoad(std::string("examples/models/") + file + ".json");
+    double a = static_cast<double>(CountParameters(m, *ExpandModel(m)).params_active);
+    CAPTURE(a);
+    CHECK(std::fabs(a - active) / active < 0.05);
+  }
+}

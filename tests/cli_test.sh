@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# End-to-end checks of the memplan command line: exit codes, one-line errors
+# naming file and JSON pointer, no output left behind on failure.
+set -u
+memplan="$1"
+root="${MEMPLAN_SOURCE_ROOT:?}"
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+pass=0
+fail=0
+ok() { pass=$((pass + 1)); }
+bad() { fail=$((fail + 1)); echo "FAIL: $*"; }
+
+expect_exit() {  # expected_code description command...
+  local want=$1 what=$2
+  shift 2
+  "$@" >"$tmp/out" 2>"$tmp/err"
+  local got=$?
+  if [ "$got" -eq "$want" ]; then ok; else bad "$what: exit $got, expected $want; stderr: $(cat "$tmp/err")"; fi
+}
+
+# 1. A good plan prints the table and writes PLAN.json.
+expect_exit 0 "plan tiny-gpt" "$memplan" plan "$root/examples/models/tiny-gpt.json" -o "$tmp/plan.json"
+grep -q "peak(GiB)" "$tmp/out" && ok || bad "table header missing"
+python3 -c "import json,sys; p=json.load(open('$tmp/plan.json')); assert p['schema']=='memplan.plan/1'; assert len(p['ranks'])==2" \
+  && ok || bad "plan.json not a memplan.plan/1 document"
+
+# 2. Bad input: exit 2, one line naming file and pointer, no output file.
+cp "$root/examples/models/tiny-gpt.json" "$tmp/bad.json"
+python3 - "$tmp/bad.json" <<'PY'
+import json, sys
+p = sys.argv[1]; j = json.load(open(p)); j["arch"]["hidden"] = -1; json.dump(j, open(p, "w"))
+PY
+expect_exit 2 "negative hidden" "$memplan" plan "$tmp/bad.json" -o "$tmp/never.json"
+[ ! -e "$tmp/never.json" ] && ok || bad "output written despite bad input"
+[ "$(wc -l <"$tmp/err")" -eq 1 ] && ok || bad "error is not one line: $(cat "$tmp/err")"
+grep -q "bad.json: /arch/hidden: expected an integer" "$tmp/err" && ok || bad "message: $(cat "$tmp/err")"
+ls "$tmp" | grep -q "never.json" && bad "temporary left behind" || ok
+
+# 3. 10^15 layers is refused by a range check, fast.
+python3 - "$tmp/huge.json" "$root/examples/models/tiny-gpt.json" <<'PY'
+import json, sys
+j = json.load(open(sys.argv[2])); j["arch"]["layers"] = 10**15; json.dump(j, open(sys.argv[1], "w"))
+PY
+expect_exit 2 "1e15 layers" timeout 10 "$memplan" plan "$tmp/huge.json"
+grep -q "/arch/layers" "$tmp/err" && ok || bad "huge: $(cat "$tmp/err")"
+
+# 4. Syntax errors, missing files, usage errors.
+expect_exit 2 "syntax error" "$memplan" plan "$root/tests/data/bad/syntax.json"
+grep -q "invalid JSON" "$tmp/err" && ok || bad "syntax: $(cat "$tmp/err")"
+expect_exit 2 "missing file" "$memplan" plan "$tmp/nope.json"
+expect_exit 2 "no subcommand" "$memplan"
+expect_exit 2 "unknown option" "$memplan" plan "$root/examples/models/tiny-gpt.json" --frobnicate
+expect_exit 2 "bad --budget" "$memplan" plan "$root/examples/models/tiny-gpt.json" --budget lots
+expect_exit 5 "unwritable output" "$memplan" plan "$root/examples/models/tiny-gpt.json" -o "$tmp/no/dir/p.json"
+
+# 5. Every bad fixture in tests/data/bad is refused with exit 2.
+for f in "$root"/tests/data/bad/*.json; do
+  expect_exit 2 "fixture $(basename "$f")" "$memplan" plan "$f" -o "$tmp/fixture.json"
+  [ ! -e "$tmp/fixture.json" ] && ok || bad "output written for $(basename "$f")"
+  grep -q "$(basename "$f"): /" "$tmp/err" && ok || bad "$(basename "$f"): no file/pointer in: $(cat "$tmp/err")"
+done
+
+# 6. expand | plan gives the same per-rank numbers.
+expect_exit 0 "expand" "$memplan" expand "$root/examples/models/tiny-moe.json" -o "$tmp/expanded.json"
+expect_exit 0 "plan expanded" "$memplan" plan "$tmp/expanded.json" -o "$tmp/p2.json" -q
+expect_exit 0 "plan original" "$memplan" plan "$root/examples/models/tiny-moe.json" -o "$tmp/p1.json" -q
+python3 - "$tmp/p1.json" "$tmp/p2.json" <<'PY' && ok || bad "expanded plan differs"
+import json, sys
+a, b = (json.load(open(p)) for p in sys.argv[1:])
+for j in (a, b):
+    del j["digest"], j["model"]
+assert a == b
+PY
+
+# 7. Budget above device memory: a what-if plan with a warning, exit 0.
+expect_exit 0 "what-if budget" "$memplan" plan "$root/examples/models/tiny-gpt.json" --budget 1TiB
+grep -q "warning: budget" "$tmp/err" && ok || bad "no what-if warning"
+
+echo "cli: $pass passed, $fail failed"
+[ "$fail" -eq 0 ]

@@ -1,0 +1,217 @@
+#include <doctest/doctest.h>
+
+#include <fstream>
+#include <sstream>
+
+#include "memplan/planner/plan.h"
+#include "memplan/planner/templates.h"
+#include "test_util.h"
+
+#ifdef MEMPLAN_HAVE_VALIJSON
+#include <valijson/adapters/nlohmann_json_adapter.hpp>
+#include <valijson/schema.hpp>
+#include <valijson/schema_parser.hpp>
+#include <valijson/validation_results.hpp>
+#include <valijson/validator.hpp>
+#endif
+
+using namespace memplan;
+using namespace memplan::planner;
+using memplan::test::MustLoad;
+using memplan::test::MustParse;
+using memplan::test::SourcePath;
+
+namespace {
+
+const char* kExamples[] = {"tiny-gpt", "tiny-moe", "gpt3-175b", "llama3-70b", "deepseek-v3", "kimi-k2",
+                           "kimi-k3-like"};
+
+Plan MustPlan(const Model& m, PlanOptions o = {}) {
+  auto p = BuildPlan(m, o);
+  if (!p) throw std::runtime_error(p.error().message);
+  return *p;
+}
+
+Json ReadJson(const std::string& relative) {
+  auto j = ReadJsonFile(SourcePath(relative));
+  if (!j) throw std::runtime_error(j.error().message);
+  return *j;
+}
+
+#ifdef MEMPLAN_HAVE_VALIJSON
+// Returns "" when `doc` validates against the schema, else the first error.
+std::string SchemaErrors(const std::string& schema_file, const Json& doc) {
+  Json schema_json = ReadJson(schema_file);
+  valijson::Schema schema;
+  valijson::SchemaParser parser;
+  valijson::adapters::NlohmannJsonAdapter schema_adapter(schema_json);
+  parser.populateSchema(schema_adapter, schema);
+  valijson::Validator validator;
+  valijson::ValidationResults results;
+  valijson::adapters::NlohmannJsonAdapter doc_adapter(doc);
+  if (validator.validate(schema, doc_adapter, &results)) return "";
+  valijson::ValidationResults::Error e;
+  std::string out;
+  for (int n = 0; n < 3 && results.popError(e); ++n) {
+    std::string ctx;
+    for (const auto& c : e.context) ctx += c;
+    out += ctx + ": " + e.description + "; ";
+  }
+  return out;
+}
+#endif
+
+}  // namespace
+
+TEST_CASE("in-flight microbatches follow 1F1B and interleaved 1F1B") {
+  for (int64_t pp : {1, 2, 4, 8}) {
+    for (int64_t m : {pp, 2 * pp, 4 * pp}) {
+      for (int64_t r = 0; r < pp; ++r) {
+        auto plain = InFlightPerChunk(pp, 1, r, m);
+        CHECK(plain[0] == std::min(pp - r, m));
+        if (pp == 1) continue;
+        for (int64_t vp : {2, 3}) {
+          auto inter = InFlightPerChunk(pp, vp, r, m);
+          int64_t total = 0;
+          for (int64_t n : inter) total += n;
+          CHECK(total == std::min(2 * (pp - r - 1) + (vp - 1) * pp + 1, m * vp));
+          CHECK(WarmupForwards(pp, vp, r, m) == std::min(2 * (pp - r - 1) + (vp - 1) * pp, m * vp));
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("rank 0 holds L(1 + (pp-1)/(pp*vp)) layers' worth under interleaving") {
+  // 16 identical middle layers: pp 4, vp 2, enough microbatches.
+  Json j = memplan::test::BaseModel();
+  j["arch"]["layers"] = 16;
+  j["parallel"] = {{"pp", 4}, {"vp", 2}};
+  j["train"]["microbatches"] = 16;
+  Plan p = MustPlan(MustParse(j));
+  int64_t in_flight = 0;
+  for (int64_t n : p.ranks[0].in_flight_chunks) in_flight += n;
+  // L(1 + (p-1)/(p v)) = 16 * (1 + 3/8) = 22 layers = 11 chunks of 2 layers.
+  CHECK(in_flight == 11);
+  CHECK(p.ranks[3].activations_peak < p.ranks[0].activations_peak);
+}
+
+TEST_CASE("plan: static + activations per rank, fits against the budget") {
+  Model m = MustLoad("examples/models/tiny-gpt.json");
+  Plan p = MustPlan(m);
+  REQUIRE(p.ranks.size() == static_cast<size_t>(m.parallel.pp));
+  for (const auto& r : p.ranks) {
+    int64_t act = 0;
+    for (size_t c = 0; c < r.chunk_activation_bytes.size(); ++c) act += r.chunk_activation_bytes[c] * r.in_flight_chunks[c];
+    CHECK(r.activations_peak == act);
+    CHECK(r.peak == r.statics.total + r.activations_peak);
+    CHECK(r.peak >= r.lower_bound);
+    CHECK(r.fits == (r.peak <= r.budget));
+  }
+  Plan tight = MustPlan(m, PlanOptions{p.ranks[0].peak - 1});
+  CHECK_FALSE(tight.ranks[0].fits);
+  CHECK_FALSE(tight.warnings.empty());
+  CHECK(tight.digest != p.digest);  // the budget is part of the model
+}
+
+TEST_CASE("tensors[] lists every saved tensor once with its rank and chunk") {
+  Model m = MustLoad("examples/models/tiny-moe.json");
+  Plan p = MustPlan(m);
+  auto layers = *ExpandModel(m);
+  size_t saved = 0;
+  for (const auto& g : layers) {
+    for (const auto& t : g.tensors) saved += t.saved;
+  }
+  CHECK(p.tensors.size() == saved);
+  int64_t sum0 = 0;
+  for (const auto& t : p.tensors) {
+    CHECK(t.device_bytes == t.bytes);
+    if (t.pp_rank == 0) sum0 += t.bytes;
+  }
+  CHECK(sum0 == p.ranks[0].activations_per_microbatch);
+}
+
+TEST_CASE("annotations: first match wins") {
+  Json j = memplan::test::BaseModel();
+  j["policies"] = {{{"match", "layer1.mlp.*"}, {"policy", "recompute"}},
+                   {{"match", "*.mlp.*"}, {"policy", {"fp8", "offload_host"}}}};
+  Plan p = MustPlan(MustParse(j));
+  for (const auto& t : p.tensors) {
+    if (t.name.rfind("layer1.mlp.", 0) == 0) CHECK(t.policy == std::vector<Policy>{Policy::kRecompute});
+    else if (t.module == "mlp") CHECK(t.policy == std::vector<Policy>{Policy::kFp8, Policy::kOffloadHost});
+    else CHECK(t.policy == std::vector<Policy>{Policy::kKeep});
+  }
+  CHECK(GlobMatch("*.fc1_*", "layer3.mlp.fc1_out"));  // '*' crosses dots
+  CHECK_FALSE(GlobMatch("layer1*", "Layer1.x"));       // case-sensitive
+}
+
+TEST_CASE("planning is deterministic: byte-identical output") {
+  for (const char* name : {"tiny-moe", "kimi-k3-like"}) {
+    Model m = MustLoad(std::string("examples/models/") + name + ".json");
+    CHECK(PlanToJson(MustPlan(m)).dump() == PlanToJson(MustPlan(m)).dump());
+  }
+}
+
+TEST_CASE("the expanded graph form round-trips and plans identically") {
+  for (const char* name : kExamples) {
+    CAPTURE(name);
+    Model m = MustLoad(std::string("examples/models/") + name + ".json");
+    auto expanded = ExpandedModelJson(m);
+    REQUIRE(expanded.ok());
+    Model from_graph = MustParse(*expanded);
+    REQUIRE(from_graph.graph.size() == static_cast<size_t>(m.arch.layers));
+    // Expanding the expanded model gives the same graph again.
+    CHECK((*ExpandedModelJson(from_graph))["graph"] == (*expanded)["graph"]);
+    OrderedJson a = PlanToJson(MustPlan(m));
+    OrderedJson b = PlanToJson(MustPlan(from_graph));
+    for (auto* j : {&a, &b}) {
+      j->erase("digest");
+      j->erase("model");
+    }
+    CHECK(a == b);
+  }
+}
+
+TEST_CASE("a partial explicit graph replaces only its layers") {
+  Model m = MustLoad("examples/models/tiny-gpt.json");
+  LayerGraph layer1 = ExpandTemplateLayer(m, 1);
+  for (auto& t : layer1.tensors) {
+    if (t.name == "layer1.mlp.fc1_out") t.saved = false;  // e.g. a fused kernel
+  }
+  int64_t dropped = layer1.FindTensor("layer1.mlp.fc1_out")->bytes;
+  Model custom = m;
+  custom.graph = {layer1};
+  Plan base = MustPlan(m);
+  Plan p = MustPlan(custom);
+  int64_t r = MakePipelineLayout(m).rank_of_layer[1];
+  CHECK(base.ranks[static_cast<size_t>(r)].activations_per_microbatch -
+            p.ranks[static_cast<size_t>(r)].activations_per_microbatch ==
+        dropped);
+}
+
+#ifdef MEMPLAN_HAVE_VALIJSON
+TEST_CASE("examples validate against schemas/model.schema.json, plans against plan.schema.json") {
+  for (const char* name : kExamples) {
+    CAPTURE(name);
+    std::string file = std::string("examples/models/") + name + ".json";
+    CHECK(SchemaErrors("schemas/model.schema.json", ReadJson(file)) == "");
+    Model m = MustLoad(file);
+    Json plan = Json::parse(PlanToJson(MustPlan(m)).dump());
+    CHECK(SchemaErrors("schemas/plan.schema.json", plan) == "");
+    // The normalized model embedded in the plan is itself a valid model file.
+    CHECK(SchemaErrors("schemas/model.schema.json", plan["model"]) == "");
+    CHECK(SchemaErrors("schemas/model.schema.json", *ExpandedModelJson(m)) == "");
+  }
+}
+
+TEST_CASE("structural rejections agree with the schema") {
+  Json j = memplan::test::BaseModel();
+  j["arch"]["hiden"] = 3;
+  CHECK(SchemaErrors("schemas/model.schema.json", j) != "");
+  CHECK_FALSE(ParseModel(j, "x.json").ok());
+  Json k = memplan::test::BaseModel();
+  k["arch"]["layers"] = 1e15;
+  CHECK(SchemaErrors("schemas/model.schema.json", k) != "");
+  CHECK_FALSE(ParseModel(k, "x.json").ok());
+}
+#endif

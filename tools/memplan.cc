@@ -1,0 +1,94 @@
+// memplan: the command line. A thin main over the planner library: parse
+// arguments, call one library entry point, turn its Error into a one-line
+// message and an exit code (design.md, "Command line and exit codes").
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <iostream>
+#include <optional>
+#include <string>
+
+#include "memplan/common/json_util.h"
+#include "memplan/common/status.h"
+#include "memplan/common/units.h"
+#include "memplan/planner/model.h"
+#include "memplan/planner/plan.h"
+
+namespace {
+
+using memplan::Error;
+using memplan::ErrorCode;
+
+int Fail(const Error& e) {
+  std::fprintf(stderr, "memplan: %s\n", e.message.c_str());
+  return static_cast<int>(e.code);
+}
+
+int RunPlan(const std::string& model_path, const std::string& out_path,
+            const std::string& budget_text, bool quiet) {
+  auto model = memplan::planner::LoadModel(model_path);
+  if (!model) return Fail(model.error());
+  memplan::planner::PlanOptions options;
+  if (!budget_text.empty()) {
+    auto bytes = memplan::ParseBytes(budget_text);
+    if (!bytes) return Fail({ErrorCode::kBadInput, "--budget: " + bytes.error().message});
+    options.budget = *bytes;
+  }
+  auto plan = memplan::planner::BuildPlan(*model, options);
+  if (!plan) return Fail(plan.error());
+  for (const auto& w : plan->warnings) std::fprintf(stderr, "memplan: warning: %s\n", w.c_str());
+  if (!out_path.empty()) {
+    auto written = memplan::WriteFileAtomic(out_path, memplan::planner::PlanToJson(*plan).dump(1) + "\n");
+    if (!written) return Fail(written.error());
+  }
+  if (!quiet) std::fputs(memplan::planner::RenderPlanTable(*plan).c_str(), stdout);
+  return 0;
+}
+
+int RunExpand(const std::string& model_path, const std::string& out_path) {
+  auto model = memplan::planner::LoadModel(model_path);
+  if (!model) return Fail(model.error());
+  auto expanded = memplan::planner::ExpandedModelJson(*model);
+  if (!expanded) return Fail(expanded.error());
+  std::string text = expanded->dump(1) + "\n";
+  if (out_path.empty()) {
+    std::fputs(text.c_str(), stdout);
+    return 0;
+  }
+  auto written = memplan::WriteFileAtomic(out_path, text);
+  return written ? 0 : Fail(written.error());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"memplan: plan, execute and verify the GPU memory of LLM training"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", std::string("memplan 0.1.0"));
+
+  std::string model_path;
+  std::string out_path;
+  std::string budget;
+  bool quiet = false;
+  auto* plan = app.add_subcommand("plan", "Plan memory for MODEL.json; print the per-rank table");
+  plan->add_option("model", model_path, "model file (memplan.model/1)")->required();
+  plan->add_option("-o,--output", out_path, "write PLAN.json (memplan.plan/1)");
+  plan->add_option("--budget", budget, "device budget, e.g. 120GiB (overrides the model's)");
+  plan->add_flag("-q,--quiet", quiet, "no table");
+
+  std::string expand_model;
+  std::string expand_out;
+  auto* expand = app.add_subcommand("expand", "Print the model with every layer's graph expanded");
+  expand->add_option("model", expand_model, "model file (memplan.model/1)")->required();
+  expand->add_option("-o,--output", expand_out, "write to a file instead of stdout");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == 0) return app.exit(e);  // --help, --version
+    std::fprintf(stderr, "memplan: %s (see memplan --help)\n", e.what());
+    return static_cast<int>(ErrorCode::kBadInput);
+  }
+  if (plan->parsed()) return RunPlan(model_path, out_path, budget, quiet);
+  if (expand->parsed()) return RunExpand(expand_model, expand_out);
+  return static_cast<int>(ErrorCode::kBadInput);
+}
