@@ -21,7 +21,7 @@ expect_exit() {  # expected_code description command...
 
 # 1. A good plan prints the table and writes PLAN.json.
 expect_exit 0 "plan tiny-gpt" "$memplan" plan "$root/examples/models/tiny-gpt.json" -o "$tmp/plan.json"
-grep -q "peak(GiB)" "$tmp/out" && ok || bad "table header missing"
+grep -q "peak(MiB)" "$tmp/out" && ok || bad "table header missing"
 python3 -c "import json,sys; p=json.load(open('$tmp/plan.json')); assert p['schema']=='memplan.plan/1'; assert len(p['ranks'])==2" \
   && ok || bad "plan.json not a memplan.plan/1 document"
 
