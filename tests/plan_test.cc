@@ -172,6 +172,17 @@ TEST_CASE("the expanded graph form round-trips and plans identically") {
   }
 }
 
+TEST_CASE("the plan's normalized model re-parses to the same digest and plan") {
+  for (const char* name : kExamples) {
+    CAPTURE(name);
+    Model m = MustLoad(std::string("examples/models/") + name + ".json");
+    OrderedJson plan = PlanToJson(MustPlan(m));
+    Model again = MustParse(Json::parse(plan["model"].dump()));
+    CHECK(ModelDigest(again) == plan["digest"].get<std::string>());
+    CHECK(PlanToJson(MustPlan(again)).dump() == plan.dump());
+  }
+}
+
 TEST_CASE("a partial explicit graph replaces only its layers") {
   Model m = MustLoad("examples/models/tiny-gpt.json");
   LayerGraph layer1 = ExpandTemplateLayer(m, 1);

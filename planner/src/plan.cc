@@ -83,6 +83,13 @@ Plan BuildPlanOrThrow(const Model& input, const PlanOptions& options) {
       plan.tensors.push_back(std::move(e));
     }
   }
+  for (const auto& rp : plan.ranks) {
+    if (rp.statics.host > model.hardware.host_memory) {
+      plan.warnings.push_back("pp rank " + std::to_string(rp.pp_rank) + " needs " + FormatBytes(rp.statics.host) +
+                              " of host memory; the hardware has " + FormatBytes(model.hardware.host_memory) +
+                              " per GPU");
+    }
+  }
   // One warning for all ranks that do not fit, naming the worst.
   const RankPlan* worst = nullptr;
   int64_t over = 0;
