@@ -189,24 +189,26 @@ std::optional<int64_t> ObjectReader::OptBytes(std::string_view key) {
   return *bytes;
 }
 
-std::optional<double> ObjectReader::OptBandwidth(std::string_view key) {
-  const Json* v = Get(key);
+namespace {
+// A positive number, or a string with a unit read by `parse`.
+std::optional<double> OptRate(ObjectReader& r, std::string_view key, Expected<double> (*parse)(std::string_view),
+                              std::string_view example) {
+  const Json* v = r.Get(key);
   if (!v) return std::nullopt;
   if (v->is_number() && v->get<double>() > 0 && std::isfinite(v->get<double>())) return v->get<double>();
-  if (!v->is_string()) ThrowAt(At(key), "expected a bandwidth such as \"4.8TB/s\" or bytes/s, got " + Brief(*v));
-  auto bw = ParseBandwidth(v->get<std::string>());
-  if (!bw) ThrowAt(At(key), bw.error().message);
-  return *bw;
+  if (!v->is_string()) ThrowAt(r.At(key), "expected " + std::string(example) + ", got " + Brief(*v));
+  auto rate = parse(v->get<std::string>());
+  if (!rate) ThrowAt(r.At(key), rate.error().message);
+  return *rate;
+}
+}  // namespace
+
+std::optional<double> ObjectReader::OptBandwidth(std::string_view key) {
+  return OptRate(*this, key, &ParseBandwidth, "a bandwidth such as \"4.8TB/s\" or bytes/s");
 }
 
 std::optional<double> ObjectReader::OptFlopRate(std::string_view key) {
-  const Json* v = Get(key);
-  if (!v) return std::nullopt;
-  if (v->is_number() && v->get<double>() > 0 && std::isfinite(v->get<double>())) return v->get<double>();
-  if (!v->is_string()) ThrowAt(At(key), "expected a FLOP rate such as \"989TFLOP/s\", got " + Brief(*v));
-  auto r = ParseFlopRate(v->get<std::string>());
-  if (!r) ThrowAt(At(key), r.error().message);
-  return *r;
+  return OptRate(*this, key, &ParseFlopRate, "a FLOP rate such as \"989TFLOP/s\"");
 }
 
 void ObjectReader::Finish() const {

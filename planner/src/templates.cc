@@ -319,21 +319,29 @@ std::string AddKda(Builder& B, const Dims& d, const std::string& x_in) {
   return AddOutputProjection(B, d, "kda", proj_in, width_full);
 }
 
-// Dense MLP: fc1 -> gelu|swiglu -> fc2 (+ dropout). `x_in` is the normed input.
-std::string AddMlp(Builder& B, const Dims& d, const std::string& x_in) {
-  const Arch& a = B.model().arch;
-  bool glu = a.ffn_act == FfnAct::kSwiglu;
-  int64_t f = a.ffn_hidden;
+// A tensor-parallel FFN of width `f`: fc1 -> gelu|swiglu -> fc2. Saves the
+// activation input (fc1_out) and fc2's input. `prefix` names the copy: ""
+// for the dense MLP, "shared_" for shared experts (params "shared.fc1...").
+std::string AddTpFfn(Builder& B, const Dims& d, std::string_view module, const std::string& prefix,
+                     const std::string& x_in, int64_t f, ParamKind kind) {
+  bool glu = B.model().arch.ffn_act == FfnAct::kSwiglu;
+  std::string param_prefix = prefix.empty() ? "" : prefix.substr(0, prefix.size() - 1) + ".";
   int64_t fc1_full = glu ? 2 * f : f;
-  int64_t w1 = B.Param("mlp", "fc1.weight", {d.h, fc1_full}, ParamKind::kLinear, true);
-  std::string h1 = B.Act("mlp", "fc1_out", {d.tokens, fc1_full / d.t}, true, "tp");
-  B.Op("mlp", "fc1", "linear", {x_in}, {h1}, Gemm(d.tokens, d.h, fc1_full / d.t), w1);
-  std::string act = B.Act("mlp", "fc2_in", {d.tokens, f / d.t}, true, "tp");
-  B.Op("mlp", "act", glu ? "swiglu" : "gelu", {h1}, {act}, 8.0 * static_cast<double>(d.tokens * f / d.t));
-  int64_t w2 = B.Param("mlp", "fc2.weight", {f, d.h}, ParamKind::kLinear, true);
-  std::string out = B.Act("mlp", "fc2_out", {d.tokens_r, d.h}, false, d.shard_r);
-  B.Op("mlp", "fc2", "linear", {act}, {out}, Gemm(d.tokens, f / d.t, d.h), w2);
-  if (a.dropout) out = AddResidualDropout(B, d, "mlp", out);
+  int64_t w1 = B.Param(module, param_prefix + "fc1.weight", {d.h, fc1_full}, kind, true);
+  std::string h1 = B.Act(module, prefix + "fc1_out", {d.tokens, fc1_full / d.t}, true, "tp");
+  B.Op(module, prefix + "fc1", "linear", {x_in}, {h1}, Gemm(d.tokens, d.h, fc1_full / d.t), w1);
+  std::string act = B.Act(module, prefix + "fc2_in", {d.tokens, f / d.t}, true, "tp");
+  B.Op(module, prefix + "act", glu ? "swiglu" : "gelu", {h1}, {act}, 8.0 * static_cast<double>(d.tokens * f / d.t));
+  int64_t w2 = B.Param(module, param_prefix + "fc2.weight", {f, d.h}, kind, true);
+  std::string out = B.Act(module, prefix + "fc2_out", {d.tokens_r, d.h}, false, d.shard_r);
+  B.Op(module, prefix + "fc2", "linear", {act}, {out}, Gemm(d.tokens, f / d.t, d.h), w2);
+  return out;
+}
+
+// Dense MLP (+ dropout). `x_in` is the normed input.
+std::string AddMlp(Builder& B, const Dims& d, const std::string& x_in) {
+  std::string out = AddTpFfn(B, d, "mlp", "", x_in, B.model().arch.ffn_hidden, ParamKind::kLinear);
+  if (B.model().arch.dropout) out = AddResidualDropout(B, d, "mlp", out);
   return out;
 }
 
@@ -390,16 +398,8 @@ std::string AddMoe(Builder& B, const Dims& d, const std::string& x_in) {
     B.Op("moe", "latent_up", "linear", {combined}, {routed_out}, Gemm(d.tokens_r, width, d.h), w);
   }
   if (m.shared_experts == 0) return routed_out;
-  int64_t fs = m.shared_experts * m.shared_ffn_hidden;
-  int64_t s1_full = glu ? 2 * fs : fs;
-  int64_t ws1 = B.Param("moe", "shared.fc1.weight", {d.h, s1_full}, ParamKind::kSharedExpert, true);
-  std::string s1 = B.Act("moe", "shared_fc1_out", {d.tokens, s1_full / d.t}, true, "tp");
-  B.Op("moe", "shared_fc1", "linear", {x_in}, {s1}, Gemm(d.tokens, d.h, s1_full / d.t), ws1);
-  std::string s_act = B.Act("moe", "shared_fc2_in", {d.tokens, fs / d.t}, true, "tp");
-  B.Op("moe", "shared_act", glu ? "swiglu" : "gelu", {s1}, {s_act}, 8.0 * static_cast<double>(d.tokens * fs / d.t));
-  int64_t ws2 = B.Param("moe", "shared.fc2.weight", {fs, d.h}, ParamKind::kSharedExpert, true);
-  std::string s_out = B.Act("moe", "shared_out", {d.tokens_r, d.h}, false, d.shard_r);
-  B.Op("moe", "shared_fc2", "linear", {s_act}, {s_out}, Gemm(d.tokens, fs / d.t, d.h), ws2);
+  std::string s_out = AddTpFfn(B, d, "moe", "shared_", x_in, m.shared_experts * m.shared_ffn_hidden,
+                               ParamKind::kSharedExpert);
   std::string out = B.Act("moe", "ffn_out", {d.tokens_r, d.h}, false, d.shard_r);
   B.Op("moe", "add_shared", "add", {routed_out, s_out}, {out}, static_cast<double>(d.tokens_r * d.h));
   return out;
