@@ -62,6 +62,23 @@ TEST_CASE("fp32 params: 16 vs 8 + 8/d") {
   CHECK(zero.total * 8 == (8 * 8 + 8) * zero.params);
 }
 
+TEST_CASE("16-bit gradients: Megatron's fp16 row, 20 vs 4 + 16/d") {
+  Json j = Dense(1, 0, "fp16");
+  j["train"]["grad_dtype"] = "fp16";
+  auto plain = Account(MustParse(j)).rank(0);
+  CHECK(plain.total == 20 * plain.params);
+  j["parallel"]["dp"] = 8;
+  j["parallel"]["zero"] = 1;
+  auto zero = Account(MustParse(j)).rank(0);
+  CHECK(zero.total * 8 == (4 * 8 + 16) * zero.params);
+}
+
+TEST_CASE("ZeRO-2 without data parallelism adds no reduce bucket") {
+  auto s = Account(MustParse(Dense(1, 2))).rank(0);
+  CHECK(s.buffer_detail.count("reduce_bucket") == 0);
+  CHECK(s.total == 18 * s.params);
+}
+
 TEST_CASE("ZeRO-2 partitions gradients and adds a reduce bucket") {
   auto s = Account(MustParse(Dense(8, 2))).rank(0);
   CHECK(s.grads * 8 == 4 * s.params);

@@ -75,8 +75,11 @@ int64_t LocalParamElements(const Model& model, const ParamSpec& param) {
 
 int64_t OptimizerBytesPerParam(const Model& model, const ParamSpec& param) {
   int64_t master = model.train.param_dtype == DType::kFP32 ? 0 : 4;
+  // 16-bit main grads: the optimizer keeps an fp32 copy to step from
+  // (Megatron's fp16 mode: 20 B/param, 4 + 16/d with ZeRO-1).
+  int64_t grad_copy = model.train.grad_dtype == DType::kFP32 ? 0 : 4;
   int64_t states = UsesMuon(model, param) ? 4 : 8;  // Muon: momentum; Adam: m, v
-  return master + states;
+  return master + grad_copy + states;
 }
 
 ModelTotals CountParameters(const Model& model, const std::vector<LayerGraph>& layers) {
@@ -135,9 +138,12 @@ StaticBreakdown AccountRank(const Model& model, const std::vector<LayerGraph>& l
     }
   } else if (par.zero >= 2) {
     s.grads = grad_partition;
-    // Megatron DDP's bucket: max(40M, 1M * dp) parameters, capped by the rank.
-    int64_t bucket = std::min(s.params, std::max<int64_t>(40'000'000, 1'000'000 * par.dp * par.cp));
-    s.buffer_detail["reduce_bucket"] = CheckedMul(bucket, gbytes, "reduce bucket");
+    // Megatron DDP's bucket: max(40M, 1M * dp) parameters, capped by the
+    // rank. Without data parallelism there is nothing to reduce-scatter.
+    if (par.dp * par.cp > 1) {
+      int64_t bucket = std::min(s.params, std::max<int64_t>(40'000'000, 1'000'000 * par.dp * par.cp));
+      s.buffer_detail["reduce_bucket"] = CheckedMul(bucket, gbytes, "reduce bucket");
+    }
   } else {
     s.grads = grad_partition;
   }

@@ -367,7 +367,9 @@ std::string AddMoe(Builder& B, const Dims& d, const std::string& x_in) {
   std::string dispatch_in = x_in;
   if (m.latent_dim) {
     int64_t w = B.Param("moe", "latent_down.weight", {d.h, width}, ParamKind::kLinear, false);
-    dispatch_in = B.Act("moe", "latent", {d.tokens_r, width}, true, d.shard_r);
+    // Saved only to re-run the dispatch in backward; latent_down's own
+    // gradients need moe.x, not its output.
+    dispatch_in = B.Act("moe", "latent", {d.tokens_r, width}, model.options.moe_recompute_dispatch, d.shard_r);
     B.Op("moe", "latent_down", "linear", {x_in}, {dispatch_in}, Gemm(d.tokens_r, d.h, width), w);
   }
   // Each EP rank receives tokens*top_k tokens x capacity_factor.
@@ -397,12 +399,14 @@ std::string AddMoe(Builder& B, const Dims& d, const std::string& x_in) {
     routed_out = B.Act("moe", "routed_out", {d.tokens_r, d.h}, false, d.shard_r);
     B.Op("moe", "latent_up", "linear", {combined}, {routed_out}, Gemm(d.tokens_r, width, d.h), w);
   }
-  if (m.shared_experts == 0) return routed_out;
+  if (m.shared_experts == 0) {
+    return a.dropout ? AddResidualDropout(B, d, "moe", routed_out) : routed_out;
+  }
   std::string s_out = AddTpFfn(B, d, "moe", "shared_", x_in, m.shared_experts * m.shared_ffn_hidden,
                                ParamKind::kSharedExpert);
   std::string out = B.Act("moe", "ffn_out", {d.tokens_r, d.h}, false, d.shard_r);
   B.Op("moe", "add_shared", "add", {routed_out, s_out}, {out}, static_cast<double>(d.tokens_r * d.h));
-  return out;
+  return a.dropout ? AddResidualDropout(B, d, "moe", out) : out;
 }
 
 // Number of block representations layer `layer` attends over: the embedding
@@ -437,13 +441,14 @@ LayerGraph ExpandTemplateLayer(const Model& model, int64_t layer) {
   if (layer == 0) {
     std::string tokens = B.Tensor("embed", "tokens", {d.tokens}, DType::kI32, true, "replicated");
     int64_t w = B.Param("embed", "weight", {a.vocab, d.h}, ParamKind::kEmbedding, true);
-    // Block AttnRes keeps the embedding as block b_0: saved once.
-    std::string emb = B.Act("embed", "out", {d.tokens_r, d.h}, a.attn_res.has_value(), d.shard_r);
+    std::string emb = B.Act("embed", "out", {d.tokens_r, d.h}, false, d.shard_r);
     (void)w;  // a lookup reads one row per token, not the table
     B.Op("embed", "lookup", "embedding", {tokens}, {emb}, 0,
          CheckedMul(d.tokens, d.h * DTypeBytes(model.train.param_dtype), "embedding rows"));
     stream = emb;
     if (a.dropout) stream = AddResidualDropout(B, d, "embed", emb);
+    // Block AttnRes keeps the (post-dropout) embedding as block b_0, once.
+    if (a.attn_res) B.MarkSaved(stream, true);
   }
 
   // --- Layer input: plain residual stream or Block AttnRes -----------------
