@@ -23,8 +23,8 @@ int Fail(const Error& e) {
   return static_cast<int>(e.code);
 }
 
-int RunPlan(const std::string& model_path, const std::string& out_path,
-            const std::string& budget_text, bool quiet) {
+int RunPlan(const std::string& model_path, const std::string& out_path, const std::string& budget_text,
+            const std::string& solver, bool sweep, bool verify, bool quiet) {
   auto model = memplan::planner::LoadModel(model_path);
   if (!model) return Fail(model.error());
   memplan::planner::PlanOptions options;
@@ -33,9 +33,17 @@ int RunPlan(const std::string& model_path, const std::string& out_path,
     if (!bytes) return Fail({ErrorCode::kBadInput, "--budget: " + bytes.error().message});
     options.budget = *bytes;
   }
+  options.solver = solver == "exact" ? memplan::planner::SolverKind::kExact : memplan::planner::SolverKind::kHeuristic;
+  options.sweep = sweep;
+  options.verify = verify;
   auto plan = memplan::planner::BuildPlan(*model, options);
   if (!plan) return Fail(plan.error());
   for (const auto& w : plan->warnings) std::fprintf(stderr, "memplan: warning: %s\n", w.c_str());
+  if (verify && !plan->verify_errors.empty()) {
+    for (const auto& e : plan->verify_errors) std::fprintf(stderr, "memplan: verify: %s\n", e.c_str());
+    return Fail({ErrorCode::kRuntime, "the plan failed verification (" + std::to_string(plan->verify_errors.size()) +
+                                          " errors); no plan written"});
+  }
   if (!out_path.empty()) {
     auto written = memplan::WriteFileAtomic(out_path, memplan::planner::PlanToJson(*plan).dump(1) + "\n");
     if (!written) return Fail(written.error());
@@ -69,10 +77,17 @@ int main(int argc, char** argv) {
   std::string out_path;
   std::string budget;
   bool quiet = false;
+  std::string solver = "heuristic";
+  bool sweep = false;
+  bool verify = false;
   auto* plan = app.add_subcommand("plan", "Plan memory for MODEL.json; print the per-rank table");
   plan->add_option("model", model_path, "model file (memplan.model/1)")->required();
   plan->add_option("-o,--output", out_path, "write PLAN.json (memplan.plan/1)");
   plan->add_option("--budget", budget, "device budget, e.g. 120GiB (overrides the model's)");
+  plan->add_option("--solver", solver, "heuristic (default) or exact (MILP through CBC; small models)")
+      ->check(CLI::IsMember({"heuristic", "exact"}));
+  plan->add_flag("--sweep", sweep, "also print the budget / added step time trade-off curve");
+  plan->add_flag("--verify", verify, "verify the plan (residency, placement, transfer windows)");
   plan->add_flag("-q,--quiet", quiet, "no table");
 
   std::string expand_model;
@@ -88,7 +103,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "memplan: %s (see memplan --help)\n", e.what());
     return static_cast<int>(ErrorCode::kBadInput);
   }
-  if (plan->parsed()) return RunPlan(model_path, out_path, budget, quiet);
+  if (plan->parsed()) return RunPlan(model_path, out_path, budget, solver, sweep, verify, quiet);
   if (expand->parsed()) return RunExpand(expand_model, expand_out);
   return static_cast<int>(ErrorCode::kBadInput);
 }

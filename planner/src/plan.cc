@@ -3,9 +3,15 @@
 #include <fnmatch.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
 
 #include "memplan/common/table.h"
 #include "memplan/common/units.h"
+#include "memplan/planner/bounds.h"
+#include "memplan/planner/liveness.h"
 #include "memplan/planner/templates.h"
 
 namespace memplan::planner {
@@ -15,6 +21,103 @@ bool GlobMatch(const std::string& pattern, const std::string& name) {
 }
 
 namespace {
+
+struct Solved {
+  Assignment assignment;
+  Evaluation eval;
+  RebalanceResult rebalance;
+};
+
+int64_t DeviceBytes(const SavedTensor& t, Storage s) {
+  if (s == Storage::kKeep) return t.bytes;
+  if (s == Storage::kFp8) return t.fp8_bytes;
+  return 0;  // recomputed or offloaded: nothing between forward and backward
+}
+
+// Stages 6-8 for one budget: rebalance, decide, bound; re-solve with a
+// margin where the placed peak (fragmentation) exceeds the budget.
+// MEMPLAN_TIMING=1 prints each stage's wall time to stderr (for bench/).
+void Mark(const char* stage) {
+  static const bool on = std::getenv("MEMPLAN_TIMING") != nullptr;
+  if (!on) return;
+  static auto last = std::chrono::steady_clock::now();
+  auto now = std::chrono::steady_clock::now();
+  std::fprintf(stderr, "memplan: timing: %-12s %8.1f ms\n", stage,
+               std::chrono::duration<double, std::milli>(now - last).count());
+  last = now;
+}
+
+Solved Solve(const PlanningProblem& problem, int64_t budget, const PlanOptions& options) {
+  const Model& model = *problem.model;
+  Solved out{Assignment::Annotated(problem), {}, {}};
+  const size_t pp = problem.tensors.size();
+  std::vector<int64_t> margin(pp, 0);
+  auto budgets = [&] {
+    std::vector<int64_t> b(pp);
+    for (size_t r = 0; r < pp; ++r) b[r] = budget - problem.statics[r].total - margin[r];
+    return b;
+  };
+  std::vector<SolveResult> results = planner::Solve(problem, budgets(), options.solver, &out.assignment);
+  Mark("solve");
+  if (model.options.pp_balance && pp > 1) {
+    out.rebalance = Rebalance(problem, budget, &out.assignment);
+    Mark("rebalance");
+    if (out.rebalance.moved_tensors > 0) results = planner::Solve(problem, budgets(), options.solver, &out.assignment);
+    Mark("re-solve");
+  }
+  // Fragmentation: where the placed peak exceeds the budget although the
+  // lower bound fits, tighten that rank's budget by the gap and re-solve it.
+  out.eval = Evaluate(problem, out.assignment, false);
+  Mark("evaluate");
+  for (int attempt = 0; attempt < 4; ++attempt) {
+    std::vector<bool> redo(pp, false);
+    bool any = false;
+    for (size_t r = 0; r < pp; ++r) {
+      const RankBounds& b = out.eval.ranks[r];
+      if (results[r].fits && b.peak > budget) {
+        // The lower bound must leave room for the fragmentation the
+        // placement showed, growing with each attempt.
+        margin[r] = std::max(margin[r] + (b.peak - budget), (b.peak - b.lower_bound) * (attempt + 1));
+        redo[r] = any = true;
+      }
+    }
+    if (!any) break;
+    results = planner::Solve(problem, budgets(), options.solver, &out.assignment);
+    Evaluation next = Evaluate(problem, out.assignment, false, &out.eval, &redo);
+    out.eval = std::move(next);
+    Mark("fragmentation");
+  }
+  if (options.verify) out.eval = Evaluate(problem, out.assignment, true);
+  return out;
+}
+
+Overhead OverheadOf(const PlanningProblem& problem, const Evaluation& e) {
+  Overhead o;
+  o.base_step_s = problem.makespan_s;
+  double worst = -1;
+  for (const auto& b : e.ranks) {
+    double added = b.recompute_s + b.quantize_s + b.exposed_transfer_s;
+    if (added > worst) {
+      worst = added;
+      o.recompute_s = b.recompute_s;
+      o.quantize_s = b.quantize_s;
+      o.exposed_transfer_s = b.exposed_transfer_s;
+    }
+  }
+  o.step_s = problem.makespan_s + std::max(0.0, worst);
+  return o;
+}
+
+std::vector<int64_t> LowerBounds(const PlanningProblem& problem, const Assignment& a) {
+  std::vector<Interval> ivs;
+  for (size_t r = 0; r < problem.tensors.size(); ++r) InstanceIntervals(problem, a, static_cast<int32_t>(r), &ivs, nullptr);
+  auto prof = planner::Profiles(problem, ivs);
+  std::vector<int64_t> out;
+  for (size_t r = 0; r < prof.size(); ++r) {
+    out.push_back(problem.statics[r].total + (prof[r].empty() ? 0 : *std::max_element(prof[r].begin(), prof[r].end())));
+  }
+  return out;
+}
 
 Plan BuildPlanOrThrow(const Model& input, const PlanOptions& options) {
   Plan plan;
@@ -29,80 +132,155 @@ Plan BuildPlanOrThrow(const Model& input, const PlanOptions& options) {
                             FormatBytes(model.hardware.device_memory) + " (what-if plan)");
   }
   plan.digest = ModelDigest(model);
+  plan.solver = options.solver;
 
   auto expanded = ExpandModel(model);
   if (!expanded) throw ErrorException(expanded.error());
-  const std::vector<LayerGraph>& layers = *expanded;
-  PipelineLayout layout = MakePipelineLayout(model);
-  plan.totals = CountParameters(model, layers);
+  plan.totals = CountParameters(model, *expanded);
+  Mark("expand");
+  PlanningProblem problem = BuildProblem(model, std::move(*expanded));
+  Mark("liveness");
+  const std::vector<LayerGraph>& layers = problem.layers;
+  const PipelineLayout& layout = problem.layout;
+  plan.schedules = problem.schedules;
+
+  // Infeasible: some rank cannot fit whatever the policies.
+  std::vector<int64_t> any = AnyPlanLowerBounds(problem);
+  {
+    size_t worst = 0;
+    for (size_t r = 1; r < any.size(); ++r) {
+      if (any[r] > any[worst]) worst = r;
+    }
+    if (any[worst] > model.budget) {
+      ThrowError(ErrorCode::kInfeasible,
+                 "infeasible: pp rank " + std::to_string(worst) + " needs at least " + FormatBytes(any[worst]) +
+                     " (any-plan lower bound: static " + FormatBytes(problem.statics[worst].total) +
+                     " + activations at their smallest footprint), budget is " + FormatBytes(model.budget) + ", " +
+                     FormatBytes(any[worst] - model.budget) + " short");
+    }
+  }
+
+  std::vector<int64_t> keep_all = LowerBounds(problem, Assignment::KeepAll(problem));
+  Mark("keep-all");
+  Solved solved = Solve(problem, model.budget, options);
+  const Evaluation& e = solved.eval;
+  plan.rebalance = solved.rebalance;
+  {
+    // The structural imbalance (every activation kept) before and after the
+    // remote offloads the rebalancer chose.
+    auto ratio = [](const std::vector<int64_t>& v) {
+      int64_t lo = *std::min_element(v.begin(), v.end());
+      return lo > 0 ? static_cast<double>(*std::max_element(v.begin(), v.end())) / static_cast<double>(lo) : 1.0;
+    };
+    Assignment moved = Assignment::KeepAll(problem);
+    for (size_t r = 0; r < moved.storage.size(); ++r) {
+      for (size_t t = 0; t < moved.storage[r].size(); ++t) {
+        if (!IsRemote(solved.assignment.storage[r][t])) continue;
+        moved.storage[r][t] = Storage::kOffloadRemote;
+        moved.target[r][t] = solved.assignment.target[r][t];
+      }
+    }
+    plan.rebalance.ratio_before = ratio(keep_all);
+    plan.rebalance.ratio_after = ratio(LowerBounds(problem, moved));
+  }
+  plan.overhead = OverheadOf(problem, e);
+  plan.verify_errors = e.verify_errors;
+  plan.verified = options.verify;
 
   for (int64_t r = 0; r < model.parallel.pp; ++r) {
+    const size_t ri = static_cast<size_t>(r);
     RankPlan rp;
     rp.pp_rank = r;
-    rp.chunks = layout.chunks[static_cast<size_t>(r)];
+    rp.chunks = layout.chunks[ri];
     rp.layers = layout.LayersOfRank(r);
-    rp.statics = AccountRank(model, layers, layout, r);
+    rp.statics = problem.statics[ri];
     rp.in_flight_chunks = InFlightPerChunk(model.parallel.pp, model.parallel.vp, r, model.train.microbatches);
     for (size_t c = 0; c < rp.chunks.size(); ++c) {
       int64_t bytes = 0;
       for (int64_t layer : rp.chunks[c]) bytes = CheckedAdd(bytes, layers[static_cast<size_t>(layer)].SavedBytes(), "activations");
       rp.chunk_activation_bytes.push_back(bytes);
       rp.activations_per_microbatch += bytes;
-      rp.activations_peak = CheckedAdd(rp.activations_peak, CheckedMul(bytes, rp.in_flight_chunks[c], "activations"),
-                                       "activations");
     }
-    rp.lower_bound = CheckedAdd(rp.statics.total, rp.activations_peak, "peak");
-    rp.peak = rp.lower_bound;
+    const RankBounds& b = e.ranks[ri];
+    rp.activations_peak = b.activations_peak;
+    rp.lower_bound = b.lower_bound;
+    rp.peak = b.peak;
+    rp.keep_all_lower_bound = keep_all[ri];
+    rp.any_plan_lower_bound = b.any_plan_lower_bound;
     rp.budget = model.budget;
     rp.fits = rp.peak <= rp.budget;
+    rp.recompute_s = b.recompute_s;
+    rp.quantize_s = b.quantize_s;
+    rp.exposed_transfer_s = b.exposed_transfer_s;
+    rp.remote_offload = b.remote_offload;
     plan.ranks.push_back(std::move(rp));
   }
 
-  for (const auto& g : layers) {
-    for (const auto& t : g.tensors) {
-      if (!t.saved) continue;
-      TensorEntry e;
-      e.name = t.name;
-      e.layer = g.index;
-      e.module = t.module;
-      e.pp_rank = layout.rank_of_layer[static_cast<size_t>(g.index)];
-      e.chunk = layout.chunk_of_layer[static_cast<size_t>(g.index)];
-      e.shape = t.shape;
-      e.dtype = t.dtype;
-      e.bytes = t.bytes;
-      e.policy = {Policy::kKeep};
-      for (const auto& a : model.policies) {
-        if (GlobMatch(a.match, t.name)) {  // first match wins
-          e.policy = a.policy;
-          e.annotation = a.match;
-          break;
-        }
-      }
-      e.effective = {Policy::kKeep};  // keep-all until the solver lands
-      e.device_bytes = t.bytes;
-      plan.tensors.push_back(std::move(e));
+  for (size_t r = 0; r < problem.tensors.size(); ++r) {
+    for (size_t t = 0; t < problem.tensors[r].size(); ++t) {
+      const SavedTensor& st = problem.tensors[r][t];
+      const TensorSpec& spec = layers[static_cast<size_t>(st.layer)].tensors[static_cast<size_t>(st.graph_index)];
+      Storage s = solved.assignment.storage[r][t];
+      TensorEntry entry;
+      entry.name = st.name;
+      entry.layer = st.layer;
+      entry.module = spec.module;
+      entry.pp_rank = static_cast<int64_t>(r);
+      entry.chunk = st.chunk;
+      entry.shape = spec.shape;
+      entry.dtype = spec.dtype;
+      entry.bytes = st.bytes;
+      entry.policy = st.annotated ? st.annotation : StoragePolicies(s);
+      entry.annotation = st.annotation_glob;
+      entry.effective = StoragePolicies(s);
+      entry.device_bytes = DeviceBytes(st, s);
+      if (IsRemote(s)) entry.to_pp_rank = solved.assignment.target[r][t];
+      plan.tensors.push_back(std::move(entry));
     }
   }
+  std::stable_sort(plan.tensors.begin(), plan.tensors.end(),
+                   [](const TensorEntry& x, const TensorEntry& y) { return x.layer < y.layer; });
+
+  int64_t over = 0;
+  const RankPlan* worst = nullptr;
   for (const auto& rp : plan.ranks) {
     if (rp.statics.host > model.hardware.host_memory) {
       plan.warnings.push_back("pp rank " + std::to_string(rp.pp_rank) + " needs " + FormatBytes(rp.statics.host) +
                               " of host memory; the hardware has " + FormatBytes(model.hardware.host_memory) +
                               " per GPU");
     }
-  }
-  // One warning for all ranks that do not fit, naming the worst.
-  const RankPlan* worst = nullptr;
-  int64_t over = 0;
-  for (const auto& rp : plan.ranks) {
     if (rp.fits) continue;
     ++over;
     if (!worst || rp.peak > worst->peak) worst = &rp;
   }
   if (worst) {
     plan.warnings.push_back(std::to_string(over) + " of " + std::to_string(plan.ranks.size()) +
-                            " pp ranks exceed the budget with every activation kept (worst: rank " +
-                            std::to_string(worst->pp_rank) + " needs " + FormatBytes(worst->peak) +
-                            ", budget " + FormatBytes(worst->budget) + ")");
+                            " pp ranks do not fit: annotations pin what they would need to save (worst: rank " +
+                            std::to_string(worst->pp_rank) + " peaks at " + FormatBytes(worst->peak) + ", budget " +
+                            FormatBytes(worst->budget) + ")");
+  }
+
+  if (options.sweep) {
+    int64_t hi = *std::max_element(keep_all.begin(), keep_all.end());
+    int64_t lo = *std::max_element(any.begin(), any.end());
+    int n = std::max(2, options.sweep_points);
+    PlanOptions quiet = options;
+    quiet.verify = false;
+    for (int k = 0; k < n; ++k) {
+      int64_t budget = hi - static_cast<int64_t>(static_cast<double>(hi - lo) * k / (n - 1));
+      Solved s = Solve(problem, budget, quiet);
+      SweepPoint pt;
+      pt.budget = budget;
+      pt.fits = true;
+      for (const auto& b : s.eval.ranks) {
+        pt.max_peak = std::max(pt.max_peak, b.peak);
+        pt.fits &= b.peak <= budget;
+      }
+      Overhead o = OverheadOf(problem, s.eval);
+      pt.step_s = o.step_s;
+      pt.added_s = o.step_s - o.base_step_s;
+      plan.sweep.push_back(pt);
+    }
   }
   return plan;
 }
@@ -125,12 +303,14 @@ OrderedJson PlanToJson(const Plan& plan) {
   j["name"] = plan.model.name;
   j["digest"] = plan.digest;
   j["generator"] = "memplan 0.1.0";
-  j["activation_model"] = "keep_all";
+  j["activation_model"] = "planned";
+  j["solver"] = plan.solver == SolverKind::kExact ? "exact" : "heuristic";
   j["budget"] = plan.model.budget;
   j["totals"] = {{"params", plan.totals.params},
                  {"params_active", plan.totals.params_active},
                  {"layers", plan.model.arch.layers}};
   OrderedJson ranks = OrderedJson::array();
+  OrderedJson any = OrderedJson::array();
   for (const auto& r : plan.ranks) {
     OrderedJson rj;
     rj["pp_rank"] = r.pp_rank;
@@ -148,12 +328,28 @@ OrderedJson PlanToJson(const Plan& plan) {
     rj["activations_peak"] = r.activations_peak;
     rj["peak"] = r.peak;
     rj["lower_bound"] = r.lower_bound;
+    rj["keep_all_lower_bound"] = r.keep_all_lower_bound;
     rj["budget"] = r.budget;
     rj["fits"] = r.fits;
-    rj["remote_offload"] = OrderedJson::array();
+    OrderedJson remote = OrderedJson::array();
+    for (const auto& [to, bytes] : r.remote_offload) remote.push_back({{"to_pp_rank", to}, {"bytes", bytes}});
+    rj["remote_offload"] = std::move(remote);
+    rj["added_s"] = {{"recompute_s", r.recompute_s},
+                     {"quantize_s", r.quantize_s},
+                     {"exposed_transfer_s", r.exposed_transfer_s}};
     ranks.push_back(std::move(rj));
+    any.push_back(r.any_plan_lower_bound);
   }
   j["ranks"] = std::move(ranks);
+  j["any_plan_lower_bound"] = std::move(any);
+  j["overhead"] = {{"recompute_s", plan.overhead.recompute_s},
+                   {"quantize_s", plan.overhead.quantize_s},
+                   {"exposed_transfer_s", plan.overhead.exposed_transfer_s},
+                   {"step_s", plan.overhead.step_s},
+                   {"base_step_s", plan.overhead.base_step_s}};
+  j["rebalance"] = {{"ratio_before", plan.rebalance.ratio_before},
+                    {"ratio_after", plan.rebalance.ratio_after},
+                    {"moved_tensors", plan.rebalance.moved_tensors}};
   OrderedJson tensors = OrderedJson::array();
   for (const auto& t : plan.tensors) {
     OrderedJson tj{{"name", t.name},
@@ -168,9 +364,26 @@ OrderedJson PlanToJson(const Plan& plan) {
                    {"effective", PolicyJson(t.effective)},
                    {"device_bytes", t.device_bytes}};
     if (!t.annotation.empty()) tj["annotation"] = t.annotation;
+    if (t.to_pp_rank >= 0) tj["to_pp_rank"] = t.to_pp_rank;
     tensors.push_back(std::move(tj));
   }
   j["tensors"] = std::move(tensors);
+  OrderedJson schedule = OrderedJson::array();
+  for (const auto& rs : plan.schedules) {
+    OrderedJson list = OrderedJson::array();
+    for (const auto& pass : rs) list.push_back(OrderedJson::array({pass.forward ? "F" : "B", pass.microbatch, pass.chunk}));
+    schedule.push_back(std::move(list));
+  }
+  j["schedule"] = std::move(schedule);
+  if (!plan.sweep.empty()) {
+    OrderedJson sweep = OrderedJson::array();
+    for (const auto& pt : plan.sweep) {
+      sweep.push_back({{"budget", pt.budget}, {"fits", pt.fits}, {"max_peak", pt.max_peak},
+                       {"added_s", pt.added_s}, {"step_s", pt.step_s}});
+    }
+    j["sweep"] = std::move(sweep);
+  }
+  if (plan.verified) j["verified"] = plan.verify_errors.empty();
   if (!plan.warnings.empty()) j["warnings"] = plan.warnings;
   j["model"] = NormalizedModelJson(plan.model);
   return j;
@@ -179,33 +392,68 @@ OrderedJson PlanToJson(const Plan& plan) {
 std::string RenderPlanTable(const Plan& plan) {
   // GiB for real models; MiB when every peak is below 1 GiB (tiny models).
   int64_t max_peak = 0;
-  for (const auto& r : plan.ranks) max_peak = std::max(max_peak, r.peak);
+  for (const auto& r : plan.ranks) max_peak = std::max({max_peak, r.peak, r.keep_all_lower_bound});
   const bool mib = max_peak < kGiB;
   const std::string u = mib ? "(MiB)" : "(GiB)";
   auto cell = [&](int64_t bytes) {
     return FormatFixed(static_cast<double>(bytes) / static_cast<double>(mib ? kMiB : kGiB), 2);
   };
-  Table t({"pp_rank", "layers", mib ? "params(M)" : "params(B)", "weights" + u, "grads" + u, "optim" + u,
-           "buffers" + u, "static" + u, "act/mb" + u, "in_flight", "activ." + u, "peak" + u, "budget" + u,
-           "fits", "host" + u});
+  Table t({"pp_rank", "layers", "static" + u, "activ." + u, "peak" + u, "lower_bd" + u, "any_plan" + u,
+           "keep_all" + u, "budget" + u, "fits", "remote_out" + u, "host" + u, "added(ms)"});
   for (const auto& r : plan.ranks) {
-    int64_t in_flight = 0;
-    for (int64_t n : r.in_flight_chunks) in_flight += n;
-    t.AddRow({std::to_string(r.pp_rank), std::to_string(r.layers.size()),
-              FormatFixed(static_cast<double>(r.statics.params) / (mib ? 1e6 : 1e9), 3), cell(r.statics.weights),
-              cell(r.statics.grads), cell(r.statics.optimizer), cell(r.statics.buffers), cell(r.statics.total),
-              cell(r.activations_per_microbatch), std::to_string(in_flight), cell(r.activations_peak),
-              cell(r.peak), cell(r.budget), r.fits ? "yes" : "NO", cell(r.statics.host)});
+    int64_t remote = 0;
+    for (const auto& [to, bytes] : r.remote_offload) remote += bytes;
+    t.AddRow({std::to_string(r.pp_rank), std::to_string(r.layers.size()), cell(r.statics.total),
+              cell(r.activations_peak), cell(r.peak), cell(r.lower_bound), cell(r.any_plan_lower_bound),
+              cell(r.keep_all_lower_bound), cell(r.budget), r.fits ? "yes" : "NO", cell(remote),
+              cell(r.statics.host), FormatFixed(1e3 * (r.recompute_s + r.quantize_s + r.exposed_transfer_s), 2)});
   }
   std::string out = t.Render();
+
+  // Policy summary: what the plan does with the saved tensors.
+  struct Row {
+    int64_t tensors = 0, bytes = 0, device = 0;
+  };
+  std::map<std::string, Row> rows;
+  for (const auto& e : plan.tensors) {
+    std::string name;
+    for (Policy p : e.effective) name += (name.empty() ? "" : "+") + std::string(PolicyName(p));
+    Row& r = rows[name];
+    ++r.tensors;
+    r.bytes += e.bytes;
+    r.device += e.device_bytes;
+  }
+  Table pol({"policy", "tensors", "bytes/mb" + u, "device/mb" + u});
+  for (const auto& [name, r] : rows) {
+    pol.AddRow({name, std::to_string(r.tensors), cell(r.bytes), cell(r.device)});
+  }
+  out += "\n" + pol.Render();
   auto count = [](int64_t n) {
     return n >= 1'000'000'000 ? FormatFixed(static_cast<double>(n) / 1e9, 2) + " B"
                               : FormatFixed(static_cast<double>(n) / 1e6, 2) + " M";
   };
-  out += "model " + plan.model.name + ": " + count(plan.totals.params) + " params (" +
+  const Overhead& o = plan.overhead;
+  out += "\nmodel " + plan.model.name + ": " + count(plan.totals.params) + " params (" +
          count(plan.totals.params_active) + " active), pp " + std::to_string(plan.model.parallel.pp) + " x vp " +
          std::to_string(plan.model.parallel.vp) + ", " + std::to_string(plan.model.train.microbatches) +
-         " microbatches; activations: every saved tensor kept\n";
+         " microbatches\n";
+  out += "step " + FormatFixed(o.step_s * 1e3, 2) + " ms (base " + FormatFixed(o.base_step_s * 1e3, 2) +
+         " ms; critical rank adds recompute " + FormatFixed(o.recompute_s * 1e3, 2) + " ms, fp8 " +
+         FormatFixed(o.quantize_s * 1e3, 2) + " ms, exposed transfers " + FormatFixed(o.exposed_transfer_s * 1e3, 2) +
+         " ms)\n";
+  if (plan.model.parallel.pp > 1) {
+    out += "pp balance: max/min lower bound " + FormatFixed(plan.rebalance.ratio_before, 2) + " -> " +
+           FormatFixed(plan.rebalance.ratio_after, 2) + " (" + std::to_string(plan.rebalance.moved_tensors) +
+           " tensors offloaded remotely)\n";
+  }
+  if (!plan.sweep.empty()) {
+    Table sw({"budget" + u, "fits", "max_peak" + u, "added(ms)", "step(ms)"});
+    for (const auto& pt : plan.sweep) {
+      sw.AddRow({cell(pt.budget), pt.fits ? "yes" : "NO", cell(pt.max_peak), FormatFixed(pt.added_s * 1e3, 2),
+                 FormatFixed(pt.step_s * 1e3, 2)});
+    }
+    out += "\ntrade-off (--sweep): budget vs added step time\n" + sw.Render();
+  }
   return out;
 }
 

@@ -2,10 +2,11 @@
 //
 // BuildPlan() runs the planner's stages on a parsed model: expand the layers
 // (templates or explicit graph), lay them out over pipeline ranks, account
-// static memory per rank, and size activations. Until the policy solver
-// lands, every saved tensor is kept (`activation_model: "keep_all"`), and a
-// rank's activation peak is the in-flight microbatches of each chunk at its
-// 1F1B peak times that chunk's saved bytes per microbatch.
+// static memory per rank, schedule, simulate liveness, rebalance across
+// pipeline ranks (pp_balance), decide every saved tensor's storage under the
+// budget, bound and verify. A budget below a rank's any-plan lower bound is
+// an ErrorCode::kInfeasible error; a rank that cannot fit because
+// annotations pin its tensors is reported with fits = false and a warning.
 #pragma once
 
 #include <cstdint>
@@ -19,6 +20,8 @@
 #include "memplan/planner/graph.h"
 #include "memplan/planner/layout.h"
 #include "memplan/planner/model.h"
+#include "memplan/planner/schedule.h"
+#include "memplan/planner/solver.h"
 
 namespace memplan::planner {
 
@@ -26,6 +29,10 @@ inline constexpr std::string_view kPlanSchema = "memplan.plan/1";
 
 struct PlanOptions {
   std::optional<int64_t> budget;  // overrides the model's budget (bytes)
+  SolverKind solver = SolverKind::kHeuristic;
+  bool sweep = false;   // also compute the budget / step-time trade-off curve
+  bool verify = false;  // run the plan verifier (always on in tests)
+  int sweep_points = 12;
 };
 
 struct RankPlan {
@@ -39,8 +46,28 @@ struct RankPlan {
   int64_t activations_peak = 0;
   int64_t peak = 0;
   int64_t lower_bound = 0;
+  int64_t keep_all_lower_bound = 0;  // every activation kept (annotations ignored)
+  int64_t any_plan_lower_bound = 0;
   int64_t budget = 0;
   bool fits = false;
+  double recompute_s = 0, quantize_s = 0, exposed_transfer_s = 0;
+  std::vector<std::pair<int32_t, int64_t>> remote_offload;  // (to rank, bytes)
+};
+
+struct Overhead {
+  double recompute_s = 0;
+  double quantize_s = 0;
+  double exposed_transfer_s = 0;
+  double step_s = 0;      // base pipeline step plus the critical rank's added time
+  double base_step_s = 0;
+};
+
+struct SweepPoint {
+  int64_t budget = 0;
+  bool fits = false;
+  int64_t max_peak = 0;
+  double added_s = 0;
+  double step_s = 0;
 };
 
 struct TensorEntry {
@@ -56,6 +83,7 @@ struct TensorEntry {
   std::vector<Policy> effective;  // what the plan does
   int64_t device_bytes = 0;
   std::string annotation;  // glob that matched, if any
+  int32_t to_pp_rank = -1;  // remote offload target
 };
 
 struct Plan {
@@ -64,7 +92,14 @@ struct Plan {
   ModelTotals totals;
   std::vector<RankPlan> ranks;
   std::vector<TensorEntry> tensors;
+  std::vector<RankSchedule> schedules;
+  Overhead overhead;
+  RebalanceResult rebalance;
+  SolverKind solver = SolverKind::kHeuristic;
+  std::vector<SweepPoint> sweep;
   std::vector<std::string> warnings;
+  std::vector<std::string> verify_errors;
+  bool verified = false;
 };
 
 Expected<Plan> BuildPlan(const Model& model, const PlanOptions& options = {});

@@ -1,0 +1,51 @@
+// BestFitHeap: the deterministic online best-fit allocator that both the
+// planner (to predict `peak`, fragmentation included) and the host runtime's
+// device arena use, so that measured equals predicted byte for byte.
+//
+// Allocate() takes the smallest free block that fits (lowest offset among
+// equal sizes); when none fits it grows the arena from its top, reusing a
+// free block that touches the top. Free() coalesces with its neighbours.
+// Sizes are rounded up to `alignment`. Every operation is O(log n).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <set>
+#include <unordered_map>
+#include <utility>
+
+namespace memplan {
+
+class BestFitHeap {
+ public:
+  explicit BestFitHeap(int64_t alignment = 256);
+
+  // Returns the offset of a new block of at least `bytes` (> 0).
+  int64_t Allocate(int64_t bytes);
+  // Frees the block at `offset` (must be allocated).
+  void Free(int64_t offset);
+  // The effect of Allocate(bytes) immediately followed by Free() of that
+  // block: the heap ends in the same state, only the high-water mark can
+  // move. O(log n) and no mutation of the free lists.
+  void AllocateAndFree(int64_t bytes);
+
+  int64_t AlignedSize(int64_t bytes) const;
+  // Highest offset + size ever reached: the arena size a run needs.
+  int64_t high_water() const { return high_water_; }
+  // Bytes currently allocated (aligned sizes).
+  int64_t allocated_bytes() const { return allocated_bytes_; }
+
+ private:
+  void InsertFree(int64_t offset, int64_t size);
+  void EraseFree(std::map<int64_t, int64_t>::iterator it);
+
+  int64_t alignment_;
+  int64_t top_ = 0;
+  int64_t high_water_ = 0;
+  int64_t allocated_bytes_ = 0;
+  std::map<int64_t, int64_t> free_by_offset_;         // offset -> size
+  std::set<std::pair<int64_t, int64_t>> free_by_size_;  // (size, offset)
+  std::unordered_map<int64_t, int64_t> allocated_;    // offset -> size
+};
+
+}  // namespace memplan

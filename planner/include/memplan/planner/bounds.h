@@ -1,0 +1,60 @@
+// Bounds and verification (stage 8).
+//
+//   lower_bound           static + max over steps of live bytes: what a
+//                         perfect allocator needs.
+//   peak                  static + the high-water mark of the deterministic
+//                         best-fit heap (common/best_fit_heap.h) placing every
+//                         interval and every op's transient in step order:
+//                         fragmentation included, the number the host
+//                         runtime's arena reaches.
+//   any_plan_lower_bound  the lower bound when every instance takes its
+//                         smallest footprint (resident only while produced
+//                         and during its layer's backward); no plan can do
+//                         better, so a budget below it is infeasible.
+//
+// The verifier checks the result instead of trusting it: every instance is
+// resident when produced and throughout its layer's backward, no two placed
+// buffers overlap in both time and space, and every copy that moves bytes
+// finishes before the bytes are needed again (a copy-out before its
+// prefetch is issued; an instance whose window is too short stays resident
+// and is accounted as kept).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "memplan/planner/liveness.h"
+
+namespace memplan::planner {
+
+struct RankBounds {
+  int64_t activations_peak = 0;  // max over steps of non-static live bytes
+  int64_t lower_bound = 0;
+  int64_t peak = 0;
+  int64_t any_plan_lower_bound = 0;
+  int64_t peak_step = 0;           // where the lower bound is reached
+  double recompute_s = 0;          // added seconds per step on this rank
+  double quantize_s = 0;
+  double exposed_transfer_s = 0;
+  int64_t resident_offloads = 0;  // offloaded instances whose window is too short: kept resident
+  std::vector<std::pair<int32_t, int64_t>> remote_offload;  // (to rank, max bytes held there)
+};
+
+struct Evaluation {
+  std::vector<RankBounds> ranks;
+  std::vector<Interval> intervals;
+  std::vector<std::string> verify_errors;  // empty when the plan verifies
+};
+
+// Simulates `a` with first-in-first-out copy queues, places every buffer,
+// and (when `verify`) runs the verifier. With `reuse`, ranks whose flag in
+// `changed` is false keep reuse->ranks[r].peak instead of being placed
+// again (their intervals must not have changed).
+Evaluation Evaluate(const PlanningProblem& p, const Assignment& a, bool verify,
+                    const Evaluation* reuse = nullptr, const std::vector<bool>* changed = nullptr);
+
+// Static + max of AnyPlanProfiles per rank.
+std::vector<int64_t> AnyPlanLowerBounds(const PlanningProblem& p);
+
+}  // namespace memplan::planner

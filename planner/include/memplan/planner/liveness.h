@@ -1,0 +1,192 @@
+// Liveness on the schedule (stage 5).
+//
+// Glossary (XLA's heap-simulator vocabulary):
+//   step      one op of a rank's flattened schedule: the forward ops of each
+//             layer of a forward pass in topological order, the backward ops
+//             of each layer of a backward pass in reverse order.
+//   instance  one saved tensor of one microbatch (its chunk is the layer's).
+//   interval  the inclusive step range during which some bytes of an
+//             instance occupy a rank's device memory. A kept instance has one
+//             interval [produced, end of its layer's backward]; an offloaded
+//             one has two (until the copy-out completes; from the per-layer
+//             prefetch on); an FP8 one holds its full size at quantize and
+//             dequantize and 1.03125 B/element in between; a recomputed one
+//             is re-materialized for its layer's backward.
+//   transient the per-step bytes of the op itself: outputs being produced
+//             that are not saved, workspace, and in backward the input
+//             gradients being produced.
+//
+// Time: every op takes its roofline time on the hardware (backward: twice the
+// forward); a pipeline simulation of the schedules (each pass waits for the
+// same microbatch's pass on the neighbouring virtual stage) gives every
+// step a start and end time. Copies run on per-rank queues (d2h, h2d, and the
+// pipeline link for remote offload), first in first out, overlapped with
+// compute; a prefetch that arrives after its layer's backward starts is
+// exposed time. Transfer windows come from the base timeline.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "memplan/planner/accounting.h"
+#include "memplan/planner/graph.h"
+#include "memplan/planner/layout.h"
+#include "memplan/planner/model.h"
+#include "memplan/planner/schedule.h"
+
+namespace memplan::planner {
+
+// How every instance of one saved tensor is stored.
+enum class Storage : uint8_t {
+  kKeep,
+  kRecompute,
+  kFp8,
+  kOffloadHost,
+  kFp8OffloadHost,
+  kOffloadRemote,
+  kFp8OffloadRemote,
+};
+inline constexpr int kStorageCount = 7;
+
+std::vector<Policy> StoragePolicies(Storage s);
+Storage StorageFrom(const std::vector<Policy>& policies);
+bool IsRemote(Storage s);
+bool IsOffload(Storage s);
+bool IsFp8(Storage s);
+
+// FP8 1x128 blockwise footprint: E4M3 values plus one fp32 scale per block
+// of the last dimension (1.03125 B/element when it divides by 128).
+int64_t Fp8Bytes(const std::vector<int64_t>& shape);
+
+struct SavedTensor {
+  std::string name;
+  int64_t layer = 0;
+  int32_t chunk = 0;
+  int32_t graph_index = 0;  // index in the layer graph's tensors
+  int64_t bytes = 0;
+  int64_t fp8_bytes = 0;
+  bool can_fp8 = false;        // a floating-point activation
+  bool can_recompute = false;  // a producer chain inside the chunk
+  double recompute_s = 0;      // one instance: the chain's ops, roofline
+  int64_t recompute_extra_bytes = 0;  // chain intermediates at re-materialization
+  double fp8_s = 0;            // one instance: quantize + dequantize at HBM bandwidth
+  std::optional<double> cost_recompute_s, cost_fp8_s, cost_offload_s;  // model `costs`
+  bool annotated = false;
+  std::vector<Policy> annotation;  // as written
+  std::string annotation_glob;
+  Storage annotated_storage = Storage::kKeep;  // after legal fallback
+  int64_t prod_pos = -1;  // producer op's position in the layer's forward
+};
+
+struct Instance {
+  int32_t tensor = 0;  // index into the rank's tensors
+  int32_t microbatch = 0;
+  int64_t prod = 0;      // step that produces it
+  int64_t b_first = 0;   // first step of its layer's backward
+  int64_t b_last = 0;    // last step of its layer's backward
+  int64_t pf_start = 0;  // step at which its layer's prefetch is issued
+  double prod_end_s = 0;   // time the producing op ends
+  double pf_start_s = 0;   // time the prefetch may start
+  double need_s = 0;       // time its layer's backward starts
+};
+
+struct RankTimeline {
+  int64_t steps = 0;
+  std::vector<int64_t> transient;          // bytes per step
+  std::vector<double> start_s, end_s;      // per step, pipeline time
+  std::vector<int32_t> step_pass;          // index into the rank's schedule
+  double compute_s = 0;                    // sum of op times
+};
+
+// Everything the solver, the rebalancer and the bounds need, built once.
+struct PlanningProblem {
+  const Model* model = nullptr;
+  std::vector<LayerGraph> layers;
+  PipelineLayout layout;
+  std::vector<RankSchedule> schedules;
+  std::vector<StaticBreakdown> statics;
+  std::vector<RankTimeline> timelines;
+  std::vector<std::vector<SavedTensor>> tensors;    // per rank
+  std::vector<std::vector<Instance>> instances;     // per rank, grouped by tensor
+  std::vector<std::vector<int32_t>> first_instance;  // per rank, per tensor; one past the end appended
+  double makespan_s = 0;  // base step time of the pipeline
+  // Per virtual stage (chunk * pp + rank): one microbatch's forward and
+  // backward pass times.
+  std::vector<double> stage_fwd_s, stage_bwd_s;
+  // Per rank: static + the any-plan profile's maximum (filled by BuildProblem).
+  std::vector<int64_t> any_plan_lower_bound;
+};
+
+// Host-offload capacity of a rank, so that copies hide behind compute: the
+// prefetches of one layer's instances must fit its prefetch window at
+// h2d bandwidth, and a chunk's copy-outs must fit one forward plus one
+// backward pass of that chunk at d2h bandwidth (steady-state 1F1B).
+struct OffloadCapacity {
+  std::vector<double> layer_in_bytes;   // per global layer (0 off this rank)
+  std::vector<double> chunk_out_bytes;  // per chunk of the rank
+  std::vector<double> layer_in_used, chunk_out_used;
+  bool Fits(const SavedTensor& t, int64_t moved) const;
+  void Add(const SavedTensor& t, int64_t moved, double sign);
+};
+OffloadCapacity HostCapacity(const PlanningProblem& p, int32_t rank);
+
+// Throws ErrorException on bad input (e.g. overflowing sizes).
+PlanningProblem BuildProblem(const Model& model, std::vector<LayerGraph> layers);
+
+// Storage decision per rank and tensor, plus the target rank of remote ones.
+struct Assignment {
+  std::vector<std::vector<Storage>> storage;
+  std::vector<std::vector<int32_t>> target;
+  static Assignment KeepAll(const PlanningProblem& p);
+  // Annotated tensors take their (legal) annotation, the rest keep.
+  static Assignment Annotated(const PlanningProblem& p);
+};
+
+struct Interval {
+  int32_t rank = 0;   // where the bytes live
+  int64_t first = 0;  // inclusive steps of that rank
+  int64_t last = 0;
+  int64_t bytes = 0;
+  int32_t owner_rank = 0;  // the instance's rank
+  int32_t instance = 0;    // index into problem.instances[owner_rank]
+  bool transfer_late = false;  // copy-out did not finish before the prefetch window
+};
+
+struct TransferStats {
+  double exposed_s = 0;  // prefetches arriving after their layer's backward starts
+  int64_t late_copies = 0;
+};
+
+// Intervals of every instance owned by `rank` under `a`, with copy queues
+// simulated (first in, first out). Appends to `out`; remote intervals land
+// on their target rank.
+void InstanceIntervals(const PlanningProblem& p, const Assignment& a, int32_t rank, std::vector<Interval>* out,
+                       TransferStats* stats);
+
+// Intervals of one instance under `s` with copy-outs ending at `out_done`
+// (source rank steps) and `remote_first/remote_last` on the target. Used by
+// the solver for a queue-free estimate.
+void IntervalsOf(const PlanningProblem& p, int32_t rank, int32_t instance, Storage s, int32_t target,
+                 int64_t out_done, std::vector<Interval>* out);
+
+// Queue-free copy-out completion step of one instance moving `bytes` at `bw`.
+int64_t CopyDoneStep(const RankTimeline& t, const Instance& inst, int64_t bytes, double bw);
+// The step of `rank` running at time `s` (clamped to the timeline).
+int64_t StepAt(const RankTimeline& t, double s);
+
+// Per rank: live activation bytes per step (transients + intervals).
+std::vector<std::vector<int64_t>> Profiles(const PlanningProblem& p, const std::vector<Interval>& intervals);
+
+// Per rank: the any-plan profile, every instance at its smallest footprint
+// (resident only while produced and during its layer's backward).
+std::vector<std::vector<int64_t>> AnyPlanProfiles(const PlanningProblem& p);
+
+// Seconds one instance of tensor t adds under storage s, by the separable
+// cost model the solvers optimise (offload: the prefetch that does not fit
+// its window on an otherwise idle link).
+double InstanceCost(const PlanningProblem& p, int32_t rank, int32_t instance, Storage s);
+bool Legal(const SavedTensor& t, Storage s, int64_t pp);
+
+}  // namespace memplan::planner

@@ -1,0 +1,180 @@
+#include "memplan/planner/bounds.h"
+
+#include <algorithm>
+#include <map>
+
+#include "memplan/common/best_fit_heap.h"
+#include "memplan/common/units.h"
+
+namespace memplan::planner {
+namespace {
+
+struct Placed {
+  int64_t first, last, offset, size;
+  size_t interval;  // index into intervals, or SIZE_MAX for a transient
+};
+
+// Places `rank`'s buffers in step order: at each step, buffers that ended at
+// the previous step are freed, then the step's new intervals are allocated
+// (in interval order), then the op's transient. Returns the high-water mark.
+int64_t Place(const PlanningProblem& p, int32_t rank, const std::vector<Interval>& ivs,
+              const std::vector<size_t>& mine, std::vector<Placed>* placed) {
+  const RankTimeline& tl = p.timelines[static_cast<size_t>(rank)];
+  // Allocation order: by first step (stable: interval order); frees: by last.
+  std::vector<size_t> by_first = mine;
+  std::stable_sort(by_first.begin(), by_first.end(), [&](size_t x, size_t y) { return ivs[x].first < ivs[y].first; });
+  BestFitHeap heap;
+  size_t next = 0;
+  // Frees due at the end of a step are kept in a min-heap on the step.
+  std::vector<std::pair<int64_t, int64_t>> pending;
+  auto later = [](const std::pair<int64_t, int64_t>& x, const std::pair<int64_t, int64_t>& y) { return x > y; };
+  for (int64_t s = 0; s < tl.steps; ++s) {
+    for (; next < by_first.size() && ivs[by_first[next]].first == s; ++next) {
+      size_t k = by_first[next];
+      int64_t off = heap.Allocate(ivs[k].bytes);
+      pending.emplace_back(ivs[k].last, off);
+      std::push_heap(pending.begin(), pending.end(), later);
+      if (placed) placed->push_back({ivs[k].first, ivs[k].last, off, heap.AlignedSize(ivs[k].bytes), k});
+    }
+    int64_t tr = tl.transient[static_cast<size_t>(s)];
+    if (tr > 0) {
+      if (placed) {
+        int64_t off = heap.Allocate(tr);
+        placed->push_back({s, s, off, heap.AlignedSize(tr), SIZE_MAX});
+        heap.Free(off);
+      } else {
+        heap.AllocateAndFree(tr);
+      }
+    }
+    while (!pending.empty() && pending.front().first == s) {
+      std::pop_heap(pending.begin(), pending.end(), later);
+      heap.Free(pending.back().second);
+      pending.pop_back();
+    }
+  }
+  return heap.high_water();
+}
+
+void VerifyPlacement(const std::vector<Placed>& placed, int32_t rank, std::vector<std::string>* errors) {
+  // Sweep in time: buffers live at the same step must not share bytes.
+  std::vector<size_t> order(placed.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return placed[a].first < placed[b].first; });
+  std::multimap<int64_t, size_t> active;  // last step -> placed index
+  std::map<int64_t, size_t> by_offset;    // offset -> placed index (active)
+  for (size_t idx : order) {
+    const Placed& b = placed[idx];
+    while (!active.empty() && active.begin()->first < b.first) {
+      by_offset.erase(placed[active.begin()->second].offset);
+      active.erase(active.begin());
+    }
+    auto next = by_offset.lower_bound(b.offset);
+    bool clash = next != by_offset.end() && next->first < b.offset + b.size;
+    if (next != by_offset.begin()) {
+      const Placed& prev = placed[std::prev(next)->second];
+      clash |= prev.offset + prev.size > b.offset;
+    }
+    if (clash) {
+      errors->push_back("pp rank " + std::to_string(rank) + ": buffers overlap at offset " + std::to_string(b.offset) +
+                        " during step " + std::to_string(b.first));
+      return;
+    }
+    by_offset[b.offset] = idx;
+    active.emplace(b.last, idx);
+  }
+}
+
+}  // namespace
+
+std::vector<int64_t> AnyPlanLowerBounds(const PlanningProblem& p) { return p.any_plan_lower_bound; }
+
+Evaluation Evaluate(const PlanningProblem& p, const Assignment& a, bool verify, const Evaluation* reuse,
+                    const std::vector<bool>* changed) {
+  Evaluation e;
+  const int32_t pp = static_cast<int32_t>(p.tensors.size());
+  e.ranks.resize(static_cast<size_t>(pp));
+  for (int32_t r = 0; r < pp; ++r) {
+    TransferStats stats;
+    InstanceIntervals(p, a, r, &e.intervals, &stats);
+    RankBounds& b = e.ranks[static_cast<size_t>(r)];
+    b.exposed_transfer_s = stats.exposed_s;
+    // Instances whose copy-out cannot finish before their prefetch window
+    // opens stay resident (accounted as kept); they move no bytes.
+    b.resident_offloads = stats.late_copies;
+    const auto& insts = p.instances[static_cast<size_t>(r)];
+    for (size_t i = 0; i < insts.size(); ++i) {
+      Storage s = a.storage[static_cast<size_t>(r)][static_cast<size_t>(insts[i].tensor)];
+      double c = InstanceCost(p, r, static_cast<int32_t>(i), s);
+      if (s == Storage::kRecompute) b.recompute_s += c;
+      if (IsFp8(s)) b.quantize_s += InstanceCost(p, r, static_cast<int32_t>(i), Storage::kFp8);
+    }
+  }
+  auto profiles = Profiles(p, e.intervals);
+  const auto& any = p.any_plan_lower_bound;
+  std::vector<std::vector<size_t>> mine(static_cast<size_t>(pp));
+  for (size_t k = 0; k < e.intervals.size(); ++k) mine[static_cast<size_t>(e.intervals[k].rank)].push_back(k);
+  for (int32_t r = 0; r < pp; ++r) {
+    RankBounds& b = e.ranks[static_cast<size_t>(r)];
+    const auto& prof = profiles[static_cast<size_t>(r)];
+    auto it = std::max_element(prof.begin(), prof.end());
+    b.activations_peak = it == prof.end() ? 0 : *it;
+    b.peak_step = it == prof.end() ? 0 : it - prof.begin();
+    int64_t stat = p.statics[static_cast<size_t>(r)].total;
+    b.lower_bound = stat + b.activations_peak;
+    b.any_plan_lower_bound = any[static_cast<size_t>(r)];
+    std::vector<Placed> placed;
+    if (reuse && changed && !(*changed)[static_cast<size_t>(r)] && !verify) {
+      b.peak = reuse->ranks[static_cast<size_t>(r)].peak;
+    } else {
+      b.peak = stat + Place(p, r, e.intervals, mine[static_cast<size_t>(r)], verify ? &placed : nullptr);
+    }
+    if (verify) VerifyPlacement(placed, r, &e.verify_errors);
+    // Bytes this rank holds on each other rank, at their maximum.
+    std::map<int32_t, std::vector<int64_t>> held;
+    for (const auto& iv : e.intervals) {
+      if (iv.owner_rank != r || iv.rank == r) continue;
+      auto& d = held[iv.rank];
+      if (d.empty()) d.assign(static_cast<size_t>(p.timelines[static_cast<size_t>(iv.rank)].steps) + 1, 0);
+      d[static_cast<size_t>(iv.first)] += iv.bytes;
+      d[static_cast<size_t>(iv.last) + 1] -= iv.bytes;
+    }
+    for (auto& [target, d] : held) {
+      int64_t run = 0, mx = 0;
+      for (int64_t v : d) mx = std::max(mx, run += v);
+      b.remote_offload.emplace_back(target, mx);
+    }
+  }
+  if (verify) {
+    // Every instance resident when produced and through its layer's backward.
+    std::vector<std::vector<std::vector<std::pair<int64_t, int64_t>>>> cover(static_cast<size_t>(pp));
+    for (int32_t r = 0; r < pp; ++r) cover[static_cast<size_t>(r)].resize(p.instances[static_cast<size_t>(r)].size());
+    for (const auto& iv : e.intervals) {
+      if (iv.rank != iv.owner_rank) continue;
+      cover[static_cast<size_t>(iv.owner_rank)][static_cast<size_t>(iv.instance)].emplace_back(iv.first, iv.last);
+    }
+    for (int32_t r = 0; r < pp && e.verify_errors.size() < 20; ++r) {
+      for (size_t i = 0; i < p.instances[static_cast<size_t>(r)].size(); ++i) {
+        const Instance& in = p.instances[static_cast<size_t>(r)][i];
+        auto segs = cover[static_cast<size_t>(r)][i];
+        std::sort(segs.begin(), segs.end());
+        auto covers = [&](int64_t lo, int64_t hi) {
+          int64_t need = lo;
+          for (auto [f, l] : segs) {
+            if (f <= need && l >= need) need = l + 1;
+            if (need > hi) return true;
+          }
+          return need > hi;
+        };
+        if (!covers(in.prod, in.prod) || !covers(in.b_first, in.b_last)) {
+          e.verify_errors.push_back("pp rank " + std::to_string(r) + ": " +
+                                    p.tensors[static_cast<size_t>(r)][static_cast<size_t>(in.tensor)].name + "@mb" +
+                                    std::to_string(in.microbatch) + " is not resident when it is used");
+          break;
+        }
+      }
+    }
+  }
+  return e;
+}
+
+}  // namespace memplan::planner

@@ -1,0 +1,630 @@
+#include "memplan/planner/liveness.h"
+
+#include <algorithm>
+#include <limits>
+#include <cmath>
+#include <numeric>
+#include <unordered_map>
+
+#include "memplan/common/check.h"
+#include "memplan/common/units.h"
+#include "memplan/planner/plan.h"
+
+namespace memplan::planner {
+
+std::vector<Policy> StoragePolicies(Storage s) {
+  switch (s) {
+    case Storage::kKeep: return {Policy::kKeep};
+    case Storage::kRecompute: return {Policy::kRecompute};
+    case Storage::kFp8: return {Policy::kFp8};
+    case Storage::kOffloadHost: return {Policy::kOffloadHost};
+    case Storage::kFp8OffloadHost: return {Policy::kFp8, Policy::kOffloadHost};
+    case Storage::kOffloadRemote: return {Policy::kOffloadRemote};
+    case Storage::kFp8OffloadRemote: return {Policy::kFp8, Policy::kOffloadRemote};
+  }
+  return {Policy::kKeep};
+}
+
+Storage StorageFrom(const std::vector<Policy>& p) {
+  if (p.size() == 2) return p[1] == Policy::kOffloadHost ? Storage::kFp8OffloadHost : Storage::kFp8OffloadRemote;
+  switch (p.empty() ? Policy::kKeep : p[0]) {
+    case Policy::kKeep: return Storage::kKeep;
+    case Policy::kRecompute: return Storage::kRecompute;
+    case Policy::kFp8: return Storage::kFp8;
+    case Policy::kOffloadHost: return Storage::kOffloadHost;
+    case Policy::kOffloadRemote: return Storage::kOffloadRemote;
+  }
+  return Storage::kKeep;
+}
+
+bool IsRemote(Storage s) { return s == Storage::kOffloadRemote || s == Storage::kFp8OffloadRemote; }
+bool IsOffload(Storage s) {
+  return IsRemote(s) || s == Storage::kOffloadHost || s == Storage::kFp8OffloadHost;
+}
+bool IsFp8(Storage s) {
+  return s == Storage::kFp8 || s == Storage::kFp8OffloadHost || s == Storage::kFp8OffloadRemote;
+}
+
+int64_t Fp8Bytes(const std::vector<int64_t>& shape) {
+  int64_t cols = shape.back();
+  int64_t rows = 1;
+  for (size_t i = 0; i + 1 < shape.size(); ++i) rows *= shape[i];
+  int64_t blocks = (cols + 127) / 128;
+  return CheckedAdd(CheckedMul(rows, cols, "fp8 bytes"), CheckedMul(rows, blocks * 4, "fp8 scales"), "fp8 bytes");
+}
+
+bool Legal(const SavedTensor& t, Storage s, int64_t pp) {
+  if (IsFp8(s) && !t.can_fp8) return false;
+  if (s == Storage::kRecompute && !t.can_recompute) return false;
+  if (IsRemote(s) && pp < 2) return false;
+  return true;
+}
+
+namespace {
+
+double Roofline(const Hardware& hw, double flops, double bytes) {
+  return std::max(flops / hw.bf16_flops, bytes / hw.hbm_bw);
+}
+
+// Nearest legal storage for an annotation that cannot apply as written:
+// no fp8 for masks and indices, no recompute without a local producer, no
+// remote offload without a second pipeline rank.
+Storage Fallback(const SavedTensor& t, Storage s, int64_t pp) {
+  if (IsFp8(s) && !t.can_fp8) {
+    s = s == Storage::kFp8 ? Storage::kKeep : s == Storage::kFp8OffloadHost ? Storage::kOffloadHost
+                                                                           : Storage::kOffloadRemote;
+  }
+  if (s == Storage::kRecompute && !t.can_recompute) s = Storage::kKeep;
+  if (IsRemote(s) && pp < 2) s = s == Storage::kOffloadRemote ? Storage::kOffloadHost : Storage::kFp8OffloadHost;
+  return s;
+}
+
+struct LayerInfo {
+  std::vector<double> fwd_s, bwd_s;             // per op, topological order
+  std::vector<int64_t> fwd_trans, bwd_trans;    // per op, topological order
+  std::vector<int32_t> saved;                   // graph indices of saved tensors
+  std::vector<int64_t> prod_pos;                // per saved tensor
+  std::unordered_map<std::string_view, int32_t> op_pos;      // op name -> topo position
+  std::unordered_map<std::string_view, int32_t> tensor_idx;  // tensor name -> index
+  double fwd_total = 0, bwd_total = 0;
+};
+
+LayerInfo Analyze(const LayerGraph& g, const Hardware& hw) {
+  LayerInfo info;
+  const auto& order = g.TopologicalOrder();
+  for (size_t i = 0; i < g.tensors.size(); ++i) info.tensor_idx.emplace(g.tensors[i].name, static_cast<int32_t>(i));
+  for (size_t pos = 0; pos < order.size(); ++pos) {
+    const OpSpec& op = g.ops[order[pos]];
+    info.op_pos.emplace(op.name, static_cast<int32_t>(pos));
+    double f = Roofline(hw, op.flops, static_cast<double>(op.bytes_read + op.bytes_written));
+    info.fwd_s.push_back(f);
+    info.bwd_s.push_back(2 * f);
+    info.fwd_total += f;
+    info.bwd_total += 2 * f;
+    int64_t ft = op.workspace_bytes;
+    for (const auto& out : op.outputs) {
+      const TensorSpec& t = g.tensors[static_cast<size_t>(info.tensor_idx.at(out))];
+      if (!t.saved) ft += t.bytes;
+    }
+    int64_t bt = op.workspace_bytes;
+    for (const auto& in : op.inputs) bt += g.tensors[static_cast<size_t>(info.tensor_idx.at(in))].bytes;
+    info.fwd_trans.push_back(ft);
+    info.bwd_trans.push_back(bt);
+  }
+  for (size_t i = 0; i < g.tensors.size(); ++i) {
+    const TensorSpec& t = g.tensors[i];
+    if (!t.saved) continue;
+    info.saved.push_back(static_cast<int32_t>(i));
+    auto it = info.op_pos.find(t.producer);
+    info.prod_pos.push_back(it == info.op_pos.end() ? -1 : it->second);
+  }
+  return info;
+}
+
+// The producer chain that re-materializes `tensor` of layer `layer` from
+// tensors that are available at its backward (saved ones, kept alive by
+// their own layers), reaching back into earlier layers of the same chunk.
+struct Chain {
+  bool legal = true;
+  double seconds = 0;
+  int64_t extra_bytes = 0;
+};
+
+void AddToChain(const std::vector<LayerGraph>& layers, const std::vector<LayerInfo>& info, int64_t chunk_first,
+                int64_t layer, const std::string& tensor, bool root, Chain* c, int depth) {
+  if (!c->legal) return;
+  if (depth > 12) {  // long chains are not the cheap recompute this is for
+    c->legal = false;
+    return;
+  }
+  const LayerGraph& g = layers[static_cast<size_t>(layer)];
+  const LayerInfo& li = info[static_cast<size_t>(layer)];
+  auto ti = li.tensor_idx.find(tensor);
+  if (ti == li.tensor_idx.end()) {
+    c->legal = false;
+    return;
+  }
+  const TensorSpec& t = g.tensors[static_cast<size_t>(ti->second)];
+  if (!root && t.saved) return;  // available
+  auto pi = li.op_pos.find(t.producer);
+  if (pi == li.op_pos.end()) {
+    // Produced by the previous layer: only reachable inside this chunk.
+    if (t.producer.empty() || layer - 1 < chunk_first) {
+      c->legal = false;
+      return;
+    }
+    const LayerInfo& prev = info[static_cast<size_t>(layer - 1)];
+    auto op = prev.op_pos.find(t.producer);
+    if (op == prev.op_pos.end()) {
+      c->legal = false;
+      return;
+    }
+    const OpSpec& o = layers[static_cast<size_t>(layer - 1)].ops[layers[static_cast<size_t>(layer - 1)].TopologicalOrder()[static_cast<size_t>(op->second)]];
+    c->seconds += prev.fwd_s[static_cast<size_t>(op->second)];
+    if (!root) c->extra_bytes += t.bytes;
+    for (const auto& in : o.inputs) AddToChain(layers, info, chunk_first, layer - 1, in, false, c, depth + 1);
+    return;
+  }
+  const OpSpec& o = g.ops[g.TopologicalOrder()[static_cast<size_t>(pi->second)]];
+  c->seconds += li.fwd_s[static_cast<size_t>(pi->second)];
+  if (!root) c->extra_bytes += t.bytes;
+  if (o.inputs.empty()) return;
+  for (const auto& in : o.inputs) AddToChain(layers, info, chunk_first, layer, in, false, c, depth + 1);
+}
+
+template <class T>
+std::optional<double> FirstCost(const Model& m, const std::string& name, T field) {
+  for (const auto& c : m.costs) {
+    if ((c.*field).has_value() && GlobMatch(c.match, name)) return *(c.*field);
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+int64_t StepAt(const RankTimeline& t, double s) {
+  auto it = std::lower_bound(t.end_s.begin(), t.end_s.end(), s);
+  if (it == t.end_s.end()) return t.steps - 1;
+  return static_cast<int64_t>(it - t.end_s.begin());
+}
+
+int64_t CopyDoneStep(const RankTimeline& t, const Instance& inst, int64_t bytes, double bw) {
+  return std::max(inst.prod, StepAt(t, inst.prod_end_s + static_cast<double>(bytes) / bw));
+}
+
+PlanningProblem BuildProblem(const Model& model, std::vector<LayerGraph> layers) {
+  PlanningProblem p;
+  p.model = &model;
+  p.layers = std::move(layers);
+  p.layout = MakePipelineLayout(model);
+  const int64_t pp = model.parallel.pp;
+  const int64_t vp = model.parallel.vp;
+  const int64_t mbs = model.train.microbatches;
+  p.schedules = BuildSchedules(pp, vp, mbs);
+  const Hardware& hw = model.hardware;
+
+  std::vector<LayerInfo> info;
+  info.reserve(p.layers.size());
+  for (const auto& g : p.layers) info.push_back(Analyze(g, hw));
+
+  // --- Saved tensors per rank ------------------------------------------------
+  p.tensors.resize(static_cast<size_t>(pp));
+  p.statics.resize(static_cast<size_t>(pp));
+  std::vector<std::vector<int32_t>> tensor_base(p.layers.size());  // layer -> rank-local index of its first saved tensor
+  for (int64_t r = 0; r < pp; ++r) {
+    p.statics[static_cast<size_t>(r)] = AccountRank(model, p.layers, p.layout, r);
+    auto& ts = p.tensors[static_cast<size_t>(r)];
+    for (int64_t c = 0; c < vp; ++c) {
+      const auto& chunk = p.layout.chunks[static_cast<size_t>(r)][static_cast<size_t>(c)];
+      for (int64_t layer : chunk) {
+        const LayerGraph& g = p.layers[static_cast<size_t>(layer)];
+        const LayerInfo& li = info[static_cast<size_t>(layer)];
+        tensor_base[static_cast<size_t>(layer)].push_back(static_cast<int32_t>(ts.size()));
+        for (size_t k = 0; k < li.saved.size(); ++k) {
+          const TensorSpec& spec = g.tensors[static_cast<size_t>(li.saved[k])];
+          SavedTensor t;
+          t.name = spec.name;
+          t.layer = layer;
+          t.chunk = static_cast<int32_t>(c);
+          t.graph_index = li.saved[k];
+          t.bytes = spec.bytes;
+          t.fp8_bytes = Fp8Bytes(spec.shape);
+          t.can_fp8 = spec.dtype == DType::kBF16 || spec.dtype == DType::kFP16 || spec.dtype == DType::kFP32;
+          t.prod_pos = li.prod_pos[k];
+          Chain chain;
+          AddToChain(p.layers, info, chunk.front(), layer, spec.name, true, &chain, 0);
+          t.can_recompute = chain.legal;
+          t.recompute_s = chain.seconds;
+          t.recompute_extra_bytes = chain.extra_bytes;
+          t.fp8_s = 2 * Roofline(hw, 0, static_cast<double>(t.bytes + t.fp8_bytes));
+          t.cost_recompute_s = FirstCost(model, t.name, &CostOverride::recompute_s);
+          t.cost_fp8_s = FirstCost(model, t.name, &CostOverride::fp8_s);
+          t.cost_offload_s = FirstCost(model, t.name, &CostOverride::offload_s);
+          for (const auto& a : model.policies) {
+            if (GlobMatch(a.match, t.name)) {
+              t.annotated = true;
+              t.annotation = a.policy;
+              t.annotation_glob = a.match;
+              t.annotated_storage = Fallback(t, StorageFrom(a.policy), pp);
+              break;
+            }
+          }
+          ts.push_back(std::move(t));
+        }
+      }
+    }
+  }
+
+  // --- Pipeline timing ---------------------------------------------------------
+  const int64_t stages = pp * vp;
+  std::vector<double> chunk_fwd(static_cast<size_t>(stages), 0), chunk_bwd(static_cast<size_t>(stages), 0);
+  for (int64_t r = 0; r < pp; ++r) {
+    for (int64_t c = 0; c < vp; ++c) {
+      for (int64_t layer : p.layout.chunks[static_cast<size_t>(r)][static_cast<size_t>(c)]) {
+        chunk_fwd[static_cast<size_t>(c * pp + r)] += info[static_cast<size_t>(layer)].fwd_total;
+        chunk_bwd[static_cast<size_t>(c * pp + r)] += info[static_cast<size_t>(layer)].bwd_total;
+      }
+    }
+  }
+  auto key = [&](int64_t mb, int64_t stage) { return static_cast<size_t>(mb * stages + stage); };
+  std::vector<double> f_end(static_cast<size_t>(mbs * stages), -1), b_end(static_cast<size_t>(mbs * stages), -1);
+  std::vector<std::vector<double>> pass_start(static_cast<size_t>(pp));
+  std::vector<size_t> next(static_cast<size_t>(pp), 0);
+  std::vector<double> free_at(static_cast<size_t>(pp), 0);
+  for (bool progress = true; progress;) {
+    progress = false;
+    for (int64_t r = 0; r < pp; ++r) {
+      const auto& sched = p.schedules[static_cast<size_t>(r)];
+      size_t& i = next[static_cast<size_t>(r)];
+      while (i < sched.size()) {
+        const PassRef& pr = sched[i];
+        int64_t stage = pr.chunk * pp + r;
+        double dep = 0;
+        if (pr.forward) {
+          if (stage > 0) dep = f_end[key(pr.microbatch, stage - 1)];
+        } else {
+          dep = stage + 1 < stages ? b_end[key(pr.microbatch, stage + 1)] : f_end[key(pr.microbatch, stage)];
+        }
+        if (dep < 0) break;  // waits for a neighbour
+        double start = std::max(free_at[static_cast<size_t>(r)], dep);
+        double dur = pr.forward ? chunk_fwd[static_cast<size_t>(stage)] : chunk_bwd[static_cast<size_t>(stage)];
+        (pr.forward ? f_end : b_end)[key(pr.microbatch, stage)] = start + dur;
+        free_at[static_cast<size_t>(r)] = start + dur;
+        pass_start[static_cast<size_t>(r)].push_back(start);
+        ++i;
+        progress = true;
+      }
+    }
+  }
+  p.stage_fwd_s = chunk_fwd;
+  p.stage_bwd_s = chunk_bwd;
+  for (int64_t r = 0; r < pp; ++r) {
+    MEMPLAN_CHECK(next[static_cast<size_t>(r)] == p.schedules[static_cast<size_t>(r)].size(), "pipeline schedule deadlocked");
+    p.makespan_s = std::max(p.makespan_s, free_at[static_cast<size_t>(r)]);
+  }
+
+  // --- Steps and instances -------------------------------------------------------
+  p.timelines.resize(static_cast<size_t>(pp));
+  p.instances.resize(static_cast<size_t>(pp));
+  p.first_instance.resize(static_cast<size_t>(pp));
+  for (int64_t r = 0; r < pp; ++r) {
+    const auto& ts = p.tensors[static_cast<size_t>(r)];
+    auto& insts = p.instances[static_cast<size_t>(r)];
+    auto& first = p.first_instance[static_cast<size_t>(r)];
+    for (size_t t = 0; t <= ts.size(); ++t) first.push_back(static_cast<int32_t>(t * static_cast<size_t>(mbs)));
+    insts.resize(ts.size() * static_cast<size_t>(mbs));
+    for (size_t t = 0; t < ts.size(); ++t) {
+      for (int64_t m = 0; m < mbs; ++m) {
+        auto& in = insts[t * static_cast<size_t>(mbs) + static_cast<size_t>(m)];
+        in.tensor = static_cast<int32_t>(t);
+        in.microbatch = static_cast<int32_t>(m);
+      }
+    }
+    RankTimeline& tl = p.timelines[static_cast<size_t>(r)];
+    const auto& sched = p.schedules[static_cast<size_t>(r)];
+    int64_t prev_block_first = 0;
+    for (size_t pi = 0; pi < sched.size(); ++pi) {
+      const PassRef& pr = sched[pi];
+      const auto& chunk = p.layout.chunks[static_cast<size_t>(r)][static_cast<size_t>(pr.chunk)];
+      double now = pass_start[static_cast<size_t>(r)][pi];
+      auto visit = [&](int64_t layer) {
+        const LayerInfo& li = info[static_cast<size_t>(layer)];
+        int64_t block_first = tl.steps;
+        size_t n = li.fwd_s.size();
+        for (size_t k = 0; k < n; ++k) {
+          size_t pos = pr.forward ? k : n - 1 - k;
+          double dur = pr.forward ? li.fwd_s[pos] : li.bwd_s[pos];
+          tl.transient.push_back(pr.forward ? li.fwd_trans[pos] : li.bwd_trans[pos]);
+          tl.start_s.push_back(now);
+          now += dur;
+          tl.end_s.push_back(now);
+          tl.step_pass.push_back(static_cast<int32_t>(pi));
+          tl.compute_s += dur;
+          ++tl.steps;
+        }
+        const auto& bases = tensor_base[static_cast<size_t>(layer)];
+        int32_t base = bases.empty() ? 0 : bases.front();
+        for (size_t k = 0; k < li.saved.size(); ++k) {
+          Instance& in = insts[(static_cast<size_t>(base) + k) * static_cast<size_t>(mbs) + static_cast<size_t>(pr.microbatch)];
+          if (pr.forward) {
+            in.prod = block_first + std::max<int64_t>(0, li.prod_pos[k]);
+          } else {
+            in.b_first = block_first;
+            in.b_last = tl.steps - 1;
+            in.pf_start = prev_block_first;
+          }
+        }
+        prev_block_first = block_first;
+      };
+      if (pr.forward) {
+        for (int64_t layer : chunk) visit(layer);
+      } else {
+        for (auto it = chunk.rbegin(); it != chunk.rend(); ++it) visit(*it);
+      }
+    }
+    for (auto& in : insts) {
+      in.prod_end_s = tl.end_s[static_cast<size_t>(in.prod)];
+      in.pf_start_s = tl.start_s[static_cast<size_t>(in.pf_start)];
+      in.need_s = tl.start_s[static_cast<size_t>(in.b_first)];
+    }
+  }
+  auto any = AnyPlanProfiles(p);
+  for (size_t r = 0; r < any.size(); ++r) {
+    int64_t m = any[r].empty() ? 0 : *std::max_element(any[r].begin(), any[r].end());
+    p.any_plan_lower_bound.push_back(p.statics[r].total + m);
+  }
+  return p;
+}
+
+Assignment Assignment::KeepAll(const PlanningProblem& p) {
+  Assignment a;
+  for (const auto& ts : p.tensors) {
+    a.storage.emplace_back(ts.size(), Storage::kKeep);
+    a.target.emplace_back(ts.size(), -1);
+  }
+  return a;
+}
+
+Assignment Assignment::Annotated(const PlanningProblem& p) {
+  Assignment a = KeepAll(p);
+  for (size_t r = 0; r < p.tensors.size(); ++r) {
+    for (size_t t = 0; t < p.tensors[r].size(); ++t) {
+      const SavedTensor& st = p.tensors[r][t];
+      if (!st.annotated) continue;
+      a.storage[r][t] = st.annotated_storage;
+      // Remote targets of annotated tensors: the last rank (the least loaded
+      // under 1F1B), or the next one for the last rank itself.
+      if (IsRemote(st.annotated_storage)) {
+        int32_t last = static_cast<int32_t>(p.tensors.size()) - 1;
+        a.target[r][t] = static_cast<int32_t>(r) == last ? last - 1 : last;
+      }
+    }
+  }
+  return a;
+}
+
+namespace {
+
+int64_t MovedBytes(const SavedTensor& t, Storage s) { return IsFp8(s) ? t.fp8_bytes : t.bytes; }
+
+void Emit(std::vector<Interval>* out, int32_t rank, int64_t first, int64_t last, int64_t bytes, int32_t owner,
+          int32_t inst) {
+  if (first > last || bytes <= 0) return;
+  Interval iv;
+  iv.rank = rank;
+  iv.first = first;
+  iv.last = last;
+  iv.bytes = bytes;
+  iv.owner_rank = owner;
+  iv.instance = inst;
+  out->push_back(iv);
+}
+
+// Intervals of one instance given when its copy-out completes and when its
+// prefetch arrives (both only for offloads).
+void EmitInstance(const PlanningProblem& p, int32_t rank, int32_t index, Storage s, int32_t target, double done_s,
+                  double arrive_s, std::vector<Interval>* out) {
+  const Instance& in = p.instances[static_cast<size_t>(rank)][static_cast<size_t>(index)];
+  const SavedTensor& t = p.tensors[static_cast<size_t>(rank)][static_cast<size_t>(in.tensor)];
+  const RankTimeline& tl = p.timelines[static_cast<size_t>(rank)];
+  switch (s) {
+    case Storage::kKeep:
+      Emit(out, rank, in.prod, in.b_last, t.bytes, rank, index);
+      return;
+    case Storage::kRecompute:
+      Emit(out, rank, in.prod, in.prod, t.bytes, rank, index);
+      Emit(out, rank, in.b_first, in.b_last, t.bytes, rank, index);
+      Emit(out, rank, in.b_first, in.b_first, t.recompute_extra_bytes, rank, index);
+      return;
+    case Storage::kFp8:
+      Emit(out, rank, in.prod, in.prod, t.bytes, rank, index);
+      Emit(out, rank, in.prod, in.b_first, t.fp8_bytes, rank, index);
+      Emit(out, rank, in.b_first, in.b_last, t.bytes, rank, index);
+      return;
+    default:
+      break;
+  }
+  bool fp8 = IsFp8(s);
+  int64_t moved = MovedBytes(t, s);
+  int64_t done = std::max(in.prod, StepAt(tl, done_s));
+  if (fp8) Emit(out, rank, in.prod, in.prod, t.bytes, rank, index);
+  if (done >= in.pf_start) {
+    // The copy-out does not finish before the prefetch would start: the
+    // instance stays resident (the verifier flags it).
+    Emit(out, rank, in.prod, fp8 ? in.b_first : in.b_last, moved, rank, index);
+    (*out)[out->size() - 1].transfer_late = true;
+  } else {
+    Emit(out, rank, in.prod, done, moved, rank, index);
+    Emit(out, rank, in.pf_start, fp8 ? in.b_first : in.b_last, moved, rank, index);
+    if (IsRemote(s) && target >= 0) {
+      const RankTimeline& tt = p.timelines[static_cast<size_t>(target)];
+      Emit(out, target, StepAt(tt, done_s), StepAt(tt, arrive_s), moved, rank, index);
+    }
+  }
+  if (fp8) Emit(out, rank, in.b_first, in.b_last, t.bytes, rank, index);
+}
+
+}  // namespace
+
+void IntervalsOf(const PlanningProblem& p, int32_t rank, int32_t index, Storage s, int32_t target, int64_t out_done,
+                 std::vector<Interval>* out) {
+  const Instance& in = p.instances[static_cast<size_t>(rank)][static_cast<size_t>(index)];
+  const RankTimeline& tl = p.timelines[static_cast<size_t>(rank)];
+  double done_s = tl.end_s[static_cast<size_t>(std::min(out_done, tl.steps - 1))];
+  const SavedTensor& t = p.tensors[static_cast<size_t>(rank)][static_cast<size_t>(in.tensor)];
+  const Hardware& hw = p.model->hardware;
+  double bw = IsRemote(s) ? hw.pp_link_bw : hw.h2d_bw;
+  double arrive_s = in.pf_start_s + static_cast<double>(MovedBytes(t, s)) / bw;
+  EmitInstance(p, rank, index, s, target, done_s, arrive_s, out);
+}
+
+void InstanceIntervals(const PlanningProblem& p, const Assignment& a, int32_t rank, std::vector<Interval>* out,
+                       TransferStats* stats) {
+  const auto& insts = p.instances[static_cast<size_t>(rank)];
+  const auto& ts = p.tensors[static_cast<size_t>(rank)];
+  const auto& st = a.storage[static_cast<size_t>(rank)];
+  const Hardware& hw = p.model->hardware;
+  // Copy queues, first in first out, in the order the copies are issued.
+  std::vector<int32_t> offloaded;
+  for (size_t i = 0; i < insts.size(); ++i) {
+    Storage s = st[static_cast<size_t>(insts[i].tensor)];
+    if (IsOffload(s)) {
+      offloaded.push_back(static_cast<int32_t>(i));
+    } else {
+      EmitInstance(p, rank, static_cast<int32_t>(i), s, -1, 0, 0, out);
+    }
+  }
+  std::vector<double> done(insts.size(), 0), arrive(insts.size(), 0);
+  auto by = [&](auto field) {
+    std::vector<int32_t> order = offloaded;
+    std::stable_sort(order.begin(), order.end(), [&](int32_t x, int32_t y) {
+      return insts[static_cast<size_t>(x)].*field < insts[static_cast<size_t>(y)].*field;
+    });
+    return order;
+  };
+  double q_host = 0, q_link = 0;
+  for (int32_t i : by(&Instance::prod_end_s)) {
+    const Instance& in = insts[static_cast<size_t>(i)];
+    Storage s = st[static_cast<size_t>(in.tensor)];
+    bool remote = IsRemote(s);
+    double& q = remote ? q_link : q_host;
+    double start = std::max(q, in.prod_end_s);
+    q = start + static_cast<double>(MovedBytes(ts[static_cast<size_t>(in.tensor)], s)) / (remote ? hw.pp_link_bw : hw.d2h_bw);
+    done[static_cast<size_t>(i)] = q;
+  }
+  double q_in = 0, q_link_in = 0;
+  for (int32_t i : by(&Instance::pf_start_s)) {
+    const Instance& in = insts[static_cast<size_t>(i)];
+    const SavedTensor& t = ts[static_cast<size_t>(in.tensor)];
+    Storage s = st[static_cast<size_t>(in.tensor)];
+    bool remote = IsRemote(s);
+    double& q = remote ? q_link_in : q_in;
+    double start = std::max(q, in.pf_start_s);
+    q = start + static_cast<double>(MovedBytes(t, s)) / (remote ? hw.pp_link_bw : hw.h2d_bw);
+    arrive[static_cast<size_t>(i)] = q;
+    if (stats) {
+      stats->exposed_s += t.cost_offload_s ? *t.cost_offload_s : std::max(0.0, q - in.need_s);
+    }
+  }
+  for (int32_t i : offloaded) {
+    const Instance& in = insts[static_cast<size_t>(i)];
+    size_t before = out->size();
+    EmitInstance(p, rank, i, st[static_cast<size_t>(in.tensor)], a.target[static_cast<size_t>(rank)][static_cast<size_t>(in.tensor)],
+                 done[static_cast<size_t>(i)], arrive[static_cast<size_t>(i)], out);
+    if (stats) {
+      for (size_t k = before; k < out->size(); ++k) stats->late_copies += (*out)[k].transfer_late;
+    }
+  }
+}
+
+std::vector<std::vector<int64_t>> Profiles(const PlanningProblem& p, const std::vector<Interval>& intervals) {
+  std::vector<std::vector<int64_t>> prof(p.timelines.size());
+  for (size_t r = 0; r < p.timelines.size(); ++r) {
+    prof[r].assign(static_cast<size_t>(p.timelines[r].steps) + 1, 0);
+  }
+  for (const auto& iv : intervals) {
+    auto& d = prof[static_cast<size_t>(iv.rank)];
+    d[static_cast<size_t>(iv.first)] += iv.bytes;
+    d[static_cast<size_t>(iv.last) + 1] -= iv.bytes;
+  }
+  for (size_t r = 0; r < prof.size(); ++r) {
+    auto& d = prof[r];
+    int64_t run = 0;
+    for (size_t s = 0; s + 1 < d.size(); ++s) {
+      run += d[s];
+      d[s] = run + p.timelines[r].transient[s];
+    }
+    d.pop_back();
+  }
+  return prof;
+}
+
+std::vector<std::vector<int64_t>> AnyPlanProfiles(const PlanningProblem& p) {
+  std::vector<Interval> ivs;
+  for (size_t r = 0; r < p.instances.size(); ++r) {
+    for (size_t i = 0; i < p.instances[r].size(); ++i) {
+      const Instance& in = p.instances[r][i];
+      int64_t bytes = p.tensors[r][static_cast<size_t>(in.tensor)].bytes;
+      Emit(&ivs, static_cast<int32_t>(r), in.prod, in.prod, bytes, static_cast<int32_t>(r), static_cast<int32_t>(i));
+      Emit(&ivs, static_cast<int32_t>(r), in.b_first, in.b_last, bytes, static_cast<int32_t>(r), static_cast<int32_t>(i));
+    }
+  }
+  return Profiles(p, ivs);
+}
+
+bool OffloadCapacity::Fits(const SavedTensor& t, int64_t moved) const {
+  size_t l = static_cast<size_t>(t.layer), c = static_cast<size_t>(t.chunk);
+  return layer_in_used[l] + static_cast<double>(moved) <= layer_in_bytes[l] &&
+         chunk_out_used[c] + static_cast<double>(moved) <= chunk_out_bytes[c];
+}
+
+void OffloadCapacity::Add(const SavedTensor& t, int64_t moved, double sign) {
+  layer_in_used[static_cast<size_t>(t.layer)] += sign * static_cast<double>(moved);
+  chunk_out_used[static_cast<size_t>(t.chunk)] += sign * static_cast<double>(moved);
+}
+
+OffloadCapacity HostCapacity(const PlanningProblem& p, int32_t rank) {
+  const Hardware& hw = p.model->hardware;
+  const int64_t pp = p.model->parallel.pp;
+  OffloadCapacity cap;
+  cap.layer_in_bytes.assign(p.layers.size(), 0);
+  cap.layer_in_used.assign(p.layers.size(), 0);
+  cap.chunk_out_bytes.assign(static_cast<size_t>(p.model->parallel.vp), 0);
+  cap.chunk_out_used.assign(static_cast<size_t>(p.model->parallel.vp), 0);
+  std::vector<double> window(p.layers.size(), std::numeric_limits<double>::infinity());
+  const auto& insts = p.instances[static_cast<size_t>(rank)];
+  const auto& ts = p.tensors[static_cast<size_t>(rank)];
+  for (const auto& in : insts) {
+    size_t l = static_cast<size_t>(ts[static_cast<size_t>(in.tensor)].layer);
+    window[l] = std::min(window[l], in.need_s - in.pf_start_s);
+  }
+  for (size_t l = 0; l < window.size(); ++l) {
+    if (std::isfinite(window[l])) cap.layer_in_bytes[l] = std::max(0.0, window[l]) * hw.h2d_bw;
+  }
+  for (int64_t c = 0; c < p.model->parallel.vp; ++c) {
+    size_t stage = static_cast<size_t>(c * pp + rank);
+    cap.chunk_out_bytes[static_cast<size_t>(c)] = (p.stage_fwd_s[stage] + p.stage_bwd_s[stage]) * hw.d2h_bw;
+  }
+  return cap;
+}
+
+double InstanceCost(const PlanningProblem& p, int32_t rank, int32_t index, Storage s) {
+  const Instance& in = p.instances[static_cast<size_t>(rank)][static_cast<size_t>(index)];
+  const SavedTensor& t = p.tensors[static_cast<size_t>(rank)][static_cast<size_t>(in.tensor)];
+  const Hardware& hw = p.model->hardware;
+  double cost = 0;
+  if (s == Storage::kRecompute) cost += t.cost_recompute_s ? *t.cost_recompute_s : t.recompute_s;
+  if (IsFp8(s)) cost += t.cost_fp8_s ? *t.cost_fp8_s : t.fp8_s;
+  if (IsOffload(s)) {
+    if (t.cost_offload_s) {
+      cost += *t.cost_offload_s;
+    } else {
+      double bw = IsRemote(s) ? hw.pp_link_bw : hw.h2d_bw;
+      double window = in.need_s - in.pf_start_s;
+      cost += std::max(0.0, static_cast<double>(MovedBytes(t, s)) / bw - window);
+    }
+  }
+  return cost;
+}
+
+}  // namespace memplan::planner

@@ -1,0 +1,583 @@
+#include "memplan/planner/solver.h"
+
+#include <coin/Cbc_C_Interface.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <array>
+#include <cmath>
+#include <limits>
+#include <map>
+
+#include "memplan/common/check.h"
+#include "memplan/common/units.h"
+
+namespace memplan::planner {
+namespace {
+
+constexpr int kMaxMovesPerTensor = 4;
+
+constexpr Storage kLocalOptions[] = {Storage::kKeep, Storage::kRecompute, Storage::kFp8, Storage::kOffloadHost,
+                                     Storage::kFp8OffloadHost};
+
+// Max over steps with range add, O(log n) per update; ArgMax is the leftmost.
+class MaxTree {
+ public:
+  explicit MaxTree(const std::vector<int64_t>& base) : n_(static_cast<int64_t>(base.size())) {
+    size_t cap = 1;
+    while (cap < base.size()) cap <<= 1;
+    mx_.assign(2 * cap, std::numeric_limits<int64_t>::min() / 4);
+    add_.assign(2 * cap, 0);
+    cap_ = static_cast<int64_t>(cap);
+    for (size_t i = 0; i < base.size(); ++i) mx_[cap + i] = base[i];
+    for (size_t i = cap - 1; i >= 1; --i) mx_[i] = std::max(mx_[2 * i], mx_[2 * i + 1]);
+  }
+  void Add(int64_t l, int64_t r, int64_t v) { Add(1, 0, cap_ - 1, l, r, v); }
+  int64_t Max() const { return mx_[1]; }
+  int64_t ArgMax() const {
+    size_t node = 1;
+    int64_t target = mx_[1];
+    while (node < static_cast<size_t>(cap_)) {
+      target -= add_[node];
+      node = mx_[2 * node] == target ? 2 * node : 2 * node + 1;
+    }
+    return static_cast<int64_t>(node) - cap_;
+  }
+  int64_t size() const { return n_; }
+
+ private:
+  void Add(size_t node, int64_t lo, int64_t hi, int64_t l, int64_t r, int64_t v) {
+    if (r < lo || hi < l) return;
+    if (l <= lo && hi <= r) {
+      mx_[node] += v;
+      add_[node] += v;
+      return;
+    }
+    int64_t mid = (lo + hi) / 2;
+    Add(2 * node, lo, mid, l, r, v);
+    Add(2 * node + 1, mid + 1, hi, l, r, v);
+    mx_[node] = std::max(mx_[2 * node], mx_[2 * node + 1]) + add_[node];
+  }
+  int64_t n_;
+  int64_t cap_ = 1;
+  std::vector<int64_t> mx_, add_;
+};
+
+int64_t MovedBytes(const SavedTensor& t, Storage s) { return IsFp8(s) ? t.fp8_bytes : t.bytes; }
+
+// Intervals of one instance with a copy-out on an otherwise idle queue.
+void QueueFree(const PlanningProblem& p, int32_t rank, int32_t index, Storage s, int32_t target,
+               std::vector<Interval>* out) {
+  const Instance& in = p.instances[static_cast<size_t>(rank)][static_cast<size_t>(index)];
+  const SavedTensor& t = p.tensors[static_cast<size_t>(rank)][static_cast<size_t>(in.tensor)];
+  const Hardware& hw = p.model->hardware;
+  int64_t done = in.prod;
+  if (IsOffload(s)) {
+    done = CopyDoneStep(p.timelines[static_cast<size_t>(rank)], in, MovedBytes(t, s),
+                        IsRemote(s) ? hw.pp_link_bw : hw.d2h_bw);
+  }
+  IntervalsOf(p, rank, index, s, target, done, out);
+}
+
+// The per-step activation profile of every rank under queue-free copies.
+class ProfileTrees {
+ public:
+  ProfileTrees(const PlanningProblem& p, const Assignment& a) : p_(p) {
+    std::vector<Interval> ivs;
+    for (size_t r = 0; r < p.tensors.size(); ++r) {
+      for (size_t i = 0; i < p.instances[r].size(); ++i) {
+        const Instance& in = p.instances[r][i];
+        QueueFree(p, static_cast<int32_t>(r), static_cast<int32_t>(i), a.storage[r][static_cast<size_t>(in.tensor)],
+                  a.target[r][static_cast<size_t>(in.tensor)], &ivs);
+      }
+    }
+    auto base = planner::Profiles(p, ivs);
+    for (auto& b : base) trees_.emplace_back(b);
+  }
+
+  MaxTree& tree(int32_t r) { return trees_[static_cast<size_t>(r)]; }
+
+  // Moves every instance of tensor t of `rank` from one storage to another.
+  void Change(int32_t rank, int32_t t, Storage from, int32_t from_target, Storage to, int32_t to_target) {
+    const auto& first = p_.first_instance[static_cast<size_t>(rank)];
+    for (int32_t i = first[static_cast<size_t>(t)]; i < first[static_cast<size_t>(t) + 1]; ++i) {
+      scratch_.clear();
+      QueueFree(p_, rank, i, from, from_target, &scratch_);
+      for (const auto& iv : scratch_) trees_[static_cast<size_t>(iv.rank)].Add(iv.first, iv.last, -iv.bytes);
+      scratch_.clear();
+      QueueFree(p_, rank, i, to, to_target, &scratch_);
+      for (const auto& iv : scratch_) trees_[static_cast<size_t>(iv.rank)].Add(iv.first, iv.last, iv.bytes);
+    }
+  }
+
+  // Bytes tensor t's instances occupy on `on_rank` at `step` under `s`.
+  int64_t ResidentAt(int32_t rank, int32_t t, Storage s, int32_t target, int32_t on_rank, int64_t step) {
+    const auto& first = p_.first_instance[static_cast<size_t>(rank)];
+    int64_t total = 0;
+    for (int32_t i = first[static_cast<size_t>(t)]; i < first[static_cast<size_t>(t) + 1]; ++i) {
+      const Instance& in = p_.instances[static_cast<size_t>(rank)][static_cast<size_t>(i)];
+      if (on_rank == rank && (step < in.prod || step > in.b_last)) continue;
+      scratch_.clear();
+      QueueFree(p_, rank, i, s, target, &scratch_);
+      for (const auto& iv : scratch_) {
+        if (iv.rank == on_rank && iv.first <= step && step <= iv.last) total += iv.bytes;
+      }
+    }
+    return total;
+  }
+
+ private:
+  const PlanningProblem& p_;
+  std::vector<MaxTree> trees_;
+  std::vector<Interval> scratch_;
+};
+
+std::vector<std::array<double, kStorageCount>> CostTable(const PlanningProblem& p, int32_t rank) {
+  const auto& ts = p.tensors[static_cast<size_t>(rank)];
+  const auto& first = p.first_instance[static_cast<size_t>(rank)];
+  std::vector<std::array<double, kStorageCount>> table(ts.size());
+  for (size_t t = 0; t < ts.size(); ++t) {
+    for (int s = 0; s < kStorageCount; ++s) {
+      double c = 0;
+      for (int32_t i = first[t]; i < first[t + 1]; ++i) c += InstanceCost(p, rank, i, static_cast<Storage>(s));
+      table[t][static_cast<size_t>(s)] = c;
+    }
+  }
+  return table;
+}
+
+// Bytes one instance keeps on the device between its forward and backward.
+int64_t MidBytes(const SavedTensor& t, Storage s) {
+  if (s == Storage::kKeep) return t.bytes;
+  if (s == Storage::kFp8) return t.fp8_bytes;
+  return 0;
+}
+
+bool Decidable(const SavedTensor& t, Storage current) { return !t.annotated && !IsRemote(current); }
+
+SolveResult Heuristic(const PlanningProblem& p, int32_t rank, int64_t budget, ProfileTrees& prof, Assignment* a) {
+  const auto& ts = p.tensors[static_cast<size_t>(rank)];
+  auto& st = a->storage[static_cast<size_t>(rank)];
+  const auto costs = CostTable(p, rank);
+  const int64_t pp = p.model->parallel.pp;
+  MaxTree& tree = prof.tree(rank);
+  OffloadCapacity cap = HostCapacity(p, rank);
+  auto host_moved = [&](size_t t, Storage s) -> int64_t {
+    if (s != Storage::kOffloadHost && s != Storage::kFp8OffloadHost) return 0;
+    return s == Storage::kFp8OffloadHost ? ts[t].fp8_bytes : ts[t].bytes;
+  };
+  for (size_t t = 0; t < ts.size(); ++t) cap.Add(ts[t], host_moved(t, st[t]), 1);
+  // Host offload must hide behind compute: within the layer's and chunk's
+  // copy capacity once the tensor's current share is released.
+  auto offload_fits = [&](size_t t, Storage from, Storage to) {
+    int64_t moved = host_moved(t, to);
+    if (moved == 0) return true;
+    cap.Add(ts[t], host_moved(t, from), -1);
+    bool ok = cap.Fits(ts[t], moved);
+    cap.Add(ts[t], host_moved(t, from), 1);
+    return ok;
+  };
+  std::vector<int> moves(ts.size(), 0);
+  auto change = [&](size_t t, Storage to) {
+    ++moves[t];
+    cap.Add(ts[t], host_moved(t, st[t]), -1);
+    cap.Add(ts[t], host_moved(t, to), 1);
+    prof.Change(rank, static_cast<int32_t>(t), st[t], -1, to, -1);
+    st[t] = to;
+  };
+  struct Candidate {
+    double score;
+    int64_t benefit;
+    int32_t tensor;
+    Storage to;
+  };
+  for (int iter = 0; iter < 100000 && tree.Max() > budget; ++iter) {
+    int64_t step = tree.ArgMax();
+    int64_t excess = tree.Max() - budget;
+    std::vector<Candidate> cands;
+    for (size_t t = 0; t < ts.size(); ++t) {
+      Storage cur = st[t];
+      if (!Decidable(ts[t], cur)) continue;
+      int64_t now = prof.ResidentAt(rank, static_cast<int32_t>(t), cur, -1, rank, step);
+      if (now == 0) continue;
+      Candidate best{std::numeric_limits<double>::infinity(), 0, static_cast<int32_t>(t), cur};
+      for (Storage o : kLocalOptions) {
+        // Any move that lowers the peak step qualifies (at a backward peak,
+        // fp8's dequantize or recompute's chain can cost more than keep);
+        // a cap on moves per tensor rules out oscillation.
+        if (o == cur || !Legal(ts[t], o, pp) || moves[t] >= kMaxMovesPerTensor) continue;
+        if (!offload_fits(t, cur, o)) continue;
+        int64_t benefit = now - prof.ResidentAt(rank, static_cast<int32_t>(t), o, -1, rank, step);
+        if (benefit <= 0) continue;
+        double extra = costs[t][static_cast<size_t>(o)] - costs[t][static_cast<size_t>(cur)];
+        double score = extra / static_cast<double>(benefit);
+        if (score < best.score || (score == best.score && benefit > best.benefit)) best = {score, benefit, best.tensor, o};
+      }
+      if (best.to != cur) cands.push_back(best);
+    }
+    if (std::getenv("MEMPLAN_DEBUG_SOLVER")) {
+      std::fprintf(stderr, "rank %d iter %d step %lld max %lld budget %lld cands %zu\n", rank, iter,
+                   static_cast<long long>(step), static_cast<long long>(tree.Max()), static_cast<long long>(budget),
+                   cands.size());
+    }
+    if (cands.empty()) break;
+    std::stable_sort(cands.begin(), cands.end(), [](const Candidate& x, const Candidate& y) {
+      if (x.score != y.score) return x.score < y.score;
+      return x.benefit > y.benefit;
+    });
+    int64_t covered = 0;
+    bool applied = false;
+    for (const auto& c : cands) {
+      size_t t = static_cast<size_t>(c.tensor);
+      if (!offload_fits(t, st[t], c.to)) continue;  // an earlier candidate took the capacity
+      change(t, c.to);
+      applied = true;
+      covered += c.benefit;
+      if (covered >= excess) break;
+    }
+    if (!applied) break;
+  }
+  // Drop what is no longer needed: most expensive decisions first, each to
+  // the cheapest storage that still fits.
+  if (tree.Max() <= budget) {
+    std::vector<int32_t> decided;
+    for (size_t t = 0; t < ts.size(); ++t) {
+      if (Decidable(ts[t], st[t]) && st[t] != Storage::kKeep) decided.push_back(static_cast<int32_t>(t));
+    }
+    std::stable_sort(decided.begin(), decided.end(), [&](int32_t x, int32_t y) {
+      return costs[static_cast<size_t>(x)][static_cast<size_t>(st[static_cast<size_t>(x)])] >
+             costs[static_cast<size_t>(y)][static_cast<size_t>(st[static_cast<size_t>(y)])];
+    });
+    for (int32_t t : decided) {
+      Storage cur = st[static_cast<size_t>(t)];
+      // A cheaper storage keeps more bytes between forward and backward; skip
+      // it without trying when even one instance's extra bytes exceed the
+      // headroom left under the budget.
+      int64_t headroom = budget - tree.Max();
+      auto mid = [&](Storage s) { return MidBytes(ts[static_cast<size_t>(t)], s); };
+      std::vector<Storage> cheaper;
+      for (Storage o : kLocalOptions) {
+        if (Legal(ts[static_cast<size_t>(t)], o, pp) &&
+            costs[static_cast<size_t>(t)][static_cast<size_t>(o)] < costs[static_cast<size_t>(t)][static_cast<size_t>(cur)]) {
+          cheaper.push_back(o);
+        }
+      }
+      std::stable_sort(cheaper.begin(), cheaper.end(), [&](Storage x, Storage y) {
+        return costs[static_cast<size_t>(t)][static_cast<size_t>(x)] < costs[static_cast<size_t>(t)][static_cast<size_t>(y)];
+      });
+      for (Storage o : cheaper) {
+        if (mid(o) - mid(cur) > headroom || !offload_fits(static_cast<size_t>(t), cur, o)) continue;
+        change(static_cast<size_t>(t), o);
+        if (tree.Max() <= budget) break;
+        change(static_cast<size_t>(t), cur);
+      }
+    }
+  }
+  return {tree.Max() <= budget, SeparableCost(p, rank, *a)};
+}
+
+SolveResult Exact(const PlanningProblem& p, int32_t rank, int64_t budget, const std::vector<Interval>& fixed,
+                  Assignment* a) {
+  const auto& ts = p.tensors[static_cast<size_t>(rank)];
+  auto& st = a->storage[static_cast<size_t>(rank)];
+  const int64_t pp = p.model->parallel.pp;
+  const int64_t steps = p.timelines[static_cast<size_t>(rank)].steps;
+  const auto costs = CostTable(p, rank);
+  // Fixed part: transients, tensors the solver does not decide, incoming.
+  std::vector<Interval> ivs = fixed;
+  struct Column {
+    int32_t tensor;
+    Storage storage;
+    std::vector<int64_t> profile;  // bytes per step
+  };
+  std::vector<Column> cols;
+  std::vector<Interval> scratch;
+  for (size_t t = 0; t < ts.size(); ++t) {
+    const auto& first = p.first_instance[static_cast<size_t>(rank)];
+    if (!Decidable(ts[t], st[t])) {
+      for (int32_t i = first[t]; i < first[t + 1]; ++i) {
+        QueueFree(p, rank, i, st[t], a->target[static_cast<size_t>(rank)][t], &ivs);
+      }
+      continue;
+    }
+    for (Storage o : kLocalOptions) {
+      if (!Legal(ts[t], o, pp)) continue;
+      if (static_cast<int64_t>(cols.size() + 1) * steps > kMaxExactCells) {
+        ThrowError(ErrorCode::kBadInput,
+                   "--solver exact: pp rank " + std::to_string(rank) + " is too large for the MILP (" +
+                       std::to_string(steps) + " steps x more than " + std::to_string(cols.size()) +
+                       " columns); use the heuristic solver");
+      }
+      Column c{static_cast<int32_t>(t), o, std::vector<int64_t>(static_cast<size_t>(steps) + 1, 0)};
+      for (int32_t i = first[t]; i < first[t + 1]; ++i) {
+        scratch.clear();
+        QueueFree(p, rank, i, o, -1, &scratch);
+        for (const auto& iv : scratch) {
+          if (iv.rank != rank) continue;
+          c.profile[static_cast<size_t>(iv.first)] += iv.bytes;
+          c.profile[static_cast<size_t>(iv.last) + 1] -= iv.bytes;
+        }
+      }
+      int64_t run = 0;
+      for (auto& v : c.profile) v = (run += v);
+      cols.push_back(std::move(c));
+    }
+  }
+  std::vector<int64_t> base(static_cast<size_t>(steps) + 1, 0);
+  for (const auto& iv : ivs) {
+    if (iv.rank != rank) continue;
+    base[static_cast<size_t>(iv.first)] += iv.bytes;
+    base[static_cast<size_t>(iv.last) + 1] -= iv.bytes;
+  }
+  {
+    int64_t run = 0;
+    for (size_t s = 0; s < base.size(); ++s) {
+      run += base[s];
+      base[s] = run + (s < static_cast<size_t>(steps) ? p.timelines[static_cast<size_t>(rank)].transient[s] : 0);
+    }
+  }
+  if (cols.empty()) {
+    int64_t peak = *std::max_element(base.begin(), base.end() - 1);
+    return {peak <= budget, SeparableCost(p, rank, *a)};
+  }
+  // Rows: one per tensor (choose exactly one storage), one per step that
+  // can bind (its worst case exceeds the budget).
+  std::map<int32_t, int> tensor_row;
+  std::vector<double> row_lo, row_hi;
+  for (const auto& c : cols) {
+    if (!tensor_row.count(c.tensor)) {
+      tensor_row[c.tensor] = static_cast<int>(row_lo.size());
+      row_lo.push_back(1);
+      row_hi.push_back(1);
+    }
+  }
+  std::vector<int64_t> step_rows;
+  for (int64_t s = 0; s < steps; ++s) {
+    std::map<int32_t, int64_t> worst;
+    for (const auto& c : cols) worst[c.tensor] = std::max(worst[c.tensor], c.profile[static_cast<size_t>(s)]);
+    int64_t w = base[static_cast<size_t>(s)];
+    for (const auto& [t, v] : worst) w += v;
+    if (w > budget) step_rows.push_back(s);
+  }
+  int first_step_row = static_cast<int>(row_lo.size());
+  for (int64_t s : step_rows) {
+    row_lo.push_back(-std::numeric_limits<double>::max());
+    row_hi.push_back(static_cast<double>(budget - base[static_cast<size_t>(s)]));
+  }
+  // Host-offload capacity rows, as the heuristic enforces: per layer
+  // (prefetch) and per chunk (copy-out), net of fixed host offloads.
+  OffloadCapacity cap = HostCapacity(p, rank);
+  for (size_t t = 0; t < ts.size(); ++t) {
+    if (Decidable(ts[t], st[t])) continue;
+    if (st[t] == Storage::kOffloadHost) cap.Add(ts[t], ts[t].bytes, 1);
+    if (st[t] == Storage::kFp8OffloadHost) cap.Add(ts[t], ts[t].fp8_bytes, 1);
+  }
+  std::map<int64_t, int> layer_row;
+  std::map<int32_t, int> chunk_row;
+  for (const auto& c : cols) {
+    if (c.storage != Storage::kOffloadHost && c.storage != Storage::kFp8OffloadHost) continue;
+    const SavedTensor& t = ts[static_cast<size_t>(c.tensor)];
+    if (!layer_row.count(t.layer)) {
+      layer_row[t.layer] = static_cast<int>(row_lo.size());
+      row_lo.push_back(-std::numeric_limits<double>::max());
+      row_hi.push_back(cap.layer_in_bytes[static_cast<size_t>(t.layer)] - cap.layer_in_used[static_cast<size_t>(t.layer)]);
+    }
+    if (!chunk_row.count(t.chunk)) {
+      chunk_row[t.chunk] = static_cast<int>(row_lo.size());
+      row_lo.push_back(-std::numeric_limits<double>::max());
+      row_hi.push_back(cap.chunk_out_bytes[static_cast<size_t>(t.chunk)] - cap.chunk_out_used[static_cast<size_t>(t.chunk)]);
+    }
+  }
+  std::vector<int> start{0};
+  std::vector<int> index;
+  std::vector<double> value, lb, ub, obj;
+  for (const auto& c : cols) {
+    index.push_back(tensor_row[c.tensor]);
+    value.push_back(1);
+    for (size_t k = 0; k < step_rows.size(); ++k) {
+      int64_t v = c.profile[static_cast<size_t>(step_rows[k])];
+      if (v == 0) continue;
+      index.push_back(first_step_row + static_cast<int>(k));
+      value.push_back(static_cast<double>(v));
+    }
+    if (c.storage == Storage::kOffloadHost || c.storage == Storage::kFp8OffloadHost) {
+      const SavedTensor& t = ts[static_cast<size_t>(c.tensor)];
+      double moved = static_cast<double>(c.storage == Storage::kFp8OffloadHost ? t.fp8_bytes : t.bytes);
+      index.push_back(layer_row[t.layer]);
+      value.push_back(moved);
+      index.push_back(chunk_row[t.chunk]);
+      value.push_back(moved);
+    }
+    start.push_back(static_cast<int>(index.size()));
+    lb.push_back(0);
+    ub.push_back(1);
+    obj.push_back(costs[static_cast<size_t>(c.tensor)][static_cast<size_t>(c.storage)]);
+  }
+  Cbc_Model* model = Cbc_newModel();
+  Cbc_loadProblem(model, static_cast<int>(cols.size()), static_cast<int>(row_lo.size()), start.data(), index.data(),
+                  value.data(), lb.data(), ub.data(), obj.data(), row_lo.data(), row_hi.data());
+  for (size_t i = 0; i < cols.size(); ++i) Cbc_setInteger(model, static_cast<int>(i));
+  Cbc_setLogLevel(model, 0);
+  Cbc_setMaximumSeconds(model, 120);
+  Cbc_setParameter(model, "threads", "1");
+  Cbc_solve(model);
+  const double* x = Cbc_getColSolution(model);
+  bool feasible = !Cbc_isProvenInfeasible(model) && x != nullptr && Cbc_getObjValue(model) < 1e29;
+  if (feasible) {
+    // Verify the rounded solution before using it.
+    std::vector<Storage> chosen(ts.size(), Storage::kKeep);
+    for (size_t i = 0; i < cols.size(); ++i) {
+      if (x[i] > 0.5) chosen[static_cast<size_t>(cols[i].tensor)] = cols[i].storage;
+    }
+    for (const auto& [t, row] : tensor_row) st[static_cast<size_t>(t)] = chosen[static_cast<size_t>(t)];
+  }
+  Cbc_deleteModel(model);
+  std::vector<int64_t> prof = base;
+  for (const auto& c : cols) {
+    if (st[static_cast<size_t>(c.tensor)] != c.storage) continue;
+    for (int64_t s = 0; s < steps; ++s) prof[static_cast<size_t>(s)] += c.profile[static_cast<size_t>(s)];
+  }
+  int64_t peak = *std::max_element(prof.begin(), prof.end() - 1);
+  return {feasible && peak <= budget, SeparableCost(p, rank, *a)};
+}
+
+}  // namespace
+
+double SeparableCost(const PlanningProblem& p, int32_t rank, const Assignment& a) {
+  double c = 0;
+  const auto& insts = p.instances[static_cast<size_t>(rank)];
+  for (size_t i = 0; i < insts.size(); ++i) {
+    c += InstanceCost(p, rank, static_cast<int32_t>(i), a.storage[static_cast<size_t>(rank)][static_cast<size_t>(insts[i].tensor)]);
+  }
+  return c;
+}
+
+std::vector<SolveResult> Solve(const PlanningProblem& p, const std::vector<int64_t>& budgets, SolverKind kind,
+                               Assignment* a) {
+  const int32_t pp = static_cast<int32_t>(p.tensors.size());
+  std::vector<SolveResult> out;
+  if (kind == SolverKind::kHeuristic) {
+    ProfileTrees prof(p, *a);  // every rank, incoming remote offloads included
+    for (int32_t r = 0; r < pp; ++r) out.push_back(Heuristic(p, r, budgets[static_cast<size_t>(r)], prof, a));
+    return out;
+  }
+  for (int32_t r = 0; r < pp; ++r) {
+    // Bytes other ranks offload into this one are fixed for its MILP.
+    std::vector<Interval> incoming;
+    for (int32_t src = 0; src < pp; ++src) {
+      if (src == r) continue;
+      for (size_t i = 0; i < p.instances[static_cast<size_t>(src)].size(); ++i) {
+        size_t t = static_cast<size_t>(p.instances[static_cast<size_t>(src)][i].tensor);
+        if (!IsRemote(a->storage[static_cast<size_t>(src)][t]) || a->target[static_cast<size_t>(src)][t] != r) continue;
+        QueueFree(p, src, static_cast<int32_t>(i), a->storage[static_cast<size_t>(src)][t], r, &incoming);
+      }
+    }
+    std::erase_if(incoming, [&](const Interval& iv) { return iv.rank != r; });
+    out.push_back(Exact(p, r, budgets[static_cast<size_t>(r)], incoming, a));
+  }
+  return out;
+}
+
+RebalanceResult Rebalance(const PlanningProblem& p, int64_t budget, Assignment* a) {
+  RebalanceResult result;
+  const int32_t pp = static_cast<int32_t>(p.tensors.size());
+  if (pp < 2) return result;
+  ProfileTrees prof(p, *a);
+  auto lower = [&](int32_t r) { return p.statics[static_cast<size_t>(r)].total + prof.tree(r).Max(); };
+  const Hardware& hw = p.model->hardware;
+  std::vector<std::vector<std::array<double, kStorageCount>>> costs;
+  std::vector<double> added(static_cast<size_t>(pp), 0);
+  for (int32_t r = 0; r < pp; ++r) {
+    costs.push_back(CostTable(p, r));
+    for (size_t t = 0; t < p.tensors[static_cast<size_t>(r)].size(); ++t) {
+      added[static_cast<size_t>(r)] += costs.back()[t][static_cast<size_t>(a->storage[static_cast<size_t>(r)][t])];
+    }
+  }
+  // Link budget: remote bytes per (rank, layer) and microbatch must move
+  // within the layer's prefetch window.
+  std::vector<std::map<int64_t, double>> link_s(static_cast<size_t>(pp));
+  std::vector<std::vector<bool>> tried(static_cast<size_t>(pp));
+  for (int32_t r = 0; r < pp; ++r) tried[static_cast<size_t>(r)].assign(p.tensors[static_cast<size_t>(r)].size(), false);
+  auto remote_of = [](Storage s) { return IsFp8(s) ? Storage::kFp8OffloadRemote : Storage::kOffloadRemote; };
+  std::vector<bool> exhausted(static_cast<size_t>(pp), false);
+  exhausted[static_cast<size_t>(pp - 1)] = true;  // no later rank
+  for (int iter = 0; iter < 1000000; ++iter) {
+    // Source: a rank over budget (the highest), else the one whose decisions
+    // cost the most time.
+    int32_t r = -1;
+    for (int32_t k = 0; k < pp; ++k) {
+      if (exhausted[static_cast<size_t>(k)]) continue;
+      auto key = [&](int32_t x) { return std::make_pair(lower(x) > budget ? lower(x) : 0, added[static_cast<size_t>(x)]); };
+      if (r < 0 || key(k) > key(r)) r = k;
+    }
+    if (r < 0) break;
+    bool over = lower(r) > budget;
+    if (!over && added[static_cast<size_t>(r)] <= 0) {
+      exhausted[static_cast<size_t>(r)] = true;
+      continue;
+    }
+    int32_t target = -1;  // the later rank with the most spare memory
+    for (int32_t k = r + 1; k < pp; ++k) {
+      if (target < 0 || lower(k) < lower(target)) target = k;
+    }
+    const auto& ts = p.tensors[static_cast<size_t>(r)];
+    auto& st = a->storage[static_cast<size_t>(r)];
+    int64_t step = prof.tree(r).ArgMax();
+    // Candidate: most seconds saved per byte moved; when the rank is over
+    // budget, most bytes removed at its peak step.
+    int32_t best = -1;
+    double best_score = 0;
+    for (size_t t = 0; t < ts.size(); ++t) {
+      if (tried[static_cast<size_t>(r)][t] || ts[t].annotated || IsRemote(st[t])) continue;
+      Storage to = remote_of(st[t]);
+      double score = 0;
+      if (over) {
+        score = static_cast<double>(prof.ResidentAt(r, static_cast<int32_t>(t), st[t], -1, r, step) -
+                                    prof.ResidentAt(r, static_cast<int32_t>(t), to, target, r, step));
+      } else {
+        double saved = costs[static_cast<size_t>(r)][t][static_cast<size_t>(st[t])] -
+                       costs[static_cast<size_t>(r)][t][static_cast<size_t>(to)];
+        score = saved / static_cast<double>(IsFp8(to) ? ts[t].fp8_bytes : ts[t].bytes);
+      }
+      if (score > best_score) {
+        best_score = score;
+        best = static_cast<int32_t>(t);
+      }
+    }
+    if (best < 0) {
+      exhausted[static_cast<size_t>(r)] = true;
+      continue;
+    }
+    tried[static_cast<size_t>(r)][static_cast<size_t>(best)] = true;
+    const SavedTensor& t = ts[static_cast<size_t>(best)];
+    Storage from = st[static_cast<size_t>(best)];
+    Storage to = remote_of(from);
+    double window = std::numeric_limits<double>::infinity();
+    const auto& first = p.first_instance[static_cast<size_t>(r)];
+    for (int32_t i = first[static_cast<size_t>(best)]; i < first[static_cast<size_t>(best) + 1]; ++i) {
+      const Instance& in = p.instances[static_cast<size_t>(r)][static_cast<size_t>(i)];
+      window = std::min(window, in.need_s - in.pf_start_s);
+    }
+    double need = link_s[static_cast<size_t>(r)][t.layer] +
+                  static_cast<double>(IsFp8(to) ? t.fp8_bytes : t.bytes) / hw.pp_link_bw;
+    if (need > window) continue;  // the link cannot hide it
+    int64_t source_before = lower(r);
+    prof.Change(r, best, from, -1, to, target);
+    bool ok = lower(target) <= std::max(budget, source_before) && lower(r) <= source_before &&
+              (!over || lower(r) < source_before) && lower(target) < source_before;
+    if (ok) {
+      st[static_cast<size_t>(best)] = to;
+      a->target[static_cast<size_t>(r)][static_cast<size_t>(best)] = target;
+      link_s[static_cast<size_t>(r)][t.layer] = need;
+      added[static_cast<size_t>(r)] += costs[static_cast<size_t>(r)][static_cast<size_t>(best)][static_cast<size_t>(to)] -
+                                       costs[static_cast<size_t>(r)][static_cast<size_t>(best)][static_cast<size_t>(from)];
+      ++result.moved_tensors;
+    } else {
+      prof.Change(r, best, to, target, from, -1);
+    }
+  }
+  return result;
+}
+
+}  // namespace memplan::planner

@@ -1,0 +1,315 @@
+// Schedule, liveness, solver, rebalancing, bounds and verification.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <set>
+
+#include "memplan/common/best_fit_heap.h"
+
+#include "memplan/planner/bounds.h"
+#include "memplan/planner/liveness.h"
+#include "memplan/planner/plan.h"
+#include "memplan/planner/schedule.h"
+#include "memplan/planner/templates.h"
+#include "test_util.h"
+
+using namespace memplan;
+using namespace memplan::planner;
+using memplan::test::MustLoad;
+using memplan::test::MustParse;
+
+namespace {
+
+Plan MustPlan(const Model& m, PlanOptions o = {}) {
+  auto p = BuildPlan(m, o);
+  if (!p) throw std::runtime_error(p.error().message);
+  return *p;
+}
+
+int64_t MaxOf(const std::vector<RankPlan>& ranks, int64_t RankPlan::*field) {
+  int64_t m = 0;
+  for (const auto& r : ranks) m = std::max(m, r.*field);
+  return m;
+}
+
+const char* kSmall[] = {"examples/models/tiny-gpt.json", "examples/models/tiny-moe.json",
+                        "tests/data/solver/gpt-pp2.json", "tests/data/solver/llama-pp1.json",
+                        "tests/data/solver/moe-pp2-vp2.json"};
+
+}  // namespace
+
+TEST_CASE("1F1B schedules: warm-up counts, in-flight peak, every pass once") {
+  for (int64_t pp : {2, 4, 8}) {
+    for (int64_t vp : {1, 2, 3}) {
+      for (int64_t m : {pp, 2 * pp, 4 * pp}) {
+        auto schedules = BuildSchedules(pp, vp, m);
+        for (int64_t r = 0; r < pp; ++r) {
+          CAPTURE(pp);
+          CAPTURE(vp);
+          CAPTURE(m);
+          CAPTURE(r);
+          const auto& s = schedules[static_cast<size_t>(r)];
+          REQUIRE(static_cast<int64_t>(s.size()) == 2 * m * vp);
+          int64_t warmup = 0;
+          while (s[static_cast<size_t>(warmup)].forward) ++warmup;
+          int64_t expected = vp == 1 ? std::min(pp - r - 1, m) : std::min(2 * (pp - r - 1) + (vp - 1) * pp, m * vp);
+          // The first backward follows the warm-up plus one steady forward.
+          CHECK(warmup == std::min(expected + 1, m * vp));
+          CHECK(MaxInFlight(s) == (vp == 1 ? std::min(pp - r, m) : std::min(expected + 1, m * vp)));
+          // Each (microbatch, chunk) runs forward once, then backward once.
+          std::set<std::pair<int, int>> fwd, bwd;
+          for (const auto& p : s) {
+            auto key = std::make_pair(p.microbatch, p.chunk);
+            if (p.forward) {
+              CHECK(fwd.insert(key).second);
+            } else {
+              CHECK(fwd.count(key) == 1);
+              CHECK(bwd.insert(key).second);
+            }
+          }
+        }
+      }
+    }
+  }
+  // Megatron's plain 1F1B on rank 0 of 2 with 4 microbatches.
+  auto s = BuildSchedules(2, 1, 4)[0];
+  std::vector<PassRef> expect{{true, 0, 0},  {true, 1, 0},  {false, 0, 0}, {true, 2, 0},
+                              {false, 1, 0}, {true, 3, 0},  {false, 2, 0}, {false, 3, 0}};
+  CHECK(s == expect);
+}
+
+TEST_CASE("FP8 blockwise footprint is 1.03125 B/element, tails padded per row") {
+  CHECK(Fp8Bytes({4, 256}) * 32 == 4 * 256 * 33);
+  CHECK(Fp8Bytes({3, 130}) == 3 * 130 + 3 * 2 * 4);
+  CHECK(Fp8Bytes({2, 8, 16, 64}) == 2 * 8 * 16 * (64 + 4));
+}
+
+TEST_CASE("laws: peak >= lower bound >= any-plan lower bound; the plan verifies") {
+  for (const char* file : kSmall) {
+    CAPTURE(file);
+    Model m = MustLoad(file);
+    PlanOptions o;
+    o.verify = true;
+    Plan keep = MustPlan(m, o);
+    // A budget halfway between the any-plan bound and keep-all forces decisions.
+    int64_t lo = MaxOf(keep.ranks, &RankPlan::any_plan_lower_bound);
+    int64_t hi = MaxOf(keep.ranks, &RankPlan::keep_all_lower_bound);
+    for (int64_t budget : {hi, lo + (hi - lo) / 2, lo + (hi - lo) / 5}) {
+      o.budget = budget;
+      Plan p = MustPlan(m, o);
+      CHECK(p.verify_errors.empty());
+      for (const auto& r : p.ranks) {
+        CHECK(r.peak >= r.lower_bound);
+        CHECK(r.lower_bound >= r.any_plan_lower_bound);
+        CHECK(r.keep_all_lower_bound >= r.any_plan_lower_bound);
+        CHECK(r.lower_bound == r.statics.total + r.activations_peak);
+        CHECK(r.fits == (r.peak <= budget));
+      }
+    }
+  }
+}
+
+TEST_CASE("the solver fits budgets between the any-plan bound and keep-all, at growing cost") {
+  Model m = MustLoad("tests/data/solver/gpt-pp2.json");
+  Plan keep = MustPlan(m);
+  int64_t lo = MaxOf(keep.ranks, &RankPlan::any_plan_lower_bound);
+  int64_t hi = MaxOf(keep.ranks, &RankPlan::keep_all_lower_bound);
+  Plan loose = MustPlan(m, PlanOptions{hi});
+  Plan tight = MustPlan(m, PlanOptions{lo + (hi - lo) / 4});
+  for (const auto& r : loose.ranks) CHECK(r.fits);
+  CHECK(loose.overhead.step_s == doctest::Approx(loose.overhead.base_step_s));
+  for (const auto& r : tight.ranks) CHECK(r.fits);
+  CHECK(tight.overhead.step_s > loose.overhead.step_s);
+  int64_t changed = 0;
+  for (const auto& t : tight.tensors) {
+    changed += t.effective != std::vector<Policy>{Policy::kKeep};
+    if (t.effective == std::vector<Policy>{Policy::kKeep}) CHECK(t.device_bytes == t.bytes);
+    if (t.effective == std::vector<Policy>{Policy::kFp8}) CHECK(t.device_bytes < t.bytes);
+    if (t.effective == std::vector<Policy>{Policy::kRecompute}) CHECK(t.device_bytes == 0);
+  }
+  CHECK(changed > 0);
+}
+
+TEST_CASE("a budget below the any-plan lower bound is infeasible, with the gap") {
+  Model m = MustLoad("examples/models/tiny-gpt.json");
+  Plan keep = MustPlan(m);
+  int64_t lo = MaxOf(keep.ranks, &RankPlan::any_plan_lower_bound);
+  auto p = BuildPlan(m, PlanOptions{lo - 1});
+  REQUIRE_FALSE(p.ok());
+  CHECK(p.error().code == ErrorCode::kInfeasible);
+  CHECK(p.error().message.find("infeasible") != std::string::npos);
+  CHECK(p.error().message.find("short") != std::string::npos);
+  CHECK(BuildPlan(m, PlanOptions{lo}).ok());
+}
+
+TEST_CASE("annotations are constraints: pinned tensors make a rank not fit, with a warning") {
+  Json j = memplan::test::BaseModel();
+  j["hardware"] = {{"preset", "host"}};
+  j["policies"] = {{{"match", "*"}, {"policy", "keep"}}};
+  Model m = MustParse(j);
+  Plan keep = MustPlan(m);
+  int64_t lo = MaxOf(keep.ranks, &RankPlan::any_plan_lower_bound);
+  int64_t hi = MaxOf(keep.ranks, &RankPlan::keep_all_lower_bound);
+  Plan p = MustPlan(m, PlanOptions{(lo + hi) / 2});
+  bool any_unfit = false;
+  for (const auto& r : p.ranks) any_unfit |= !r.fits;
+  CHECK(any_unfit);
+  bool warned = false;
+  for (const auto& w : p.warnings) warned |= w.find("do not fit") != std::string::npos;
+  CHECK(warned);
+  for (const auto& t : p.tensors) CHECK(t.effective == std::vector<Policy>{Policy::kKeep});
+}
+
+TEST_CASE("illegal annotations fall back to the nearest legal storage") {
+  Json j = memplan::test::BaseModel();
+  j["parallel"] = {{"pp", 1}};
+  j["policies"] = {{{"match", "*mask*"}, {"policy", "fp8"}},
+                   {{"match", "layer0.embed.tokens"}, {"policy", "recompute"}},
+                   {{"match", "*.ffn_norm.x"}, {"policy", "offload_remote"}},
+                   {{"match", "*.fc1_out"}, {"policy", {"fp8", "offload_host"}}}};
+  Plan p = MustPlan(MustParse(j));
+  for (const auto& t : p.tensors) {
+    if (t.name.find("mask") != std::string::npos) {
+      CHECK(t.policy == std::vector<Policy>{Policy::kFp8});
+      CHECK(t.effective == std::vector<Policy>{Policy::kKeep});  // no fp8 of a u8 mask
+    }
+    if (t.name == "layer0.embed.tokens") CHECK(t.effective == std::vector<Policy>{Policy::kKeep});
+    if (t.module == "ffn_norm") CHECK(t.effective == std::vector<Policy>{Policy::kOffloadHost});  // pp = 1
+    if (t.name.find(".fc1_out") != std::string::npos) {
+      CHECK(t.effective == std::vector<Policy>{Policy::kFp8, Policy::kOffloadHost});
+      CHECK(t.device_bytes == 0);
+    }
+  }
+}
+
+TEST_CASE("heuristic within 1.02 x MILP + 1 ms on fixed small instances, same memory constraint") {
+  for (const char* file : {"tests/data/solver/gpt-pp2.json", "tests/data/solver/llama-pp1.json",
+                           "tests/data/solver/moe-pp2-vp2.json", "examples/models/tiny-moe.json"}) {
+    Model m = MustLoad(file);
+    Plan keep = MustPlan(m);
+    int64_t lo = MaxOf(keep.ranks, &RankPlan::any_plan_lower_bound);
+    int64_t hi = MaxOf(keep.ranks, &RankPlan::keep_all_lower_bound);
+    for (double f : {0.2, 0.5, 0.8}) {
+      int64_t budget = lo + static_cast<int64_t>(f * static_cast<double>(hi - lo));
+      CAPTURE(file);
+      CAPTURE(f);
+      PlanOptions h{budget};
+      PlanOptions x{budget};
+      x.solver = SolverKind::kExact;
+      Plan ph = MustPlan(m, h);
+      Plan px = MustPlan(m, x);
+      bool h_fits = true, x_fits = true;
+      for (const auto& r : ph.ranks) h_fits &= r.fits;
+      for (const auto& r : px.ranks) x_fits &= r.fits;
+      CHECK((h_fits || !x_fits));
+      double h_added = ph.overhead.step_s - ph.overhead.base_step_s;
+      double x_added = px.overhead.step_s - px.overhead.base_step_s;
+      CAPTURE(h_added);
+      CAPTURE(x_added);
+      if (x_fits) CHECK(h_added <= 1.02 * x_added + 1e-3);
+    }
+  }
+}
+
+TEST_CASE("pipeline rebalancing offloads from early ranks into later ranks' spare memory") {
+  // Interleaved 1F1B loads rank 0 far more than the last rank.
+  // On the host preset the pipeline link is fast relative to compute, so
+  // remote copies hide inside the prefetch windows; a slow PCIe link makes
+  // host offload useless, so without rebalancing rank 0 pays in recompute
+  // and fp8.
+  Json j = memplan::test::BaseModel();
+  j["hardware"] = {{"preset", "host"}, {"d2h_bw", "1MB/s"}, {"h2d_bw", "1MB/s"}};
+  j["arch"]["layers"] = 16;
+  j["parallel"] = {{"pp", 4}, {"vp", 2}};
+  j["train"]["microbatches"] = 16;
+  Model balanced = MustParse(j);
+  j["options"] = {{"pp_balance", false}};
+  Model plain = MustParse(j);
+  Plan keep = MustPlan(plain);
+  // A budget rank 0 cannot meet keeping everything, the last rank easily can.
+  int64_t budget = (keep.ranks[0].keep_all_lower_bound + keep.ranks[3].keep_all_lower_bound) / 2;
+  Plan without = MustPlan(plain, PlanOptions{budget});
+  Plan with = MustPlan(balanced, PlanOptions{budget});
+  CHECK(with.rebalance.moved_tensors > 0);
+  CHECK(with.rebalance.ratio_after < with.rebalance.ratio_before);
+  CHECK(with.overhead.step_s < without.overhead.step_s);
+  int64_t remote = 0;
+  for (const auto& t : with.tensors) {
+    if (t.effective.back() != Policy::kOffloadRemote) continue;
+    CHECK(t.to_pp_rank > t.pp_rank);
+    ++remote;
+  }
+  CHECK(remote == with.rebalance.moved_tensors);
+  CHECK_FALSE(with.ranks[0].remote_offload.empty());
+  for (const auto& r : with.ranks) CHECK(r.fits);
+}
+
+TEST_CASE("sweep: from keep-all (no added time) down to the any-plan lower bound") {
+  Model m = MustLoad("tests/data/solver/gpt-pp2.json");
+  PlanOptions o;
+  o.sweep = true;
+  o.sweep_points = 6;
+  Plan p = MustPlan(m, o);
+  REQUIRE(p.sweep.size() == 6);
+  CHECK(p.sweep.front().fits);
+  CHECK(p.sweep.front().added_s == doctest::Approx(0));
+  CHECK(p.sweep.back().budget == MaxOf(p.ranks, &RankPlan::any_plan_lower_bound));
+  for (size_t i = 1; i < p.sweep.size(); ++i) CHECK(p.sweep[i].budget < p.sweep[i - 1].budget);
+  // At the any-plan bound something must cost time (or no longer fit).
+  CHECK((p.sweep.back().added_s > 0 || !p.sweep.back().fits));
+  CHECK(p.sweep.back().added_s >= p.sweep.front().added_s);
+}
+
+TEST_CASE("a budget above device memory is a what-if plan with a warning") {
+  Model m = MustLoad("examples/models/tiny-gpt.json");
+  Plan p = MustPlan(m, PlanOptions{m.hardware.device_memory * 2});
+  bool warned = false;
+  for (const auto& w : p.warnings) warned |= w.find("what-if") != std::string::npos;
+  CHECK(warned);
+  for (const auto& r : p.ranks) CHECK(r.fits);
+}
+
+TEST_CASE("offloaded instances leave the device between copy-out and prefetch") {
+  Json j = memplan::test::BaseModel();
+  j["hardware"] = {{"preset", "host"}};
+  j["parallel"] = {{"pp", 1}};
+  j["train"]["microbatches"] = 4;
+  j["policies"] = {{{"match", "*.fc1_out"}, {"policy", "offload_host"}}};
+  Model m = MustParse(j);
+  auto layers = *ExpandModel(m);
+  PlanningProblem prob = BuildProblem(m, layers);
+  Assignment a = Assignment::Annotated(prob);
+  std::vector<Interval> ivs;
+  TransferStats stats;
+  InstanceIntervals(prob, a, 0, &ivs, &stats);
+  int64_t split = 0;
+  for (size_t t = 0; t < prob.tensors[0].size(); ++t) {
+    if (prob.tensors[0][t].name.find("fc1_out") == std::string::npos) continue;
+    CHECK(a.storage[0][t] == Storage::kOffloadHost);
+    for (int32_t i = prob.first_instance[0][t]; i < prob.first_instance[0][t + 1]; ++i) {
+      int n = 0;
+      for (const auto& iv : ivs) n += iv.instance == i && iv.owner_rank == 0;
+      split += n == 2;
+    }
+  }
+  CHECK(split > 0);
+  CHECK(stats.exposed_s >= 0);
+}
+
+TEST_CASE("the best-fit heap reuses freed space and reports its high-water mark") {
+  BestFitHeap heap(1);
+  int64_t a = heap.Allocate(100);
+  int64_t b = heap.Allocate(50);
+  int64_t c = heap.Allocate(100);
+  CHECK(a == 0);
+  CHECK(b == 100);
+  CHECK(c == 150);
+  heap.Free(b);
+  CHECK(heap.Allocate(40) == 100);  // best fit: the 50-byte hole
+  heap.Free(c);
+  heap.AllocateAndFree(500);  // from the top, absorbing c's hole: 140 + 500
+  CHECK(heap.high_water() == 640);
+  CHECK(heap.allocated_bytes() == 140);
+  heap.Free(a);
+  CHECK(heap.Allocate(100) == 0);
+}
