@@ -19,7 +19,7 @@ void BestFitHeap::InsertFree(int64_t offset, int64_t size) {
   free_by_size_.emplace(size, offset);
 }
 
-void BestFitHeap::EraseFree(std::map<int64_t, int64_t>::iterator it) {
+void BestFitHeap::EraseFree(std::pmr::map<int64_t, int64_t>::iterator it) {
   free_by_size_.erase({it->second, it->first});
   free_by_offset_.erase(it);
 }

@@ -603,7 +603,10 @@ OffloadCapacity HostCapacity(const PlanningProblem& p, int32_t rank) {
   }
   for (int64_t c = 0; c < p.model->parallel.vp; ++c) {
     size_t stage = static_cast<size_t>(c * pp + rank);
-    cap.chunk_out_bytes[static_cast<size_t>(c)] = (p.stage_fwd_s[stage] + p.stage_bwd_s[stage]) * hw.d2h_bw;
+    // Copy-outs of one forward pass must drain within that pass: warm-up
+    // runs forwards back to back, and a queue that grows there makes later
+    // copy-outs miss their windows.
+    cap.chunk_out_bytes[static_cast<size_t>(c)] = p.stage_fwd_s[stage] * hw.d2h_bw;
   }
   return cap;
 }

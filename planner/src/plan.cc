@@ -22,6 +22,8 @@ bool GlobMatch(const std::string& pattern, const std::string& name) {
 
 namespace {
 
+constexpr double kFragmentationReserve = 0.08;
+
 struct Solved {
   Assignment assignment;
   Evaluation eval;
@@ -51,7 +53,14 @@ Solved Solve(const PlanningProblem& problem, int64_t budget, const PlanOptions& 
   const Model& model = *problem.model;
   Solved out{Assignment::Annotated(problem), {}, {}};
   const size_t pp = problem.tensors.size();
+  // Placement adds fragmentation on top of the lower bound: start with
+  // kFragmentationReserve of each rank's activation budget held back, and
+  // re-solve a rank whose placed peak still exceeds the budget.
   std::vector<int64_t> margin(pp, 0);
+  for (size_t r = 0; r < pp; ++r) {
+    margin[r] = static_cast<int64_t>(kFragmentationReserve *
+                                     static_cast<double>(std::max<int64_t>(0, budget - problem.statics[r].total)));
+  }
   auto budgets = [&] {
     std::vector<int64_t> b(pp);
     for (size_t r = 0; r < pp; ++r) b[r] = budget - problem.statics[r].total - margin[r];
@@ -78,6 +87,11 @@ Solved Solve(const PlanningProblem& problem, int64_t budget, const PlanOptions& 
         // The lower bound must leave room for the fragmentation the
         // placement showed, growing with each attempt.
         margin[r] = std::max(margin[r] + (b.peak - budget), (b.peak - b.lower_bound) * (attempt + 1));
+        if (std::getenv("MEMPLAN_DEBUG_SOLVER")) {
+          std::fprintf(stderr, "fragmentation: rank %zu peak %lld lb %lld budget %lld margin %lld\n", r,
+                       static_cast<long long>(b.peak), static_cast<long long>(b.lower_bound),
+                       static_cast<long long>(budget), static_cast<long long>(margin[r]));
+        }
         redo[r] = any = true;
       }
     }

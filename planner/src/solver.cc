@@ -22,45 +22,48 @@ constexpr Storage kLocalOptions[] = {Storage::kKeep, Storage::kRecompute, Storag
                                      Storage::kFp8OffloadHost};
 
 // Max over steps with range add, O(log n) per update; ArgMax is the leftmost.
+// Bottom-up (no recursion): mx_[i] = max(children) + add_[i].
 class MaxTree {
  public:
-  explicit MaxTree(const std::vector<int64_t>& base) : n_(static_cast<int64_t>(base.size())) {
+  explicit MaxTree(const std::vector<int64_t>& base) {
     size_t cap = 1;
     while (cap < base.size()) cap <<= 1;
+    cap_ = cap;
     mx_.assign(2 * cap, std::numeric_limits<int64_t>::min() / 4);
     add_.assign(2 * cap, 0);
-    cap_ = static_cast<int64_t>(cap);
     for (size_t i = 0; i < base.size(); ++i) mx_[cap + i] = base[i];
     for (size_t i = cap - 1; i >= 1; --i) mx_[i] = std::max(mx_[2 * i], mx_[2 * i + 1]);
   }
-  void Add(int64_t l, int64_t r, int64_t v) { Add(1, 0, cap_ - 1, l, r, v); }
+  void Add(int64_t first, int64_t last, int64_t v) {
+    size_t l = static_cast<size_t>(first) + cap_, r = static_cast<size_t>(last) + cap_ + 1;
+    size_t l0 = l, r0 = r - 1;
+    for (; l < r; l >>= 1, r >>= 1) {
+      if (l & 1) Apply(l++, v);
+      if (r & 1) Apply(--r, v);
+    }
+    Pull(l0);
+    Pull(r0);
+  }
   int64_t Max() const { return mx_[1]; }
   int64_t ArgMax() const {
     size_t node = 1;
     int64_t target = mx_[1];
-    while (node < static_cast<size_t>(cap_)) {
+    while (node < cap_) {
       target -= add_[node];
       node = mx_[2 * node] == target ? 2 * node : 2 * node + 1;
     }
-    return static_cast<int64_t>(node) - cap_;
+    return static_cast<int64_t>(node - cap_);
   }
-  int64_t size() const { return n_; }
 
  private:
-  void Add(size_t node, int64_t lo, int64_t hi, int64_t l, int64_t r, int64_t v) {
-    if (r < lo || hi < l) return;
-    if (l <= lo && hi <= r) {
-      mx_[node] += v;
-      add_[node] += v;
-      return;
-    }
-    int64_t mid = (lo + hi) / 2;
-    Add(2 * node, lo, mid, l, r, v);
-    Add(2 * node + 1, mid + 1, hi, l, r, v);
-    mx_[node] = std::max(mx_[2 * node], mx_[2 * node + 1]) + add_[node];
+  void Apply(size_t i, int64_t v) {
+    mx_[i] += v;
+    if (i < cap_) add_[i] += v;
   }
-  int64_t n_;
-  int64_t cap_ = 1;
+  void Pull(size_t i) {
+    for (i >>= 1; i >= 1; i >>= 1) mx_[i] = std::max(mx_[2 * i], mx_[2 * i + 1]) + add_[i];
+  }
+  size_t cap_ = 1;
   std::vector<int64_t> mx_, add_;
 };
 
@@ -114,9 +117,20 @@ class ProfileTrees {
   // Bytes tensor t's instances occupy on `on_rank` at `step` under `s`.
   int64_t ResidentAt(int32_t rank, int32_t t, Storage s, int32_t target, int32_t on_rank, int64_t step) {
     const auto& first = p_.first_instance[static_cast<size_t>(rank)];
+    const auto& insts = p_.instances[static_cast<size_t>(rank)];
+    int32_t lo = first[static_cast<size_t>(t)], hi = first[static_cast<size_t>(t) + 1];
+    if (on_rank == rank) {
+      // A chunk's forwards, and its backwards, run in microbatch order: the
+      // instances whose span [prod, b_last] holds `step` are contiguous.
+      auto begin = insts.begin() + lo, end = insts.begin() + hi;
+      auto from = std::partition_point(begin, end, [&](const Instance& in) { return in.b_last < step; });
+      auto to = std::partition_point(from, end, [&](const Instance& in) { return in.prod <= step; });
+      lo = static_cast<int32_t>(from - insts.begin());
+      hi = static_cast<int32_t>(to - insts.begin());
+    }
     int64_t total = 0;
-    for (int32_t i = first[static_cast<size_t>(t)]; i < first[static_cast<size_t>(t) + 1]; ++i) {
-      const Instance& in = p_.instances[static_cast<size_t>(rank)][static_cast<size_t>(i)];
+    for (int32_t i = lo; i < hi; ++i) {
+      const Instance& in = insts[static_cast<size_t>(i)];
       if (on_rank == rank && (step < in.prod || step > in.b_last)) continue;
       scratch_.clear();
       QueueFree(p_, rank, i, s, target, &scratch_);
@@ -497,6 +511,7 @@ RebalanceResult Rebalance(const PlanningProblem& p, int64_t budget, Assignment* 
   // Link budget: remote bytes per (rank, layer) and microbatch must move
   // within the layer's prefetch window.
   std::vector<std::map<int64_t, double>> link_s(static_cast<size_t>(pp));
+  std::vector<std::map<int32_t, double>> link_out_s(static_cast<size_t>(pp));
   std::vector<std::vector<bool>> tried(static_cast<size_t>(pp));
   for (int32_t r = 0; r < pp; ++r) tried[static_cast<size_t>(r)].assign(p.tensors[static_cast<size_t>(r)].size(), false);
   auto remote_of = [](Storage s) { return IsFp8(s) ? Storage::kFp8OffloadRemote : Storage::kOffloadRemote; };
@@ -553,15 +568,20 @@ RebalanceResult Rebalance(const PlanningProblem& p, int64_t budget, Assignment* 
     const SavedTensor& t = ts[static_cast<size_t>(best)];
     Storage from = st[static_cast<size_t>(best)];
     Storage to = remote_of(from);
+    // The target must have room for at least one instance.
+    if (lower(target) + (IsFp8(to) ? t.fp8_bytes : t.bytes) > std::max(budget, lower(r))) continue;
     double window = std::numeric_limits<double>::infinity();
     const auto& first = p.first_instance[static_cast<size_t>(r)];
     for (int32_t i = first[static_cast<size_t>(best)]; i < first[static_cast<size_t>(best) + 1]; ++i) {
       const Instance& in = p.instances[static_cast<size_t>(r)][static_cast<size_t>(i)];
       window = std::min(window, in.need_s - in.pf_start_s);
     }
-    double need = link_s[static_cast<size_t>(r)][t.layer] +
-                  static_cast<double>(IsFp8(to) ? t.fp8_bytes : t.bytes) / hw.pp_link_bw;
-    if (need > window) continue;  // the link cannot hide it
+    double seconds = static_cast<double>(IsFp8(to) ? t.fp8_bytes : t.bytes) / hw.pp_link_bw;
+    double need = link_s[static_cast<size_t>(r)][t.layer] + seconds;
+    // Copy-outs of one forward pass drain within it (as for host offload).
+    size_t stage = static_cast<size_t>(t.chunk) * static_cast<size_t>(pp) + static_cast<size_t>(r);
+    double out_need = link_out_s[static_cast<size_t>(r)][t.chunk] + seconds;
+    if (need > window || out_need > p.stage_fwd_s[stage]) continue;  // the link cannot hide it
     int64_t source_before = lower(r);
     prof.Change(r, best, from, -1, to, target);
     bool ok = lower(target) <= std::max(budget, source_before) && lower(r) <= source_before &&
@@ -570,6 +590,7 @@ RebalanceResult Rebalance(const PlanningProblem& p, int64_t budget, Assignment* 
       st[static_cast<size_t>(best)] = to;
       a->target[static_cast<size_t>(r)][static_cast<size_t>(best)] = target;
       link_s[static_cast<size_t>(r)][t.layer] = need;
+      link_out_s[static_cast<size_t>(r)][t.chunk] = out_need;
       added[static_cast<size_t>(r)] += costs[static_cast<size_t>(r)][static_cast<size_t>(best)][static_cast<size_t>(to)] -
                                        costs[static_cast<size_t>(r)][static_cast<size_t>(best)][static_cast<size_t>(from)];
       ++result.moved_tensors;

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory_resource>
 #include <set>
 #include <unordered_map>
 #include <utility>
@@ -37,15 +38,18 @@ class BestFitHeap {
 
  private:
   void InsertFree(int64_t offset, int64_t size);
-  void EraseFree(std::map<int64_t, int64_t>::iterator it);
+  void EraseFree(std::pmr::map<int64_t, int64_t>::iterator it);
 
   int64_t alignment_;
   int64_t top_ = 0;
   int64_t high_water_ = 0;
   int64_t allocated_bytes_ = 0;
-  std::map<int64_t, int64_t> free_by_offset_;         // offset -> size
-  std::set<std::pair<int64_t, int64_t>> free_by_size_;  // (size, offset)
-  std::unordered_map<int64_t, int64_t> allocated_;    // offset -> size
+  // Node containers draw from one pool: a planning run places hundreds of
+  // thousands of buffers.
+  std::pmr::unsynchronized_pool_resource pool_;
+  std::pmr::map<int64_t, int64_t> free_by_offset_{&pool_};          // offset -> size
+  std::pmr::set<std::pair<int64_t, int64_t>> free_by_size_{&pool_};  // (size, offset)
+  std::pmr::unordered_map<int64_t, int64_t> allocated_{&pool_};     // offset -> size
 };
 
 }  // namespace memplan

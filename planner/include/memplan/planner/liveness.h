@@ -120,9 +120,9 @@ struct PlanningProblem {
 };
 
 // Host-offload capacity of a rank, so that copies hide behind compute: the
-// prefetches of one layer's instances must fit its prefetch window at
-// h2d bandwidth, and a chunk's copy-outs must fit one forward plus one
-// backward pass of that chunk at d2h bandwidth (steady-state 1F1B).
+// prefetches of one layer's instances must fit its prefetch window at h2d
+// bandwidth, and a chunk's copy-outs must drain within one forward pass of
+// that chunk at d2h bandwidth (warm-up runs forwards back to back).
 struct OffloadCapacity {
   std::vector<double> layer_in_bytes;   // per global layer (0 off this rank)
   std::vector<double> chunk_out_bytes;  // per chunk of the rank
