@@ -53,6 +53,12 @@ int64_t Fp8Bytes(const std::vector<int64_t>& shape) {
   return CheckedAdd(CheckedMul(rows, cols, "fp8 bytes"), CheckedMul(rows, blocks * 4, "fp8 scales"), "fp8 bytes");
 }
 
+int64_t StoredBytes(const SavedTensor& t, Storage s) {
+  if (s == Storage::kKeep) return t.bytes;
+  if (s == Storage::kFp8) return t.fp8_bytes;
+  return 0;
+}
+
 bool Legal(const SavedTensor& t, Storage s, int64_t pp) {
   if (IsFp8(s) && !t.can_fp8) return false;
   if (s == Storage::kRecompute && !t.can_recompute) return false;

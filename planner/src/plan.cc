@@ -30,12 +30,6 @@ struct Solved {
   RebalanceResult rebalance;
 };
 
-int64_t DeviceBytes(const SavedTensor& t, Storage s) {
-  if (s == Storage::kKeep) return t.bytes;
-  if (s == Storage::kFp8) return t.fp8_bytes;
-  return 0;  // recomputed or offloaded: nothing between forward and backward
-}
-
 // Stages 6-8 for one budget: rebalance, decide, bound; re-solve with a
 // margin where the placed peak (fragmentation) exceeds the budget.
 // MEMPLAN_TIMING=1 prints each stage's wall time to stderr (for bench/).
@@ -247,7 +241,7 @@ Plan BuildPlanOrThrow(const Model& input, const PlanOptions& options) {
       entry.policy = st.annotated ? st.annotation : StoragePolicies(s);
       entry.annotation = st.annotation_glob;
       entry.effective = StoragePolicies(s);
-      entry.device_bytes = DeviceBytes(st, s);
+      entry.device_bytes = StoredBytes(st, s);
       if (IsRemote(s)) entry.to_pp_rank = solved.assignment.target[r][t];
       plan.tensors.push_back(std::move(entry));
     }

@@ -161,13 +161,6 @@ std::vector<std::array<double, kStorageCount>> CostTable(const PlanningProblem& 
   return table;
 }
 
-// Bytes one instance keeps on the device between its forward and backward.
-int64_t MidBytes(const SavedTensor& t, Storage s) {
-  if (s == Storage::kKeep) return t.bytes;
-  if (s == Storage::kFp8) return t.fp8_bytes;
-  return 0;
-}
-
 bool Decidable(const SavedTensor& t, Storage current) { return !t.annotated && !IsRemote(current); }
 
 SolveResult Heuristic(const PlanningProblem& p, int32_t rank, int64_t budget, ProfileTrees& prof, Assignment* a) {
@@ -269,7 +262,7 @@ SolveResult Heuristic(const PlanningProblem& p, int32_t rank, int64_t budget, Pr
       // it without trying when even one instance's extra bytes exceed the
       // headroom left under the budget.
       int64_t headroom = budget - tree.Max();
-      auto mid = [&](Storage s) { return MidBytes(ts[static_cast<size_t>(t)], s); };
+      auto mid = [&](Storage s) { return StoredBytes(ts[static_cast<size_t>(t)], s); };
       std::vector<Storage> cheaper;
       for (Storage o : kLocalOptions) {
         if (Legal(ts[static_cast<size_t>(t)], o, pp) &&

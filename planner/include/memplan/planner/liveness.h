@@ -189,4 +189,8 @@ std::vector<std::vector<int64_t>> AnyPlanProfiles(const PlanningProblem& p);
 double InstanceCost(const PlanningProblem& p, int32_t rank, int32_t instance, Storage s);
 bool Legal(const SavedTensor& t, Storage s, int64_t pp);
 
+// Bytes one instance keeps on its device between forward and backward: all
+// of them when kept, the FP8 footprint, 0 when recomputed or offloaded.
+int64_t StoredBytes(const SavedTensor& t, Storage s);
+
 }  // namespace memplan::planner
