@@ -1,0 +1,174 @@
+// The training ops of memplan's templates, behind one interface that both
+// runtime backends call: `MakeRefOps()` (CPU references, kernels/ref) and
+// `MakeCudaOps()` (kernels/cuda, declared in ops_cuda.h).
+//
+// Conventions
+//   - Every tensor is a row-major fp32 array (masks are uint8, indices
+//     int32). Shapes are given in elements; "T" is tokens (rows), "d" a
+//     feature width.
+//   - Ops never allocate. Callers pass outputs and, where an op needs one, a
+//     workspace of at least the bytes the matching *WorkspaceBytes() formula
+//     returns (the planner sizes op workspaces with the same formulas).
+//   - Backward ops *overwrite* their input-gradient outputs and *accumulate*
+//     (+=) into weight gradients, as autograd engines do.
+//   - Pointers are host memory for the reference ops and device memory for
+//     the CUDA ops; CUDA ops are asynchronous on the stream they were made
+//     with.
+//   - The CPU references reduce in a fixed order, so their results are
+//     reproducible bit for bit.
+//
+// The exact math (epsilons, GELU form, attention scaling and masking, RNG) is
+// stated on each function; docs/kernels.md repeats it for other frameworks.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+namespace memplan::kernels {
+
+// Counter-based, stateless RNG shared by both backends: the uniform in
+// [0, 1) for element `index` of a draw keyed by (seed, offset) is
+//   u = (SplitMix64(seed ^ SplitMix64(offset + index)) >> 40) * 2^-24.
+// Dropout keeps an element when u >= p. Replaying (seed, offset)
+// regenerates the same mask, so recompute reproduces it exactly.
+uint64_t SplitMix64(uint64_t x);
+float Uniform01(uint64_t seed, uint64_t offset, uint64_t index);
+
+// Workspace formulas (bytes), shared with the planner.
+int64_t AttentionBwdWorkspaceBytes(int64_t b, int64_t heads, int64_t s);       // standard
+int64_t FlashAttentionBwdWorkspaceBytes(int64_t b, int64_t heads, int64_t s);  // D = rowsum(dO * O)
+int64_t GemmWorkspaceBytes();                                                  // cuBLAS workspace
+
+// Attention shapes: q [b, heads, s, dqk], k [b, kv_heads, s, dqk],
+// v [b, kv_heads, s, dv], o [b, heads, s, dv]; head h reads kv head
+// h / (heads / kv_heads) (GQA). Scores are scale * q.k, with the causal mask
+// (key j > query i gets -inf) when `causal`.
+struct AttentionShape {
+  int64_t b = 1, heads = 1, kv_heads = 1, s = 1, dqk = 1, dv = 1;
+  float scale = 1.f;
+  bool causal = true;
+};
+
+class Ops {
+ public:
+  virtual ~Ops() = default;
+
+  // C[m,n] = alpha * op(A) * op(B) + beta * C; op(X) = X or X^T (row-major).
+  // A is [m,k] (or [k,m] when trans_a), B is [k,n] (or [n,k] when trans_b).
+  virtual void Gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+                    const float* b, float beta, float* c, void* workspace) = 0;
+
+  // Experts: rows [offsets[e], offsets[e+1]) of x [T, k] (tokens sorted by
+  // expert) times w[e] ([E, k, n]) into y [T, n]. offsets has E+1 entries
+  // (host memory for both backends).
+  virtual void GroupedGemm(const int64_t* offsets, int64_t experts, int64_t k, int64_t n, const float* x,
+                           const float* w, float* y, void* workspace) = 0;
+  // dx = dy * w[e]^T (overwrite); dw[e] += x^T * dy (accumulate).
+  virtual void GroupedGemmBwd(const int64_t* offsets, int64_t experts, int64_t k, int64_t n, const float* x,
+                              const float* w, const float* dy, float* dx, float* dw, void* workspace) = 0;
+
+  // LayerNorm over the last dim: y = (x - mean) / sqrt(var + eps) * gamma + beta
+  // (biased variance). Backward recomputes mean and rstd from x.
+  virtual void LayerNormFwd(const float* x, const float* gamma, const float* beta, int64_t rows, int64_t cols,
+                            float eps, float* y) = 0;
+  virtual void LayerNormBwd(const float* x, const float* gamma, const float* dy, int64_t rows, int64_t cols,
+                            float eps, float* dx, float* dgamma, float* dbeta) = 0;
+  // RMSNorm: y = x / sqrt(mean(x^2) + eps) * gamma.
+  virtual void RmsNormFwd(const float* x, const float* gamma, int64_t rows, int64_t cols, float eps, float* y) = 0;
+  virtual void RmsNormBwd(const float* x, const float* gamma, const float* dy, int64_t rows, int64_t cols, float eps,
+                          float* dx, float* dgamma) = 0;
+
+  // GELU, tanh form: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+  virtual void GeluFwd(const float* x, int64_t n, float* y) = 0;
+  virtual void GeluBwd(const float* x, const float* dy, int64_t n, float* dx) = 0;
+  // SwiGLU on x [rows, 2f] = [gate | up]: y [rows, f] = silu(gate) * up.
+  virtual void SwigluFwd(const float* x, int64_t rows, int64_t f, float* y) = 0;
+  virtual void SwigluBwd(const float* x, const float* dy, int64_t rows, int64_t f, float* dx) = 0;
+
+  // Dropout with probability p: mask[i] = (Uniform01(seed, offset, i) >= p),
+  // y = x * mask / (1 - p). Backward: dx = dy * mask / (1 - p).
+  virtual void DropoutFwd(const float* x, int64_t n, float p, uint64_t seed, uint64_t offset, float* y,
+                          uint8_t* mask) = 0;
+  virtual void DropoutBwd(const float* dy, const uint8_t* mask, int64_t n, float p, float* dx) = 0;
+
+  // y = a + b (residual add; its backward is the identity on both inputs).
+  virtual void Add(const float* a, const float* b, int64_t n, float* y) = 0;
+
+  // Standard attention: saves probs [b, heads, s, s] (softmax of the masked,
+  // scaled scores) and writes o. Backward uses probs; `workspace` holds the
+  // score gradients (AttentionBwdWorkspaceBytes).
+  virtual void AttentionFwd(const AttentionShape& sh, const float* q, const float* k, const float* v, float* probs,
+                            float* o) = 0;
+  virtual void AttentionBwd(const AttentionShape& sh, const float* q, const float* k, const float* v,
+                            const float* probs, const float* d_o, float* dq, float* dk, float* dv,
+                            void* workspace) = 0;
+  // Flash-style attention: no s x s tensor is saved; o and the log-sum-exp
+  // lse [b, heads, s] (natural log of the row sum of exp(scores)) are.
+  // Backward recomputes the scores tile by tile; `workspace` holds
+  // D = rowsum(dO * O) (FlashAttentionBwdWorkspaceBytes). dk, dv are
+  // overwritten (summed over the heads that share a kv head).
+  virtual void FlashAttentionFwd(const AttentionShape& sh, const float* q, const float* k, const float* v, float* o,
+                                 float* lse) = 0;
+  virtual void FlashAttentionBwd(const AttentionShape& sh, const float* q, const float* k, const float* v,
+                                 const float* o, const float* lse, const float* d_o, float* dq, float* dk, float* dv,
+                                 void* workspace) = 0;
+
+  // Router over logits [T, E]: softmax (row-wise) or sigmoid, then top-k by
+  // probability (ties: lower expert index first), weights = the selected
+  // probabilities, renormalized to sum to 1 when `renormalize`.
+  virtual void RouterFwd(const float* logits, int64_t tokens, int64_t experts, int64_t top_k, bool sigmoid,
+                         bool renormalize, float* probs, int32_t* topk_idx, float* topk_weights) = 0;
+  // From the gradient of the top-k weights to the logits (through the
+  // renormalization and the softmax/sigmoid). dlogits is overwritten.
+  virtual void RouterBwd(const float* probs, const int32_t* topk_idx, const float* topk_weights,
+                         const float* d_topk_weights, int64_t tokens, int64_t experts, int64_t top_k, bool sigmoid,
+                         bool renormalize, float* dlogits) = 0;
+
+  // Dispatch: stable sort of the T*k (token, slot) pairs by expert.
+  // slot_of[j] = the flat index t*k + i placed at sorted row j; offsets
+  // [E+1] (host memory) delimit each expert's rows. Then
+  // x_sorted[j] = x[slot_of[j] / k].
+  virtual void DispatchPlan(const int32_t* topk_idx, int64_t tokens, int64_t top_k, int64_t experts,
+                            int32_t* slot_of, int64_t* offsets) = 0;
+  virtual void DispatchFwd(const float* x, const int32_t* slot_of, int64_t tokens, int64_t top_k, int64_t d,
+                           float* x_sorted) = 0;
+  // dx[t] = sum over the token's k sorted rows of dx_sorted (overwrite).
+  virtual void DispatchBwd(const float* dx_sorted, const int32_t* slot_of, int64_t tokens, int64_t top_k, int64_t d,
+                           float* dx) = 0;
+  // Combine: out[t] = sum_i topk_weights[t, i] * y_sorted[row of (t, i)].
+  virtual void CombineFwd(const float* y_sorted, const int32_t* slot_of, const float* topk_weights, int64_t tokens,
+                          int64_t top_k, int64_t d, float* out) = 0;
+  // dy_sorted[row of (t,i)] = w[t,i] * dout[t]; when y_sorted is given,
+  // d_topk_weights[t,i] = <dout[t], y_sorted[row]> (the native router
+  // gradient, which needs the expert output saved).
+  virtual void CombineBwd(const float* dout, const int32_t* slot_of, const float* topk_weights, const float* y_sorted,
+                          int64_t tokens, int64_t top_k, int64_t d, float* dy_sorted, float* d_topk_weights) = 0;
+  // SonicMoE rewrite: d_topk_weights[t,i] = <dA_unweighted[row], act[row]>,
+  // where dA_unweighted[row] = dout[t] * W2_e^T (the fc2 backward before the
+  // router weight) and act = A, the expert activation. No expert output needed.
+  virtual void RouterGradRewrite(const float* da_unweighted, const float* act, const int32_t* slot_of,
+                                 int64_t tokens, int64_t top_k, int64_t f, float* d_topk_weights) = 0;
+
+  // Cross-entropy over logits [T, V] with int32 targets: probs = softmax
+  // (saved), loss[t] = -log probs[t, target]. Backward: dlogits = (probs -
+  // onehot) * scale (scale = 1/T for a mean loss).
+  virtual void CrossEntropyFwd(const float* logits, const int32_t* targets, int64_t tokens, int64_t vocab,
+                               float* probs, float* loss) = 0;
+  virtual void CrossEntropyBwd(const float* probs, const int32_t* targets, int64_t tokens, int64_t vocab, float scale,
+                               float* dlogits) = 0;
+
+  // Block AttnRes: for each token, weights over n sources (sources
+  // [n, T, d]): a_i = softmax_i(w . RMSNorm(v_i; gamma, eps)), h = sum_i a_i v_i.
+  // Saves nothing; backward recomputes and writes dsources (overwrite) and
+  // accumulates dw, dgamma.
+  virtual void AttnResFwd(const float* sources, const float* w, const float* gamma, int64_t n, int64_t tokens,
+                          int64_t d, float eps, float* h, float* weights) = 0;
+  virtual void AttnResBwd(const float* sources, const float* w, const float* gamma, const float* dh, int64_t n,
+                          int64_t tokens, int64_t d, float eps, float* dsources, float* dw, float* dgamma) = 0;
+};
+
+// The CPU reference implementation.
+std::unique_ptr<Ops> MakeRefOps();
+
+}  // namespace memplan::kernels
