@@ -3,6 +3,7 @@
 // message and an exit code (design.md, "Command line and exit codes").
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
 #include <optional>
 #include <string>
@@ -36,6 +37,11 @@ int RunPlan(const std::string& model_path, const std::string& out_path, const st
   options.solver = solver == "exact" ? memplan::planner::SolverKind::kExact : memplan::planner::SolverKind::kHeuristic;
   options.sweep = sweep;
   options.verify = verify;
+  if (std::getenv("MEMPLAN_TIMING")) {
+    options.on_stage = [](std::string_view stage, double ms) {
+      std::fprintf(stderr, "memplan: timing: %-13.*s %8.1f ms\n", static_cast<int>(stage.size()), stage.data(), ms);
+    };
+  }
   auto plan = memplan::planner::BuildPlan(*model, options);
   if (!plan) return Fail(plan.error());
   for (const auto& w : plan->warnings) std::fprintf(stderr, "memplan: warning: %s\n", w.c_str());

@@ -4,8 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstdio>
-#include <cstdlib>
+#include <functional>
 #include <map>
 
 #include "memplan/common/table.h"
@@ -32,18 +31,23 @@ struct Solved {
 
 // Stages 6-8 for one budget: rebalance, decide, bound; re-solve with a
 // margin where the placed peak (fragmentation) exceeds the budget.
-// MEMPLAN_TIMING=1 prints each stage's wall time to stderr (for bench/).
-void Mark(const char* stage) {
-  static const bool on = std::getenv("MEMPLAN_TIMING") != nullptr;
-  if (!on) return;
-  static auto last = std::chrono::steady_clock::now();
-  auto now = std::chrono::steady_clock::now();
-  std::fprintf(stderr, "memplan: timing: %-12s %8.1f ms\n", stage,
-               std::chrono::duration<double, std::milli>(now - last).count());
-  last = now;
-}
+// Reports a stage's wall time to options.on_stage (bench/, MEMPLAN_TIMING).
+class StageClock {
+ public:
+  explicit StageClock(const PlanOptions& o) : on_stage_(o.on_stage) {}
+  void Mark(const char* stage) {
+    if (!on_stage_) return;
+    auto now = std::chrono::steady_clock::now();
+    on_stage_(stage, std::chrono::duration<double, std::milli>(now - last_).count());
+    last_ = now;
+  }
 
-Solved Solve(const PlanningProblem& problem, int64_t budget, const PlanOptions& options) {
+ private:
+  std::function<void(std::string_view, double)> on_stage_;
+  std::chrono::steady_clock::time_point last_ = std::chrono::steady_clock::now();
+};
+
+Solved Solve(const PlanningProblem& problem, int64_t budget, const PlanOptions& options, StageClock& clock) {
   const Model& model = *problem.model;
   Solved out{Assignment::Annotated(problem), {}, {}};
   const size_t pp = problem.tensors.size();
@@ -61,17 +65,17 @@ Solved Solve(const PlanningProblem& problem, int64_t budget, const PlanOptions& 
     return b;
   };
   std::vector<SolveResult> results = planner::Solve(problem, budgets(), options.solver, &out.assignment);
-  Mark("solve");
+  clock.Mark("solve");
   if (model.options.pp_balance && pp > 1) {
     out.rebalance = Rebalance(problem, budget, &out.assignment);
-    Mark("rebalance");
+    clock.Mark("rebalance");
     if (out.rebalance.moved_tensors > 0) results = planner::Solve(problem, budgets(), options.solver, &out.assignment);
-    Mark("re-solve");
+    clock.Mark("re-solve");
   }
   // Fragmentation: where the placed peak exceeds the budget although the
   // lower bound fits, tighten that rank's budget by the gap and re-solve it.
   out.eval = Evaluate(problem, out.assignment, false);
-  Mark("evaluate");
+  clock.Mark("evaluate");
   for (int attempt = 0; attempt < 4; ++attempt) {
     std::vector<bool> redo(pp, false);
     bool any = false;
@@ -81,11 +85,6 @@ Solved Solve(const PlanningProblem& problem, int64_t budget, const PlanOptions& 
         // The lower bound must leave room for the fragmentation the
         // placement showed, growing with each attempt.
         margin[r] = std::max(margin[r] + (b.peak - budget), (b.peak - b.lower_bound) * (attempt + 1));
-        if (std::getenv("MEMPLAN_DEBUG_SOLVER")) {
-          std::fprintf(stderr, "fragmentation: rank %zu peak %lld lb %lld budget %lld margin %lld\n", r,
-                       static_cast<long long>(b.peak), static_cast<long long>(b.lower_bound),
-                       static_cast<long long>(budget), static_cast<long long>(margin[r]));
-        }
         redo[r] = any = true;
       }
     }
@@ -93,7 +92,7 @@ Solved Solve(const PlanningProblem& problem, int64_t budget, const PlanOptions& 
     results = planner::Solve(problem, budgets(), options.solver, &out.assignment);
     Evaluation next = Evaluate(problem, out.assignment, false, &out.eval, &redo);
     out.eval = std::move(next);
-    Mark("fragmentation");
+    clock.Mark("fragmentation");
   }
   if (options.verify) out.eval = Evaluate(problem, out.assignment, true);
   return out;
@@ -141,13 +140,14 @@ Plan BuildPlanOrThrow(const Model& input, const PlanOptions& options) {
   }
   plan.digest = ModelDigest(model);
   plan.solver = options.solver;
+  StageClock clock(options);
 
   auto expanded = ExpandModel(model);
   if (!expanded) throw ErrorException(expanded.error());
   plan.totals = CountParameters(model, *expanded);
-  Mark("expand");
+  clock.Mark("expand");
   PlanningProblem problem = BuildProblem(model, std::move(*expanded));
-  Mark("liveness");
+  clock.Mark("liveness");
   const std::vector<LayerGraph>& layers = problem.layers;
   const PipelineLayout& layout = problem.layout;
   plan.schedules = problem.schedules;
@@ -169,8 +169,8 @@ Plan BuildPlanOrThrow(const Model& input, const PlanOptions& options) {
   }
 
   std::vector<int64_t> keep_all = LowerBounds(problem, Assignment::KeepAll(problem));
-  Mark("keep-all");
-  Solved solved = Solve(problem, model.budget, options);
+  clock.Mark("keep-all");
+  Solved solved = Solve(problem, model.budget, options, clock);
   const Evaluation& e = solved.eval;
   plan.rebalance = solved.rebalance;
   {
@@ -276,7 +276,8 @@ Plan BuildPlanOrThrow(const Model& input, const PlanOptions& options) {
     quiet.verify = false;
     for (int k = 0; k < n; ++k) {
       int64_t budget = hi - static_cast<int64_t>(static_cast<double>(hi - lo) * k / (n - 1));
-      Solved s = Solve(problem, budget, quiet);
+      StageClock silent(PlanOptions{});
+      Solved s = Solve(problem, budget, quiet, silent);
       SweepPoint pt;
       pt.budget = budget;
       pt.fits = true;

@@ -3,8 +3,6 @@
 #include <coin/Cbc_C_Interface.h>
 
 #include <algorithm>
-#include <cstdio>
-#include <cstdlib>
 #include <array>
 #include <cmath>
 #include <limits>
@@ -222,11 +220,6 @@ SolveResult Heuristic(const PlanningProblem& p, int32_t rank, int64_t budget, Pr
         if (score < best.score || (score == best.score && benefit > best.benefit)) best = {score, benefit, best.tensor, o};
       }
       if (best.to != cur) cands.push_back(best);
-    }
-    if (std::getenv("MEMPLAN_DEBUG_SOLVER")) {
-      std::fprintf(stderr, "rank %d iter %d step %lld max %lld budget %lld cands %zu\n", rank, iter,
-                   static_cast<long long>(step), static_cast<long long>(tree.Max()), static_cast<long long>(budget),
-                   cands.size());
     }
     if (cands.empty()) break;
     std::stable_sort(cands.begin(), cands.end(), [](const Candidate& x, const Candidate& y) {

@@ -10,7 +10,9 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
+#include <string_view>
 #include <string>
 #include <vector>
 
@@ -33,6 +35,8 @@ struct PlanOptions {
   bool sweep = false;   // also compute the budget / step-time trade-off curve
   bool verify = false;  // run the plan verifier (always on in tests)
   int sweep_points = 12;
+  // Called after each planner stage with its name and wall time (ms).
+  std::function<void(std::string_view stage, double ms)> on_stage = nullptr;
 };
 
 struct RankPlan {
