@@ -1,1 +1,271 @@
-// placeholder: being written
+// The CUDA implementation of Ops (ops.h, ops_cuda.h): cuBLAS for the GEMMs,
+// the kernels of ops.cu (ops_launch.h) and attention.cu (attention_cuda.h)
+// for the rest. Every CUDA or cuBLAS error aborts (cuda_check.h): a failed
+// launch leaves the stream in an unknown state.
+//
+// Resources a CudaOps owns (created once, in MakeCudaOps): a cuBLAS handle
+// bound to the stream, and an 8 KiB device buffer that stages DispatchPlan's
+// offsets on their way to host memory. Op calls themselves never allocate;
+// cuBLAS uses the caller's workspace when one is passed, otherwise its own
+// default workspace pool.
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+
+#include "attention_cuda.h"
+#include "cuda_check.h"
+#include "memplan/kernels/ops.h"
+#include "memplan/kernels/ops_cuda.h"
+#include "ops_launch.h"
+
+namespace memplan::kernels {
+namespace {
+
+// DispatchPlan copies the E+1 offsets to the host through a device buffer of
+// this many entries, one window at a time.
+constexpr int64_t kStagedOffsets = 1024;
+
+class CudaOps final : public Ops {
+ public:
+  explicit CudaOps(cudaStream_t stream) {
+    int device = 0;
+    MEMPLAN_CUDA_CHECK(cudaGetDevice(&device));
+    ctx_.stream = stream;
+    MEMPLAN_CUDA_CHECK(cudaDeviceGetAttribute(&ctx_.sm_count, cudaDevAttrMultiProcessorCount, device));
+    MEMPLAN_CUDA_CHECK(
+        cudaDeviceGetAttribute(&ctx_.max_smem_per_block_bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    MEMPLAN_CUBLAS_CHECK(cublasCreate(&cublas_));
+    MEMPLAN_CUBLAS_CHECK(cublasSetStream(cublas_, stream));
+    // Plain IEEE fp32: no TF32 tensor-core downconversion (CUBLAS_DEFAULT_MATH
+    // never picks TF32 for cublasSgemm unless NVIDIA_TF32_OVERRIDE says so).
+    MEMPLAN_CUBLAS_CHECK(cublasSetMathMode(cublas_, CUBLAS_DEFAULT_MATH));
+    void* staged = nullptr;
+    MEMPLAN_CUDA_CHECK(cudaMalloc(&staged, kStagedOffsets * sizeof(int64_t)));
+    staged_offsets_ = static_cast<int64_t*>(staged);
+  }
+
+  // Teardown errors are ignored: at process exit the context may already be
+  // gone, and aborting there would only hide the program's real outcome.
+  ~CudaOps() override {
+    if (cublas_ != nullptr) cublasDestroy(cublas_);
+    if (staged_offsets_ != nullptr) cudaFree(staged_offsets_);
+  }
+
+  CudaOps(const CudaOps&) = delete;
+  CudaOps& operator=(const CudaOps&) = delete;
+
+  void Gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, const float* b,
+            float beta, float* c, void* workspace) override {
+    if (m <= 0 || n <= 0) return;
+    if (k <= 0) {
+      // C = beta * C, spelled out rather than left to cuBLAS's k == 0 path;
+      // with beta == 0, C is not read (NaNs in it do not survive).
+      if (beta == 0.f) {
+        MEMPLAN_CUDA_CHECK(cudaMemsetAsync(c, 0, static_cast<size_t>(m * n) * sizeof(float), ctx_.stream));
+      } else if (beta != 1.f) {
+        MEMPLAN_CUBLAS_CHECK(cublasSscal_64(cublas_, m * n, &beta, c, 1));
+      }
+      return;
+    }
+    UseWorkspace(workspace);
+    // Row-major C[m,n] = op(A) op(B) is column-major C^T[n,m] = op(B)^T op(A)^T,
+    // and a row-major matrix read column-major is its transpose: so cuBLAS
+    // gets B first, then A, with the same transpose flags.
+    const cublasOperation_t op_a = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+    const cublasOperation_t op_b = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+    const int64_t lda = trans_a ? m : k;  // row length of A as stored
+    const int64_t ldb = trans_b ? k : n;
+    MEMPLAN_CUBLAS_CHECK(cublasSgemm_64(cublas_, op_b, op_a, n, m, k, &alpha, b, ldb, a, lda, &beta, c, n));
+  }
+
+  void GroupedGemm(const int64_t* offsets, int64_t experts, int64_t k, int64_t n, const float* x, const float* w,
+                   float* y, void* workspace) override {
+    for (int64_t e = 0; e < experts; ++e) {
+      const int64_t row0 = offsets[e];
+      const int64_t rows = offsets[e + 1] - row0;
+      if (rows <= 0) continue;
+      Gemm(false, false, rows, n, k, 1.f, x + row0 * k, w + e * k * n, 0.f, y + row0 * n, workspace);
+    }
+  }
+
+  void GroupedGemmBwd(const int64_t* offsets, int64_t experts, int64_t k, int64_t n, const float* x, const float* w,
+                      const float* dy, float* dx, float* dw, void* workspace) override {
+    for (int64_t e = 0; e < experts; ++e) {
+      const int64_t row0 = offsets[e];
+      const int64_t rows = offsets[e + 1] - row0;
+      if (rows <= 0) continue;  // dw[e] += 0
+      Gemm(false, true, rows, k, n, 1.f, dy + row0 * n, w + e * k * n, 0.f, dx + row0 * k, workspace);
+      Gemm(true, false, k, n, rows, 1.f, x + row0 * k, dy + row0 * n, 1.f, dw + e * k * n, workspace);
+    }
+  }
+
+  void LayerNormFwd(const float* x, const float* gamma, const float* beta, int64_t rows, int64_t cols, float eps,
+                    float* y) override {
+    MEMPLAN_CUDA_CHECK(cuda::LaunchLayerNormFwd(ctx_, x, gamma, beta, rows, cols, eps, y));
+  }
+  void LayerNormBwd(const float* x, const float* gamma, const float* dy, int64_t rows, int64_t cols, float eps,
+                    float* dx, float* dgamma, float* dbeta) override {
+    MEMPLAN_CUDA_CHECK(cuda::LaunchLayerNormBwd(ctx_, x, gamma, dy, rows, cols, eps, dx, dgamma, dbeta));
+  }
+  void RmsNormFwd(const float* x, const float* gamma, int64_t rows, int64_t cols, float eps, float* y) override {
+    MEMPLAN_CUDA_CHECK(cuda::LaunchRmsNormFwd(ctx_, x, gamma, rows, cols, eps, y));
+  }
+  void RmsNormBwd(const float* x, const float* gamma, const float* dy, int64_t rows, int64_t cols, float eps, float* dx,
+                  float* dgamma) override {
+    MEMPLAN_CUDA_CHECK(cuda::LaunchRmsNormBwd(ctx_, x, gamma, dy, rows, cols, eps, dx, dgamma));
+  }
+
+  void GeluFwd(const float* x, int64_t n, float* y) override { MEMPLAN_CUDA_CHECK(cuda::LaunchGeluFwd(ctx_, x, n, y)); }
+  void GeluBwd(const float* x, const float* dy, int64_t n, float* dx) override {
+    MEMPLAN_CUDA_CHECK(cuda::LaunchGeluBwd(ctx_, x, dy, n, dx));
+  }
+  void SwigluFwd(const float* x, int64_t rows, int64_t f, float* y) override {
+    MEMPLAN_CUDA_CHECK(cuda::LaunchSwigluFwd(ctx_, x, rows, f, y));
+  }
+  void SwigluBwd(const float* x, const float* dy, int64_t rows, int64_t f, float* dx) override {
+    MEMPLAN_CUDA_CHECK(cuda::LaunchSwigluBwd(ctx_, x, dy, rows, f, dx));
+  }
+
+  void DropoutFwd(const float* x, int64_t n, float p, uint64_t seed, uint64_t offset, float* y,
+                  uint8_t* mask) override {
+    MEMPLAN_CUDA_CHECK(cuda::LaunchDropoutFwd(ctx_, x, n, p, seed, offset, y, mask));
+  }
+  void DropoutBwd(const float* dy, const uint8_t* mask, int64_t n, float p, float* dx) override {
+    MEMPLAN_CUDA_CHECK(cuda::LaunchDropoutBwd(ctx_, dy, mask, n, p, dx));
+  }
+
+  void Add(const float* a, const float* b, int64_t n, float* y) override {
+    MEMPLAN_CUDA_CHECK(cuda::LaunchAdd(ctx_, a, b, n, y));
+  }
+
+  void AttentionFwd(const AttentionShape& sh, const float* q, const float* k, const float* v, float* probs,
+                    float* o) override {
+    MEMPLAN_CUDA_CHECK(static_cast<cudaError_t>(cuda::AttentionFwd(sh, q, k, v, probs, o, ctx_.stream)));
+  }
+  void AttentionBwd(const AttentionShape& sh, const float* q, const float* k, const float* v, const float* probs,
+                    const float* d_o, float* dq, float* dk, float* dv, void* workspace) override {
+    MEMPLAN_CUDA_CHECK(
+        static_cast<cudaError_t>(cuda::AttentionBwd(sh, q, k, v, probs, d_o, dq, dk, dv, workspace, ctx_.stream)));
+  }
+  void FlashAttentionFwd(const AttentionShape& sh, const float* q, const float* k, const float* v, float* o,
+                         float* lse) override {
+    MEMPLAN_CUDA_CHECK(static_cast<cudaError_t>(cuda::FlashAttentionFwd(sh, q, k, v, o, lse, ctx_.stream)));
+  }
+  void FlashAttentionBwd(const AttentionShape& sh, const float* q, const float* k, const float* v, const float* o,
+                         const float* lse, const float* d_o, float* dq, float* dk, float* dv,
+                         void* workspace) override {
+    MEMPLAN_CUDA_CHECK(static_cast<cudaError_t>(
+        cuda::FlashAttentionBwd(sh, q, k, v, o, lse, d_o, dq, dk, dv, workspace, ctx_.stream)));
+  }
+
+  void RouterFwd(const float* logits, int64_t tokens, int64_t experts, int64_t top_k, bool sigmoid, bool renormalize,
+                 float* probs, int32_t* topk_idx, float* topk_weights) override {
+    MEMPLAN_CUDA_CHECK(cuda::LaunchRouterFwd(ctx_, logits, tokens, experts, top_k, sigmoid, renormalize, probs,
+                                             topk_idx, topk_weights));
+  }
+  void RouterBwd(const float* probs, const int32_t* topk_idx, const float* topk_weights, const float* d_topk_weights,
+                 int64_t tokens, int64_t experts, int64_t top_k, bool sigmoid, bool renormalize,
+                 float* dlogits) override {
+    MEMPLAN_CUDA_CHECK(cuda::LaunchRouterBwd(ctx_, probs, topk_idx, topk_weights, d_topk_weights, tokens, experts,
+                                             top_k, sigmoid, renormalize, dlogits));
+  }
+
+  // The only synchronizing op: offsets are host memory, so this waits for
+  // the stream (all work queued before it included) before returning.
+  void DispatchPlan(const int32_t* topk_idx, int64_t tokens, int64_t top_k, int64_t experts, int32_t* slot_of,
+                    int64_t* offsets) override {
+    const int64_t n_pairs = tokens * top_k;
+    // Windows of the E+1 offsets share one staging buffer: stream order puts
+    // each copy-out before the next window's kernel overwrites it.
+    for (int64_t first = 0; first <= experts; first += kStagedOffsets) {
+      const int64_t count = std::min(kStagedOffsets, experts + 1 - first);
+      MEMPLAN_CUDA_CHECK(
+          cuda::LaunchDispatchPlan(ctx_, topk_idx, n_pairs, experts, first, count, slot_of, staged_offsets_));
+      MEMPLAN_CUDA_CHECK(cudaMemcpyAsync(offsets + first, staged_offsets_, count * sizeof(int64_t),
+                                         cudaMemcpyDeviceToHost, ctx_.stream));
+    }
+    MEMPLAN_CUDA_CHECK(cudaStreamSynchronize(ctx_.stream));
+  }
+  void DispatchFwd(const float* x, const int32_t* slot_of, int64_t tokens, int64_t top_k, int64_t d,
+                   float* x_sorted) override {
+    MEMPLAN_CUDA_CHECK(cuda::LaunchDispatchFwd(ctx_, x, slot_of, tokens, top_k, d, x_sorted));
+  }
+  void DispatchBwd(const float* dx_sorted, const int32_t* slot_of, int64_t tokens, int64_t top_k, int64_t d,
+                   float* dx) override {
+    MEMPLAN_CUDA_CHECK(cuda::LaunchDispatchBwd(ctx_, dx_sorted, slot_of, tokens, top_k, d, dx));
+  }
+  void CombineFwd(const float* y_sorted, const int32_t* slot_of, const float* topk_weights, int64_t tokens,
+                  int64_t top_k, int64_t d, float* out) override {
+    MEMPLAN_CUDA_CHECK(cuda::LaunchCombineFwd(ctx_, y_sorted, slot_of, topk_weights, tokens, top_k, d, out));
+  }
+  void CombineBwd(const float* dout, const int32_t* slot_of, const float* topk_weights, const float* y_sorted,
+                  int64_t tokens, int64_t top_k, int64_t d, float* dy_sorted, float* d_topk_weights) override {
+    MEMPLAN_CUDA_CHECK(cuda::LaunchCombineBwd(ctx_, dout, slot_of, topk_weights, y_sorted, tokens, top_k, d, dy_sorted,
+                                              d_topk_weights));
+  }
+  void RouterGradRewrite(const float* da_unweighted, const float* act, const int32_t* slot_of, int64_t tokens,
+                         int64_t top_k, int64_t f, float* d_topk_weights) override {
+    MEMPLAN_CUDA_CHECK(
+        cuda::LaunchRouterGradRewrite(ctx_, da_unweighted, act, slot_of, tokens, top_k, f, d_topk_weights));
+  }
+
+  void CrossEntropyFwd(const float* logits, const int32_t* targets, int64_t tokens, int64_t vocab, float* probs,
+                       float* loss) override {
+    MEMPLAN_CUDA_CHECK(cuda::LaunchCrossEntropyFwd(ctx_, logits, targets, tokens, vocab, probs, loss));
+  }
+  void CrossEntropyBwd(const float* probs, const int32_t* targets, int64_t tokens, int64_t vocab, float scale,
+                       float* dlogits) override {
+    MEMPLAN_CUDA_CHECK(cuda::LaunchCrossEntropyBwd(ctx_, probs, targets, tokens, vocab, scale, dlogits));
+  }
+
+  void AttnResFwd(const float* sources, const float* w, const float* gamma, int64_t n, int64_t tokens, int64_t d,
+                  float eps, float* h, float* weights) override {
+    MEMPLAN_CUDA_CHECK(cuda::LaunchAttnResFwd(ctx_, sources, w, gamma, n, tokens, d, eps, h, weights));
+  }
+  void AttnResBwd(const float* sources, const float* w, const float* gamma, const float* dh, int64_t n, int64_t tokens,
+                  int64_t d, float eps, float* dsources, float* dw, float* dgamma) override {
+    MEMPLAN_CUDA_CHECK(cuda::LaunchAttnResBwd(ctx_, sources, w, gamma, dh, n, tokens, d, eps, dsources, dw, dgamma));
+  }
+
+ private:
+  // Points cuBLAS at the caller's workspace, or back at its default pool
+  // (cublasSetStream resets the workspace) so that it never keeps a pointer
+  // to a workspace the caller may since have freed.
+  void UseWorkspace(void* workspace) {
+    if (workspace == workspace_) return;
+    if (workspace != nullptr) {
+      MEMPLAN_CUBLAS_CHECK(cublasSetWorkspace(cublas_, workspace, static_cast<size_t>(GemmWorkspaceBytes())));
+    } else {
+      MEMPLAN_CUBLAS_CHECK(cublasSetStream(cublas_, ctx_.stream));
+    }
+    workspace_ = workspace;
+  }
+
+  cuda::LaunchContext ctx_;
+  cublasHandle_t cublas_ = nullptr;
+  void* workspace_ = nullptr;          // what cuBLAS was last given; nullptr = its default pool
+  int64_t* staged_offsets_ = nullptr;  // device, kStagedOffsets entries
+};
+
+}  // namespace
+
+// Returns nullptr (rather than aborting) when no device is visible, so a
+// host program can fall back to the reference ops.
+std::unique_ptr<Ops> MakeCudaOps(void* stream) {
+  if (!CudaDeviceAvailable()) return nullptr;
+  return std::make_unique<CudaOps>(static_cast<cudaStream_t>(stream));
+}
+
+bool CudaDeviceAvailable() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();  // clear the error so it does not surface in a later check
+    return false;
+  }
+  return count > 0;
+}
+
+}  // namespace memplan::kernels

@@ -1,1 +1,665 @@
-// placeholder: being written
+// CPU reference ops: the shared RNG and workspace formulas, RefMath (every op
+// but attention, see attention_ref.cc) and the Ops wrapper that runs it in
+// float.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <memory>
+
+#include "memplan/kernels/ops.h"
+#include "ops_ref_impl.h"
+
+namespace memplan::kernels {
+
+uint64_t SplitMix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  uint64_t z = x;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+float Uniform01(uint64_t seed, uint64_t offset, uint64_t index) {
+  // 24 bits: exactly representable, so the float is the same on every side.
+  return static_cast<float>(SplitMix64(seed ^ SplitMix64(offset + index)) >> 40) * 0x1p-24f;
+}
+
+int64_t AttentionBwdWorkspaceBytes(int64_t b, int64_t heads, int64_t s) {
+  return b * heads * s * s * static_cast<int64_t>(sizeof(float));
+}
+
+int64_t FlashAttentionBwdWorkspaceBytes(int64_t b, int64_t heads, int64_t s) {
+  return b * heads * s * static_cast<int64_t>(sizeof(float));
+}
+
+int64_t GemmWorkspaceBytes() { return int64_t{32} << 20; }
+
+namespace ref {
+namespace {
+
+template <typename T>
+T Sigmoid(T x) {
+  return T(1) / (T(1) + std::exp(-x));
+}
+
+template <typename T>
+T DotN(const T* a, const T* b, int64_t n) {
+  T s = 0;
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// Mean and 1/sqrt(var + eps) of one LayerNorm row (two passes).
+template <typename T>
+void MeanRstd(const T* x, int64_t cols, T eps, T* mean, T* rstd) {
+  T sum = 0;
+  for (int64_t c = 0; c < cols; ++c) sum += x[c];
+  const T mu = sum / T(cols);
+  T var = 0;
+  for (int64_t c = 0; c < cols; ++c) {
+    const T dc = x[c] - mu;
+    var += dc * dc;
+  }
+  var /= T(cols);
+  *mean = mu;
+  *rstd = T(1) / std::sqrt(var + eps);
+}
+
+// 1/sqrt(mean(x^2) + eps) of one RMSNorm row.
+template <typename T>
+T RmsRstd(const T* x, int64_t cols, T eps) {
+  T ss = 0;
+  for (int64_t c = 0; c < cols; ++c) ss += x[c] * x[c];
+  return T(1) / std::sqrt(ss / T(cols) + eps);
+}
+
+// AttnRes logit of one source row: w . ((v * r) * gamma); returns r too.
+template <typename T>
+T AttnResLogit(const T* v, const T* w, const T* gamma, int64_t d, T eps, T* r_out) {
+  const T r = RmsRstd(v, d, eps);
+  T z = 0;
+  for (int64_t c = 0; c < d; ++c) z += w[c] * ((v[c] * r) * gamma[c]);
+  *r_out = r;
+  return z;
+}
+
+// Max and sum of exp(z_i - max) over token t's n sources. Shared by the
+// forward and the backward so that both see the same a_i bit for bit.
+template <typename T>
+void AttnResStats(const T* sources, const T* w, const T* gamma, int64_t n, int64_t tokens, int64_t d, T eps,
+                  int64_t t, T* max_out, T* sum_out) {
+  T r;
+  T mx = -std::numeric_limits<T>::infinity();
+  for (int64_t i = 0; i < n; ++i) {
+    mx = std::max(mx, AttnResLogit(sources + (i * tokens + t) * d, w, gamma, d, eps, &r));
+  }
+  T sum = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    sum += std::exp(AttnResLogit(sources + (i * tokens + t) * d, w, gamma, d, eps, &r) - mx);
+  }
+  *max_out = mx;
+  *sum_out = sum;
+}
+
+}  // namespace
+
+// --- GEMM ---------------------------------------------------------------
+
+template <typename T>
+void RefMath<T>::Gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha, const T* a, const T* b,
+                      T beta, T* c) {
+  const int64_t lda = trans_a ? m : k;
+  const int64_t ldb = trans_b ? k : n;
+  for (int64_t i0 = 0; i0 < m; i0 += kGemmTile) {
+    const int64_t mi = std::min(kGemmTile, m - i0);
+    for (int64_t j0 = 0; j0 < n; j0 += kGemmTile) {
+      const int64_t nj = std::min(kGemmTile, n - j0);
+      T acc[kGemmTile][kGemmTile] = {};
+      for (int64_t p = 0; p < k; ++p) {
+        for (int64_t i = 0; i < mi; ++i) {
+          const T av = trans_a ? a[p * lda + i0 + i] : a[(i0 + i) * lda + p];
+          T* row = acc[i];
+          if (trans_b) {
+            for (int64_t j = 0; j < nj; ++j) row[j] += av * b[(j0 + j) * ldb + p];
+          } else {
+            const T* brow = b + p * ldb + j0;
+            for (int64_t j = 0; j < nj; ++j) row[j] += av * brow[j];
+          }
+        }
+      }
+      for (int64_t i = 0; i < mi; ++i) {
+        T* crow = c + (i0 + i) * n + j0;
+        for (int64_t j = 0; j < nj; ++j) {
+          crow[j] = beta == T(0) ? alpha * acc[i][j] : alpha * acc[i][j] + beta * crow[j];
+        }
+      }
+    }
+  }
+}
+
+template <typename T>
+void RefMath<T>::GroupedGemm(const int64_t* offsets, int64_t experts, int64_t k, int64_t n, const T* x, const T* w,
+                             T* y) {
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t rows = offsets[e + 1] - offsets[e];
+    if (rows <= 0) continue;
+    Gemm(false, false, rows, n, k, T(1), x + offsets[e] * k, w + e * k * n, T(0), y + offsets[e] * n);
+  }
+}
+
+template <typename T>
+void RefMath<T>::GroupedGemmBwd(const int64_t* offsets, int64_t experts, int64_t k, int64_t n, const T* x,
+                                const T* w, const T* dy, T* dx, T* dw) {
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t rows = offsets[e + 1] - offsets[e];
+    if (rows <= 0) continue;
+    const T* xe = x + offsets[e] * k;
+    const T* dye = dy + offsets[e] * n;
+    Gemm(false, true, rows, k, n, T(1), dye, w + e * k * n, T(0), dx + offsets[e] * k);
+    Gemm(true, false, k, n, rows, T(1), xe, dye, T(1), dw + e * k * n);
+  }
+}
+
+// --- Norms ----------------------------------------------------------------
+
+template <typename T>
+void RefMath<T>::LayerNormFwd(const T* x, const T* gamma, const T* beta, int64_t rows, int64_t cols, T eps, T* y) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * cols;
+    T* yr = y + r * cols;
+    T mean, rstd;
+    MeanRstd(xr, cols, eps, &mean, &rstd);
+    for (int64_t c = 0; c < cols; ++c) yr[c] = (xr[c] - mean) * rstd * gamma[c] + beta[c];
+  }
+}
+
+template <typename T>
+void RefMath<T>::LayerNormBwd(const T* x, const T* gamma, const T* dy, int64_t rows, int64_t cols, T eps, T* dx,
+                              T* dgamma, T* dbeta) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * cols;
+    const T* dyr = dy + r * cols;
+    T* dxr = dx + r * cols;
+    T mean, rstd;
+    MeanRstd(xr, cols, eps, &mean, &rstd);
+    T sum_g = 0, sum_gx = 0;
+    for (int64_t c = 0; c < cols; ++c) {
+      const T xhat = (xr[c] - mean) * rstd;
+      const T g = dyr[c] * gamma[c];
+      sum_g += g;
+      sum_gx += g * xhat;
+    }
+    const T mean_g = sum_g / T(cols);
+    const T mean_gx = sum_gx / T(cols);
+    for (int64_t c = 0; c < cols; ++c) {
+      const T xhat = (xr[c] - mean) * rstd;
+      const T g = dyr[c] * gamma[c];
+      dxr[c] = rstd * (g - mean_g - xhat * mean_gx);
+      dgamma[c] += dyr[c] * xhat;
+      dbeta[c] += dyr[c];
+    }
+  }
+}
+
+template <typename T>
+void RefMath<T>::RmsNormFwd(const T* x, const T* gamma, int64_t rows, int64_t cols, T eps, T* y) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * cols;
+    T* yr = y + r * cols;
+    const T rstd = RmsRstd(xr, cols, eps);
+    for (int64_t c = 0; c < cols; ++c) yr[c] = xr[c] * rstd * gamma[c];
+  }
+}
+
+template <typename T>
+void RefMath<T>::RmsNormBwd(const T* x, const T* gamma, const T* dy, int64_t rows, int64_t cols, T eps, T* dx,
+                            T* dgamma) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * cols;
+    const T* dyr = dy + r * cols;
+    T* dxr = dx + r * cols;
+    const T rstd = RmsRstd(xr, cols, eps);
+    T sum_gx = 0;
+    for (int64_t c = 0; c < cols; ++c) sum_gx += dyr[c] * gamma[c] * (xr[c] * rstd);
+    const T mean_gx = sum_gx / T(cols);
+    for (int64_t c = 0; c < cols; ++c) {
+      const T xhat = xr[c] * rstd;
+      dxr[c] = rstd * (dyr[c] * gamma[c] - xhat * mean_gx);
+      dgamma[c] += dyr[c] * xhat;
+    }
+  }
+}
+
+// --- Activations, dropout, add ---------------------------------------------
+
+namespace {
+template <typename T>
+constexpr T kSqrt2OverPi = T(0.79788456080286535587989211986876);
+template <typename T>
+constexpr T kGeluCubic = T(0.044715);
+}  // namespace
+
+template <typename T>
+void RefMath<T>::GeluFwd(const T* x, int64_t n, T* y) {
+  for (int64_t i = 0; i < n; ++i) {
+    const T xi = x[i];
+    y[i] = T(0.5) * xi * (T(1) + std::tanh(kSqrt2OverPi<T> * (xi + kGeluCubic<T> * xi * xi * xi)));
+  }
+}
+
+template <typename T>
+void RefMath<T>::GeluBwd(const T* x, const T* dy, int64_t n, T* dx) {
+  for (int64_t i = 0; i < n; ++i) {
+    const T xi = x[i];
+    const T t = std::tanh(kSqrt2OverPi<T> * (xi + kGeluCubic<T> * xi * xi * xi));
+    const T du = kSqrt2OverPi<T> * (T(1) + T(3) * kGeluCubic<T> * xi * xi);
+    dx[i] = dy[i] * (T(0.5) * (T(1) + t) + T(0.5) * xi * (T(1) - t * t) * du);
+  }
+}
+
+template <typename T>
+void RefMath<T>::SwigluFwd(const T* x, int64_t rows, int64_t f, T* y) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* gate = x + r * 2 * f;
+    const T* up = gate + f;
+    for (int64_t j = 0; j < f; ++j) y[r * f + j] = gate[j] * Sigmoid(gate[j]) * up[j];
+  }
+}
+
+template <typename T>
+void RefMath<T>::SwigluBwd(const T* x, const T* dy, int64_t rows, int64_t f, T* dx) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* gate = x + r * 2 * f;
+    const T* up = gate + f;
+    T* dgate = dx + r * 2 * f;
+    T* dup = dgate + f;
+    for (int64_t j = 0; j < f; ++j) {
+      const T g = gate[j];
+      const T s = Sigmoid(g);
+      const T d = dy[r * f + j];
+      dgate[j] = d * up[j] * (s * (T(1) + g * (T(1) - s)));
+      dup[j] = d * (g * s);
+    }
+  }
+}
+
+template <typename T>
+void RefMath<T>::DropoutFwd(const T* x, int64_t n, T p, uint64_t seed, uint64_t offset, T* y, uint8_t* mask) {
+  const T keep = T(1) - p;
+  for (int64_t i = 0; i < n; ++i) {
+    const bool kept = T(Uniform01(seed, offset, static_cast<uint64_t>(i))) >= p;
+    mask[i] = kept ? 1 : 0;
+    y[i] = kept ? x[i] / keep : T(0);
+  }
+}
+
+template <typename T>
+void RefMath<T>::DropoutBwd(const T* dy, const uint8_t* mask, int64_t n, T p, T* dx) {
+  const T keep = T(1) - p;
+  for (int64_t i = 0; i < n; ++i) dx[i] = mask[i] ? dy[i] / keep : T(0);
+}
+
+template <typename T>
+void RefMath<T>::Add(const T* a, const T* b, int64_t n, T* y) {
+  for (int64_t i = 0; i < n; ++i) y[i] = a[i] + b[i];
+}
+
+// --- Router, dispatch, combine ------------------------------------------
+
+template <typename T>
+void RefMath<T>::RouterFwd(const T* logits, int64_t tokens, int64_t experts, int64_t top_k, bool sigmoid,
+                           bool renormalize, T* probs, int32_t* topk_idx, T* topk_weights) {
+  for (int64_t t = 0; t < tokens; ++t) {
+    const T* l = logits + t * experts;
+    T* p = probs + t * experts;
+    if (sigmoid) {
+      for (int64_t e = 0; e < experts; ++e) p[e] = Sigmoid(l[e]);
+    } else {
+      T mx = l[0];
+      for (int64_t e = 1; e < experts; ++e) mx = std::max(mx, l[e]);
+      T sum = 0;
+      for (int64_t e = 0; e < experts; ++e) {
+        p[e] = std::exp(l[e] - mx);
+        sum += p[e];
+      }
+      for (int64_t e = 0; e < experts; ++e) p[e] /= sum;
+    }
+    // Pass i picks the best expert that comes after pass i-1's pick in the
+    // total order (p descending, index ascending): no "taken" flags needed.
+    int32_t* idx = topk_idx + t * top_k;
+    T* wt = topk_weights + t * top_k;
+    int64_t prev = -1;
+    for (int64_t i = 0; i < top_k; ++i) {
+      int64_t best = -1;
+      for (int64_t e = 0; e < experts; ++e) {
+        const bool after_prev = prev < 0 || p[e] < p[prev] || (p[e] == p[prev] && e > prev);
+        if (after_prev && (best < 0 || p[e] > p[best])) best = e;
+      }
+      idx[i] = static_cast<int32_t>(best);
+      wt[i] = p[best];
+      prev = best;
+    }
+    if (renormalize) {
+      T sum = 0;
+      for (int64_t i = 0; i < top_k; ++i) sum += wt[i];
+      for (int64_t i = 0; i < top_k; ++i) wt[i] /= sum;
+    }
+  }
+}
+
+template <typename T>
+void RefMath<T>::RouterBwd(const T* probs, const int32_t* topk_idx, const T* topk_weights, const T* d_topk_weights,
+                           int64_t tokens, int64_t experts, int64_t top_k, bool sigmoid, bool renormalize,
+                           T* dlogits) {
+  for (int64_t t = 0; t < tokens; ++t) {
+    const T* p = probs + t * experts;
+    const int32_t* idx = topk_idx + t * top_k;
+    const T* wt = topk_weights + t * top_k;
+    const T* dwt = d_topk_weights + t * top_k;
+    T* dl = dlogits + t * experts;
+    // dl first holds dL/dprobs (zero off the selection), then is mapped
+    // through the softmax / sigmoid in place.
+    for (int64_t e = 0; e < experts; ++e) dl[e] = 0;
+    if (renormalize) {
+      // w_i = p_i / S: dL/dp_i = (dw_i - sum_j dw_j w_j) / S.
+      T sum_p = 0, dot = 0;
+      for (int64_t i = 0; i < top_k; ++i) {
+        sum_p += p[idx[i]];
+        dot += dwt[i] * wt[i];
+      }
+      for (int64_t i = 0; i < top_k; ++i) dl[idx[i]] = (dwt[i] - dot) / sum_p;
+    } else {
+      for (int64_t i = 0; i < top_k; ++i) dl[idx[i]] = dwt[i];
+    }
+    if (sigmoid) {
+      for (int64_t e = 0; e < experts; ++e) dl[e] *= p[e] * (T(1) - p[e]);
+    } else {
+      const T dot = DotN(dl, p, experts);
+      for (int64_t e = 0; e < experts; ++e) dl[e] = p[e] * (dl[e] - dot);
+    }
+  }
+}
+
+template <typename T>
+void RefMath<T>::DispatchFwd(const T* x, const int32_t* slot_of, int64_t tokens, int64_t top_k, int64_t d,
+                             T* x_sorted) {
+  for (int64_t j = 0; j < tokens * top_k; ++j) {
+    const T* src = x + (slot_of[j] / top_k) * d;
+    std::copy(src, src + d, x_sorted + j * d);
+  }
+}
+
+template <typename T>
+void RefMath<T>::DispatchBwd(const T* dx_sorted, const int32_t* slot_of, int64_t tokens, int64_t top_k, int64_t d,
+                             T* dx) {
+  std::fill(dx, dx + tokens * d, T(0));
+  for (int64_t j = 0; j < tokens * top_k; ++j) {
+    T* dst = dx + (slot_of[j] / top_k) * d;
+    for (int64_t c = 0; c < d; ++c) dst[c] += dx_sorted[j * d + c];
+  }
+}
+
+template <typename T>
+void RefMath<T>::CombineFwd(const T* y_sorted, const int32_t* slot_of, const T* topk_weights, int64_t tokens,
+                            int64_t top_k, int64_t d, T* out) {
+  std::fill(out, out + tokens * d, T(0));
+  for (int64_t j = 0; j < tokens * top_k; ++j) {
+    const int64_t slot = slot_of[j];
+    const T wt = topk_weights[slot];
+    T* dst = out + (slot / top_k) * d;
+    for (int64_t c = 0; c < d; ++c) dst[c] += wt * y_sorted[j * d + c];
+  }
+}
+
+template <typename T>
+void RefMath<T>::CombineBwd(const T* dout, const int32_t* slot_of, const T* topk_weights, const T* y_sorted,
+                            int64_t tokens, int64_t top_k, int64_t d, T* dy_sorted, T* d_topk_weights) {
+  for (int64_t j = 0; j < tokens * top_k; ++j) {
+    const int64_t slot = slot_of[j];
+    const T wt = topk_weights[slot];
+    const T* g = dout + (slot / top_k) * d;
+    for (int64_t c = 0; c < d; ++c) dy_sorted[j * d + c] = wt * g[c];
+    if (y_sorted != nullptr) d_topk_weights[slot] = DotN(g, y_sorted + j * d, d);
+  }
+}
+
+template <typename T>
+void RefMath<T>::RouterGradRewrite(const T* da_unweighted, const T* act, const int32_t* slot_of, int64_t tokens,
+                                   int64_t top_k, int64_t f, T* d_topk_weights) {
+  for (int64_t j = 0; j < tokens * top_k; ++j) {
+    d_topk_weights[slot_of[j]] = DotN(da_unweighted + j * f, act + j * f, f);
+  }
+}
+
+void DispatchPlan(const int32_t* topk_idx, int64_t tokens, int64_t top_k, int64_t experts, int32_t* slot_of,
+                  int64_t* offsets) {
+  const int64_t pairs = tokens * top_k;
+  std::fill(offsets, offsets + experts + 1, int64_t{0});
+  for (int64_t s = 0; s < pairs; ++s) ++offsets[topk_idx[s] + 1];
+  for (int64_t e = 0; e < experts; ++e) offsets[e + 1] += offsets[e];
+  // offsets[e] doubles as expert e's write cursor; afterwards it holds the
+  // start of expert e+1, so shift everything back by one.
+  for (int64_t s = 0; s < pairs; ++s) slot_of[offsets[topk_idx[s]]++] = static_cast<int32_t>(s);
+  for (int64_t e = experts; e > 0; --e) offsets[e] = offsets[e - 1];
+  offsets[0] = 0;
+}
+
+// --- Cross entropy ----------------------------------------------------------
+
+template <typename T>
+void RefMath<T>::CrossEntropyFwd(const T* logits, const int32_t* targets, int64_t tokens, int64_t vocab, T* probs,
+                                 T* loss) {
+  for (int64_t t = 0; t < tokens; ++t) {
+    const T* l = logits + t * vocab;
+    T* p = probs + t * vocab;
+    T mx = l[0];
+    for (int64_t v = 1; v < vocab; ++v) mx = std::max(mx, l[v]);
+    T sum = 0;
+    for (int64_t v = 0; v < vocab; ++v) {
+      p[v] = std::exp(l[v] - mx);
+      sum += p[v];
+    }
+    for (int64_t v = 0; v < vocab; ++v) p[v] /= sum;
+    loss[t] = std::log(sum) - (l[targets[t]] - mx);
+  }
+}
+
+template <typename T>
+void RefMath<T>::CrossEntropyBwd(const T* probs, const int32_t* targets, int64_t tokens, int64_t vocab, T scale,
+                                 T* dlogits) {
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t v = 0; v < vocab; ++v) {
+      const T onehot = v == targets[t] ? T(1) : T(0);
+      dlogits[t * vocab + v] = (probs[t * vocab + v] - onehot) * scale;
+    }
+  }
+}
+
+// --- Block AttnRes ------------------------------------------------------------
+
+template <typename T>
+void RefMath<T>::AttnResFwd(const T* sources, const T* w, const T* gamma, int64_t n, int64_t tokens, int64_t d,
+                            T eps, T* h, T* weights) {
+  for (int64_t t = 0; t < tokens; ++t) {
+    T mx, sum, r;
+    AttnResStats(sources, w, gamma, n, tokens, d, eps, t, &mx, &sum);
+    T* ht = h + t * d;
+    std::fill(ht, ht + d, T(0));
+    for (int64_t i = 0; i < n; ++i) {
+      const T* v = sources + (i * tokens + t) * d;
+      const T a = std::exp(AttnResLogit(v, w, gamma, d, eps, &r) - mx) / sum;
+      weights[t * n + i] = a;
+      for (int64_t c = 0; c < d; ++c) ht[c] += a * v[c];
+    }
+  }
+}
+
+template <typename T>
+void RefMath<T>::AttnResBwd(const T* sources, const T* w, const T* gamma, const T* dh, int64_t n, int64_t tokens,
+                            int64_t d, T eps, T* dsources, T* dw, T* dgamma) {
+  for (int64_t t = 0; t < tokens; ++t) {
+    T mx, sum, r;
+    AttnResStats(sources, w, gamma, n, tokens, d, eps, t, &mx, &sum);
+    const T* dht = dh + t * d;
+    // da_i = <dh, v_i>; the softmax backward needs sum_j a_j da_j first.
+    T dot_ada = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const T* v = sources + (i * tokens + t) * d;
+      const T a = std::exp(AttnResLogit(v, w, gamma, d, eps, &r) - mx) / sum;
+      dot_ada += a * DotN(dht, v, d);
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const T* v = sources + (i * tokens + t) * d;
+      T* dv = dsources + (i * tokens + t) * d;
+      const T a = std::exp(AttnResLogit(v, w, gamma, d, eps, &r) - mx) / sum;
+      const T dz = a * (DotN(dht, v, d) - dot_ada);
+      // z = sum_c w_c gamma_c xhat_c with xhat = v * r; g = dz/dxhat.
+      T sum_gx = 0;
+      for (int64_t c = 0; c < d; ++c) sum_gx += (dz * w[c] * gamma[c]) * (v[c] * r);
+      const T mean_gx = sum_gx / T(d);
+      for (int64_t c = 0; c < d; ++c) {
+        const T xhat = v[c] * r;
+        const T g = dz * w[c] * gamma[c];
+        dv[c] = a * dht[c] + r * (g - xhat * mean_gx);
+        dw[c] += dz * gamma[c] * xhat;
+        dgamma[c] += dz * w[c] * xhat;
+      }
+    }
+  }
+}
+
+template struct RefMath<float>;
+template struct RefMath<double>;
+
+}  // namespace ref
+
+namespace {
+
+// Float instantiation of the reference math behind the Ops interface. The
+// workspaces the interface asks for are used where the math needs them
+// (attention backward) and ignored otherwise.
+class RefOps final : public Ops {
+  using M = ref::RefMath<float>;
+  using A = ref::AttentionMath<float>;
+
+ public:
+  void Gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, const float* b,
+            float beta, float* c, void* /*workspace*/) override {
+    M::Gemm(trans_a, trans_b, m, n, k, alpha, a, b, beta, c);
+  }
+  void GroupedGemm(const int64_t* offsets, int64_t experts, int64_t k, int64_t n, const float* x, const float* w,
+                   float* y, void* /*workspace*/) override {
+    M::GroupedGemm(offsets, experts, k, n, x, w, y);
+  }
+  void GroupedGemmBwd(const int64_t* offsets, int64_t experts, int64_t k, int64_t n, const float* x, const float* w,
+                      const float* dy, float* dx, float* dw, void* /*workspace*/) override {
+    M::GroupedGemmBwd(offsets, experts, k, n, x, w, dy, dx, dw);
+  }
+  void LayerNormFwd(const float* x, const float* gamma, const float* beta, int64_t rows, int64_t cols, float eps,
+                    float* y) override {
+    M::LayerNormFwd(x, gamma, beta, rows, cols, eps, y);
+  }
+  void LayerNormBwd(const float* x, const float* gamma, const float* dy, int64_t rows, int64_t cols, float eps,
+                    float* dx, float* dgamma, float* dbeta) override {
+    M::LayerNormBwd(x, gamma, dy, rows, cols, eps, dx, dgamma, dbeta);
+  }
+  void RmsNormFwd(const float* x, const float* gamma, int64_t rows, int64_t cols, float eps, float* y) override {
+    M::RmsNormFwd(x, gamma, rows, cols, eps, y);
+  }
+  void RmsNormBwd(const float* x, const float* gamma, const float* dy, int64_t rows, int64_t cols, float eps,
+                  float* dx, float* dgamma) override {
+    M::RmsNormBwd(x, gamma, dy, rows, cols, eps, dx, dgamma);
+  }
+  void GeluFwd(const float* x, int64_t n, float* y) override { M::GeluFwd(x, n, y); }
+  void GeluBwd(const float* x, const float* dy, int64_t n, float* dx) override { M::GeluBwd(x, dy, n, dx); }
+  void SwigluFwd(const float* x, int64_t rows, int64_t f, float* y) override { M::SwigluFwd(x, rows, f, y); }
+  void SwigluBwd(const float* x, const float* dy, int64_t rows, int64_t f, float* dx) override {
+    M::SwigluBwd(x, dy, rows, f, dx);
+  }
+  void DropoutFwd(const float* x, int64_t n, float p, uint64_t seed, uint64_t offset, float* y,
+                  uint8_t* mask) override {
+    M::DropoutFwd(x, n, p, seed, offset, y, mask);
+  }
+  void DropoutBwd(const float* dy, const uint8_t* mask, int64_t n, float p, float* dx) override {
+    M::DropoutBwd(dy, mask, n, p, dx);
+  }
+  void Add(const float* a, const float* b, int64_t n, float* y) override { M::Add(a, b, n, y); }
+
+  void AttentionFwd(const AttentionShape& sh, const float* q, const float* k, const float* v, float* probs,
+                    float* o) override {
+    A::AttentionFwd(sh, q, k, v, probs, o);
+  }
+  void AttentionBwd(const AttentionShape& sh, const float* q, const float* k, const float* v, const float* probs,
+                    const float* d_o, float* dq, float* dk, float* dv, void* workspace) override {
+    A::AttentionBwd(sh, q, k, v, probs, d_o, dq, dk, dv, static_cast<float*>(workspace));
+  }
+  void FlashAttentionFwd(const AttentionShape& sh, const float* q, const float* k, const float* v, float* o,
+                         float* lse) override {
+    A::FlashAttentionFwd(sh, q, k, v, o, lse);
+  }
+  void FlashAttentionBwd(const AttentionShape& sh, const float* q, const float* k, const float* v, const float* o,
+                         const float* lse, const float* d_o, float* dq, float* dk, float* dv,
+                         void* workspace) override {
+    A::FlashAttentionBwd(sh, q, k, v, o, lse, d_o, dq, dk, dv, static_cast<float*>(workspace));
+  }
+
+  void RouterFwd(const float* logits, int64_t tokens, int64_t experts, int64_t top_k, bool sigmoid, bool renormalize,
+                 float* probs, int32_t* topk_idx, float* topk_weights) override {
+    M::RouterFwd(logits, tokens, experts, top_k, sigmoid, renormalize, probs, topk_idx, topk_weights);
+  }
+  void RouterBwd(const float* probs, const int32_t* topk_idx, const float* topk_weights,
+                 const float* d_topk_weights, int64_t tokens, int64_t experts, int64_t top_k, bool sigmoid,
+                 bool renormalize, float* dlogits) override {
+    M::RouterBwd(probs, topk_idx, topk_weights, d_topk_weights, tokens, experts, top_k, sigmoid, renormalize,
+                 dlogits);
+  }
+  void DispatchPlan(const int32_t* topk_idx, int64_t tokens, int64_t top_k, int64_t experts, int32_t* slot_of,
+                    int64_t* offsets) override {
+    ref::DispatchPlan(topk_idx, tokens, top_k, experts, slot_of, offsets);
+  }
+  void DispatchFwd(const float* x, const int32_t* slot_of, int64_t tokens, int64_t top_k, int64_t d,
+                   float* x_sorted) override {
+    M::DispatchFwd(x, slot_of, tokens, top_k, d, x_sorted);
+  }
+  void DispatchBwd(const float* dx_sorted, const int32_t* slot_of, int64_t tokens, int64_t top_k, int64_t d,
+                   float* dx) override {
+    M::DispatchBwd(dx_sorted, slot_of, tokens, top_k, d, dx);
+  }
+  void CombineFwd(const float* y_sorted, const int32_t* slot_of, const float* topk_weights, int64_t tokens,
+                  int64_t top_k, int64_t d, float* out) override {
+    M::CombineFwd(y_sorted, slot_of, topk_weights, tokens, top_k, d, out);
+  }
+  void CombineBwd(const float* dout, const int32_t* slot_of, const float* topk_weights, const float* y_sorted,
+                  int64_t tokens, int64_t top_k, int64_t d, float* dy_sorted, float* d_topk_weights) override {
+    M::CombineBwd(dout, slot_of, topk_weights, y_sorted, tokens, top_k, d, dy_sorted, d_topk_weights);
+  }
+  void RouterGradRewrite(const float* da_unweighted, const float* act, const int32_t* slot_of, int64_t tokens,
+                         int64_t top_k, int64_t f, float* d_topk_weights) override {
+    M::RouterGradRewrite(da_unweighted, act, slot_of, tokens, top_k, f, d_topk_weights);
+  }
+
+  void CrossEntropyFwd(const float* logits, const int32_t* targets, int64_t tokens, int64_t vocab, float* probs,
+                       float* loss) override {
+    M::CrossEntropyFwd(logits, targets, tokens, vocab, probs, loss);
+  }
+  void CrossEntropyBwd(const float* probs, const int32_t* targets, int64_t tokens, int64_t vocab, float scale,
+                       float* dlogits) override {
+    M::CrossEntropyBwd(probs, targets, tokens, vocab, scale, dlogits);
+  }
+
+  void AttnResFwd(const float* sources, const float* w, const float* gamma, int64_t n, int64_t tokens, int64_t d,
+                  float eps, float* h, float* weights) override {
+    M::AttnResFwd(sources, w, gamma, n, tokens, d, eps, h, weights);
+  }
+  void AttnResBwd(const float* sources, const float* w, const float* gamma, const float* dh, int64_t n,
+                  int64_t tokens, int64_t d, float eps, float* dsources, float* dw, float* dgamma) override {
+    M::AttnResBwd(sources, w, gamma, dh, n, tokens, d, eps, dsources, dw, dgamma);
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<Ops> MakeRefOps() { return std::make_unique<RefOps>(); }
+
+}  // namespace memplan::kernels

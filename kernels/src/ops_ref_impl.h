@@ -1,0 +1,137 @@
+// Private: the math of the CPU reference ops (MakeRefOps), written once as
+// templates on the scalar type T. The Ops methods run RefMath<float> and
+// AttentionMath<float>; the tests run the same code in double to check every
+// backward against central finite differences. Both class templates are
+// explicitly instantiated for float and double only (RefMath in ops_ref.cc,
+// AttentionMath in attention_ref.cc).
+//
+// Shapes, layouts and semantics are those of the Ops method of the same name
+// in ops.h (with T in place of float). What this header adds is the order of
+// evaluation, which is fixed:
+//   - every sum is a plain loop that starts from 0 and adds the terms in
+//     increasing index order, in T (no wider accumulator, no pairwise or
+//     parallel reduction), so a result is reproducible bit for bit;
+//   - accumulating outputs (weight gradients, dk/dv across GQA heads, the
+//     rows a token was dispatched to) receive their terms in the loop order
+//     documented on each function.
+// Workspaces are typed T* here; the Ops wrappers cast the caller's void*.
+// Nothing allocates; every scratch value lives on the stack.
+#pragma once
+
+#include <cstdint>
+
+#include "memplan/kernels/ops.h"
+
+namespace memplan::kernels::ref {
+
+// Square output tile of the blocked GEMM (rows and columns of C).
+inline constexpr int64_t kGemmTile = 64;
+// Keys per block of the flash forward's online softmax.
+inline constexpr int64_t kFlashKeyBlock = 64;
+
+template <typename T>
+struct RefMath {
+  // Blocked over kGemmTile x kGemmTile tiles of C; inside a tile every
+  // C[i,j] accumulates op(A)[i,p] * op(B)[p,j] for p = 0..k-1 in order, then
+  // C = alpha * acc + beta * C (beta == 0: C is not read, NaNs in it vanish).
+  static void Gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha, const T* a, const T* b,
+                   T beta, T* c);
+  // One Gemm per expert (expert order); experts with no rows are skipped
+  // (their dw is left as is).
+  static void GroupedGemm(const int64_t* offsets, int64_t experts, int64_t k, int64_t n, const T* x, const T* w,
+                          T* y);
+  static void GroupedGemmBwd(const int64_t* offsets, int64_t experts, int64_t k, int64_t n, const T* x, const T* w,
+                             const T* dy, T* dx, T* dw);
+
+  // Two-pass mean and biased variance per row. dgamma/dbeta receive one term
+  // per row, rows in order.
+  static void LayerNormFwd(const T* x, const T* gamma, const T* beta, int64_t rows, int64_t cols, T eps, T* y);
+  static void LayerNormBwd(const T* x, const T* gamma, const T* dy, int64_t rows, int64_t cols, T eps, T* dx,
+                           T* dgamma, T* dbeta);
+  static void RmsNormFwd(const T* x, const T* gamma, int64_t rows, int64_t cols, T eps, T* y);
+  static void RmsNormBwd(const T* x, const T* gamma, const T* dy, int64_t rows, int64_t cols, T eps, T* dx,
+                         T* dgamma);
+
+  static void GeluFwd(const T* x, int64_t n, T* y);
+  static void GeluBwd(const T* x, const T* dy, int64_t n, T* dx);
+  static void SwigluFwd(const T* x, int64_t rows, int64_t f, T* y);
+  static void SwigluBwd(const T* x, const T* dy, int64_t rows, int64_t f, T* dx);
+
+  // Kept elements are x / (1 - p) (one division); dropped ones are +0, so
+  // p == 1 gives zeros rather than 0/0.
+  static void DropoutFwd(const T* x, int64_t n, T p, uint64_t seed, uint64_t offset, T* y, uint8_t* mask);
+  static void DropoutBwd(const T* dy, const uint8_t* mask, int64_t n, T p, T* dx);
+  static void Add(const T* a, const T* b, int64_t n, T* y);
+
+  // Softmax subtracts the row max; top-k is k passes of a selection in the
+  // order (probability descending, expert index ascending), so topk_idx[t]
+  // lists the experts best first. Preconditions: 1 <= top_k <= experts,
+  // finite logits.
+  static void RouterFwd(const T* logits, int64_t tokens, int64_t experts, int64_t top_k, bool sigmoid,
+                        bool renormalize, T* probs, int32_t* topk_idx, T* topk_weights);
+  static void RouterBwd(const T* probs, const int32_t* topk_idx, const T* topk_weights, const T* d_topk_weights,
+                        int64_t tokens, int64_t experts, int64_t top_k, bool sigmoid, bool renormalize, T* dlogits);
+
+  // The sums over a token's k rows (DispatchBwd, CombineFwd) run in sorted
+  // row order, i.e. by expert index, not by slot i: the reference has no
+  // inverse of slot_of and builds none.
+  static void DispatchFwd(const T* x, const int32_t* slot_of, int64_t tokens, int64_t top_k, int64_t d, T* x_sorted);
+  static void DispatchBwd(const T* dx_sorted, const int32_t* slot_of, int64_t tokens, int64_t top_k, int64_t d,
+                          T* dx);
+  static void CombineFwd(const T* y_sorted, const int32_t* slot_of, const T* topk_weights, int64_t tokens,
+                         int64_t top_k, int64_t d, T* out);
+  // d_topk_weights is written only when y_sorted is non-null.
+  static void CombineBwd(const T* dout, const int32_t* slot_of, const T* topk_weights, const T* y_sorted,
+                         int64_t tokens, int64_t top_k, int64_t d, T* dy_sorted, T* d_topk_weights);
+  static void RouterGradRewrite(const T* da_unweighted, const T* act, const int32_t* slot_of, int64_t tokens,
+                                int64_t top_k, int64_t f, T* d_topk_weights);
+
+  // loss[t] = log(sum_v exp(l_v - max)) - (l_target - max), which equals
+  // -log probs[t, target] without underflowing to log(0).
+  static void CrossEntropyFwd(const T* logits, const int32_t* targets, int64_t tokens, int64_t vocab, T* probs,
+                              T* loss);
+  static void CrossEntropyBwd(const T* probs, const int32_t* targets, int64_t tokens, int64_t vocab, T scale,
+                              T* dlogits);
+
+  // weights is [tokens, n] (row t: token t's softmax over the n sources).
+  // Both directions recompute each source's logit instead of storing n
+  // per-token scalars; dw/dgamma receive terms token by token, source by
+  // source.
+  static void AttnResFwd(const T* sources, const T* w, const T* gamma, int64_t n, int64_t tokens, int64_t d, T eps,
+                         T* h, T* weights);
+  static void AttnResBwd(const T* sources, const T* w, const T* gamma, const T* dh, int64_t n, int64_t tokens,
+                         int64_t d, T eps, T* dsources, T* dw, T* dgamma);
+};
+
+// Scores are scale * (q . k) with the dot product summed over dqk in order.
+// Backward ops overwrite dq, dk, dv; dk/dv sum their terms head by head
+// (ascending h within the GQA group), then query by query.
+// Preconditions: heads % kv_heads == 0, s >= 1.
+template <typename T>
+struct AttentionMath {
+  static void AttentionFwd(const AttentionShape& sh, const T* q, const T* k, const T* v, T* probs, T* o);
+  // workspace: b*heads*s*s values; holds scale * P * (dP - rowsum(dP * P)),
+  // the gradient of the unscaled dot products.
+  static void AttentionBwd(const AttentionShape& sh, const T* q, const T* k, const T* v, const T* probs,
+                           const T* d_o, T* dq, T* dk, T* dv, T* workspace);
+  // Online softmax over blocks of kFlashKeyBlock keys (fully masked blocks
+  // are skipped); o = acc / l, lse = m + log(l).
+  static void FlashAttentionFwd(const AttentionShape& sh, const T* q, const T* k, const T* v, T* o, T* lse);
+  // workspace: b*heads*s values; holds D = rowsum(dO * O). P is recomputed as
+  // exp(scale * q.k - lse).
+  static void FlashAttentionBwd(const AttentionShape& sh, const T* q, const T* k, const T* v, const T* o,
+                                const T* lse, const T* d_o, T* dq, T* dk, T* dv, T* workspace);
+};
+
+// Counting sort of the flat (token, slot) indices by expert; stable, so each
+// expert's rows are in increasing t*k+i. Preconditions: every index in
+// [0, experts).
+void DispatchPlan(const int32_t* topk_idx, int64_t tokens, int64_t top_k, int64_t experts, int32_t* slot_of,
+                  int64_t* offsets);
+
+extern template struct RefMath<float>;
+extern template struct RefMath<double>;
+extern template struct AttentionMath<float>;
+extern template struct AttentionMath<double>;
+
+}  // namespace memplan::kernels::ref

@@ -1,0 +1,632 @@
+// The CUDA Ops (MakeCudaOps) vs the CPU reference ops (MakeRefOps), op by op:
+// random non-zero inputs, the same inputs through both backends, fp32
+// results within a relative bound, dropout masks, top-k indices and dispatch
+// plans exactly equal. Shapes cover the vector (float4) and scalar paths,
+// misaligned pointers, tails, and every scratch/shared-memory branch of the
+// kernels. Exits 77 (Meson: skipped) when no CUDA device is visible.
+#define DOCTEST_CONFIG_IMPLEMENT
+#include "memplan/kernels/ops_cuda.h"
+
+#include <cuda_runtime_api.h>
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "memplan/kernels/ops.h"
+
+namespace mk = memplan::kernels;
+
+namespace {
+
+// Relative bounds: elementwise ops differ from the reference by a few ulps
+// of libm vs CUDA math; reductions and GEMMs also by summation order.
+constexpr double kElementwiseTol = 1e-5;
+constexpr double kReductionTol = 1e-4;
+
+// One stream and both backends for the whole run.
+struct Env {
+  cudaStream_t stream = nullptr;
+  std::unique_ptr<mk::Ops> cuda;
+  std::unique_ptr<mk::Ops> ref = mk::MakeRefOps();
+
+  Env() {
+    cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+    cuda = mk::MakeCudaOps(stream);
+  }
+  ~Env() {
+    cuda.reset();  // before its stream goes
+    cudaStreamDestroy(stream);
+  }
+  void Sync() const { REQUIRE(cudaStreamSynchronize(stream) == cudaSuccess); }
+};
+
+Env& GetEnv() {
+  static Env env;
+  return env;
+}
+
+// A device copy of a host vector (test-only; the ops never allocate). With
+// `misalign`, the data starts 4 bytes into the allocation, so float4 paths
+// must fall back to scalar code.
+template <typename T>
+class DeviceArray {
+ public:
+  explicit DeviceArray(const std::vector<T>& host, bool misalign = false) : DeviceArray(host.size(), misalign) {
+    if (!host.empty()) {
+      REQUIRE(cudaMemcpy(data_, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice) == cudaSuccess);
+    }
+  }
+  // Filled with 0xFF bytes (NaN for floats), so unwritten outputs show.
+  explicit DeviceArray(size_t count, bool misalign = false) : count_(count) {
+    const size_t pad = misalign ? 4 : 0;
+    REQUIRE(cudaMalloc(&base_, count * sizeof(T) + pad + 16) == cudaSuccess);
+    REQUIRE(cudaMemset(base_, 0xFF, count * sizeof(T) + pad + 16) == cudaSuccess);
+    data_ = reinterpret_cast<T*>(static_cast<char*>(base_) + pad);
+  }
+  ~DeviceArray() { cudaFree(base_); }
+  DeviceArray(const DeviceArray&) = delete;
+  DeviceArray& operator=(const DeviceArray&) = delete;
+
+  T* get() const { return data_; }
+  std::vector<T> ToHost() const {
+    GetEnv().Sync();
+    std::vector<T> host(count_);
+    if (count_ > 0) {
+      REQUIRE(cudaMemcpy(host.data(), data_, count_ * sizeof(T), cudaMemcpyDeviceToHost) == cudaSuccess);
+    }
+    return host;
+  }
+
+ private:
+  void* base_ = nullptr;
+  T* data_ = nullptr;
+  size_t count_ = 0;
+};
+
+using DevF = DeviceArray<float>;
+using DevI = DeviceArray<int32_t>;
+
+// Uniform in +-[lo, hi]: never zero.
+std::vector<float> Random(size_t count, uint32_t seed, float lo = 0.05f, float hi = 1.f) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> mag(lo, hi);
+  std::bernoulli_distribution neg(0.5);
+  std::vector<float> v(count);
+  for (float& x : v) x = neg(rng) ? -mag(rng) : mag(rng);
+  return v;
+}
+
+std::vector<float> Normal(size_t count, uint32_t seed, float sigma) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist(0.f, sigma);
+  std::vector<float> v(count);
+  for (float& x : v) x = dist(rng);
+  return v;
+}
+
+// got[i] must be within tol * max(|want[i]|, rms(want)) of want[i]: the RMS
+// floor judges entries that cancel to near zero against the array's scale.
+void ExpectNear(const std::vector<float>& got, const std::vector<float>& want, double tol, const std::string& what) {
+  REQUIRE(got.size() == want.size());
+  double sq = 0;
+  for (float w : want) sq += static_cast<double>(w) * w;
+  const double rms = want.empty() ? 0 : std::sqrt(sq / static_cast<double>(want.size()));
+  size_t bad = 0, first = 0;
+  double worst = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const double err = std::fabs(static_cast<double>(got[i]) - want[i]);
+    const double bound = tol * std::max(std::fabs(static_cast<double>(want[i])), rms);
+    if (!(err <= bound)) {  // NaN fails too
+      if (bad++ == 0) first = i;
+      worst = std::max(worst, bound > 0 ? err / bound : err);
+    }
+  }
+  std::ostringstream msg;
+  if (bad > 0) {
+    msg << what << ": " << bad << " of " << want.size() << " off; first [" << first << "] got " << got[first]
+        << " want " << want[first] << "; worst " << worst << " x the bound";
+  }
+  CHECK_MESSAGE(bad == 0, msg.str());
+}
+
+template <typename T>
+void ExpectEqual(const std::vector<T>& got, const std::vector<T>& want, const std::string& what) {
+  REQUIRE(got.size() == want.size());
+  size_t bad = 0, first = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    if (std::memcmp(&got[i], &want[i], sizeof(T)) != 0) {
+      if (bad++ == 0) first = i;
+    }
+  }
+  std::ostringstream msg;
+  if (bad > 0) {
+    msg << what << ": " << bad << " of " << want.size() << " differ; first [" << first << "] got " << +got[first]
+        << " want " << +want[first];
+  }
+  CHECK_MESSAGE(bad == 0, msg.str());
+}
+
+std::string Shape(int64_t a, int64_t b) { return "[" + std::to_string(a) + "x" + std::to_string(b) + "]"; }
+
+// Distinct experts per token, in random order (a valid top-k result).
+std::vector<int32_t> RandomTopk(int64_t tokens, int64_t top_k, int64_t experts, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<int32_t> perm(static_cast<size_t>(experts));
+  std::vector<int32_t> idx;
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    idx.insert(idx.end(), perm.begin(), perm.begin() + top_k);
+  }
+  return idx;
+}
+
+}  // namespace
+
+TEST_CASE("device and backends") {
+  CHECK(mk::CudaDeviceAvailable());
+  REQUIRE(GetEnv().cuda != nullptr);
+}
+
+TEST_CASE("Gemm: every transpose, beta 0 and 1, with and without workspace") {
+  Env& env = GetEnv();
+  DeviceArray<char> workspace(static_cast<size_t>(mk::GemmWorkspaceBytes()));
+  struct Dims {
+    int64_t m, n, k;
+  };
+  uint32_t seed = 1;
+  for (const Dims dims : {Dims{37, 53, 29}, Dims{256, 192, 320}, Dims{1, 7, 1}, Dims{64, 8, 0}}) {
+    for (int trans = 0; trans < 4; ++trans) {
+      for (const float beta : {0.f, 0.5f}) {
+        for (const bool use_ws : {false, true}) {
+          const bool ta = trans & 1, tb = trans & 2;
+          const auto a = Random(static_cast<size_t>(dims.m * dims.k), ++seed);
+          const auto b = Random(static_cast<size_t>(dims.k * dims.n), ++seed);
+          // With beta == 0, C must not be read: start it at NaN.
+          auto c = beta == 0.f ? std::vector<float>(static_cast<size_t>(dims.m * dims.n),
+                                                    std::numeric_limits<float>::quiet_NaN())
+                               : Random(static_cast<size_t>(dims.m * dims.n), ++seed);
+          DevF da(a), db(b), dc(c);
+          env.cuda->Gemm(ta, tb, dims.m, dims.n, dims.k, 0.75f, da.get(), db.get(), beta, dc.get(),
+                         use_ws ? workspace.get() : nullptr);
+          env.ref->Gemm(ta, tb, dims.m, dims.n, dims.k, 0.75f, a.data(), b.data(), beta, c.data(), nullptr);
+          ExpectNear(dc.ToHost(), c, kReductionTol,
+                     "gemm m" + std::to_string(dims.m) + " n" + std::to_string(dims.n) + " k" + std::to_string(dims.k) +
+                         " ta" + std::to_string(ta) + " tb" + std::to_string(tb) + " beta" + std::to_string(beta) +
+                         " ws" + std::to_string(use_ws));
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("GroupedGemm and GroupedGemmBwd, with an empty expert") {
+  Env& env = GetEnv();
+  const std::vector<int64_t> offsets = {0, 7, 7, 30, 31, 50};  // expert 1 has no rows
+  const int64_t experts = 5, k = 24, n = 40, tokens = offsets.back();
+  const auto x = Random(static_cast<size_t>(tokens * k), 11);
+  const auto w = Random(static_cast<size_t>(experts * k * n), 12);
+  const auto dy = Random(static_cast<size_t>(tokens * n), 13);
+  auto dw = Random(static_cast<size_t>(experts * k * n), 14);  // accumulated into
+  std::vector<float> y(static_cast<size_t>(tokens * n)), dx(static_cast<size_t>(tokens * k));
+  DevF d_x(x), d_w(w), d_dy(dy), d_dw(dw), d_y(y.size()), d_dx(dx.size());
+  DeviceArray<char> workspace(static_cast<size_t>(mk::GemmWorkspaceBytes()));
+
+  env.cuda->GroupedGemm(offsets.data(), experts, k, n, d_x.get(), d_w.get(), d_y.get(), workspace.get());
+  env.ref->GroupedGemm(offsets.data(), experts, k, n, x.data(), w.data(), y.data(), nullptr);
+  ExpectNear(d_y.ToHost(), y, kReductionTol, "grouped gemm y");
+
+  env.cuda->GroupedGemmBwd(offsets.data(), experts, k, n, d_x.get(), d_w.get(), d_dy.get(), d_dx.get(), d_dw.get(),
+                           nullptr);
+  env.ref->GroupedGemmBwd(offsets.data(), experts, k, n, x.data(), w.data(), dy.data(), dx.data(), dw.data(), nullptr);
+  ExpectNear(d_dx.ToHost(), dx, kReductionTol, "grouped gemm dx");
+  ExpectNear(d_dw.ToHost(), dw, kReductionTol, "grouped gemm dw");
+}
+
+TEST_CASE("LayerNorm and RMSNorm forward and backward") {
+  Env& env = GetEnv();
+  struct Case {
+    int64_t rows, cols;
+    bool misalign;
+  };
+  // Register-cached and plain forwards, one-row (direct) and partial-row
+  // backwards, shared-memory partials with and without opt-in, and the
+  // global-memory partials (LayerNorm 4 x 40000 needs 320 KB).
+  const Case cases[] = {{1, 7, false},     {2, 1, false},      {3, 5, false},     {64, 1024, false},
+                        {37, 130, false},  {300, 4096, false}, {16, 8192, false}, {8, 12288, false},
+                        {4, 40000, false}, {64, 1024, true},   {1, 4096, false},  {1000, 768, false}};
+  uint32_t seed = 100;
+  for (const Case& cs : cases) {
+    const std::string shape = Shape(cs.rows, cs.cols) + (cs.misalign ? " misaligned" : "");
+    const size_t n = static_cast<size_t>(cs.rows * cs.cols);
+    const size_t cols = static_cast<size_t>(cs.cols);
+    // An offset mean, so the two-pass variance matters.
+    auto x = Random(n, ++seed);
+    for (float& v : x) v += 0.5f;
+    const auto gamma = Random(cols, ++seed, 0.5f, 1.5f);
+    const auto beta = Random(cols, ++seed);
+    const auto dy = Random(n, ++seed);
+    const auto dgamma0 = Random(cols, ++seed);
+    const auto dbeta0 = Random(cols, ++seed);
+    DevF d_x(x, cs.misalign), d_gamma(gamma, cs.misalign), d_beta(beta, cs.misalign), d_dy(dy, cs.misalign);
+    DevF d_y(n, cs.misalign), d_dx(n, cs.misalign);
+    const float eps = 1e-5f;
+
+    for (const bool ln : {true, false}) {
+      const std::string what = std::string(ln ? "layernorm " : "rmsnorm ") + shape;
+      std::vector<float> y(n), dx(n), dgamma = dgamma0, dbeta = dbeta0;
+      DevF d_dgamma(dgamma0, cs.misalign), d_dbeta(dbeta0, cs.misalign);
+      if (ln) {
+        env.cuda->LayerNormFwd(d_x.get(), d_gamma.get(), d_beta.get(), cs.rows, cs.cols, eps, d_y.get());
+        env.ref->LayerNormFwd(x.data(), gamma.data(), beta.data(), cs.rows, cs.cols, eps, y.data());
+        env.cuda->LayerNormBwd(d_x.get(), d_gamma.get(), d_dy.get(), cs.rows, cs.cols, eps, d_dx.get(), d_dgamma.get(),
+                               d_dbeta.get());
+        env.ref->LayerNormBwd(x.data(), gamma.data(), dy.data(), cs.rows, cs.cols, eps, dx.data(), dgamma.data(),
+                              dbeta.data());
+      } else {
+        env.cuda->RmsNormFwd(d_x.get(), d_gamma.get(), cs.rows, cs.cols, eps, d_y.get());
+        env.ref->RmsNormFwd(x.data(), gamma.data(), cs.rows, cs.cols, eps, y.data());
+        env.cuda->RmsNormBwd(d_x.get(), d_gamma.get(), d_dy.get(), cs.rows, cs.cols, eps, d_dx.get(), d_dgamma.get());
+        env.ref->RmsNormBwd(x.data(), gamma.data(), dy.data(), cs.rows, cs.cols, eps, dx.data(), dgamma.data());
+      }
+      ExpectNear(d_y.ToHost(), y, kElementwiseTol, what + " y");
+      ExpectNear(d_dx.ToHost(), dx, kReductionTol, what + " dx");
+      const auto got_dgamma = d_dgamma.ToHost();
+      ExpectNear(got_dgamma, dgamma, kReductionTol, what + " dgamma");
+      if (ln) ExpectNear(d_dbeta.ToHost(), dbeta, kReductionTol, what + " dbeta");
+
+      // The weight-gradient sums are in a fixed order: a second run from the
+      // same start gives the same bits.
+      DevF d_dgamma2(dgamma0, cs.misalign), d_dbeta2(dbeta0, cs.misalign);
+      if (ln) {
+        env.cuda->LayerNormBwd(d_x.get(), d_gamma.get(), d_dy.get(), cs.rows, cs.cols, eps, d_dx.get(), d_dgamma2.get(),
+                               d_dbeta2.get());
+      } else {
+        env.cuda->RmsNormBwd(d_x.get(), d_gamma.get(), d_dy.get(), cs.rows, cs.cols, eps, d_dx.get(), d_dgamma2.get());
+      }
+      ExpectEqual(d_dgamma2.ToHost(), got_dgamma, what + " dgamma rerun");
+    }
+  }
+}
+
+TEST_CASE("GELU, SwiGLU, dropout and add") {
+  Env& env = GetEnv();
+  for (const bool misalign : {false, true}) {
+    for (const int64_t n : {int64_t{1}, int64_t{3}, int64_t{1000003}}) {
+      const std::string what = "n=" + std::to_string(n) + (misalign ? " misaligned" : "");
+      const size_t un = static_cast<size_t>(n);
+      const auto x = Random(un, 200, 0.01f, 3.f);
+      const auto b = Random(un, 201);
+      const auto dy = Random(un, 202);
+      DevF d_x(x, misalign), d_b(b, misalign), d_dy(dy, misalign), d_y(un, misalign);
+      std::vector<float> y(un);
+
+      env.cuda->GeluFwd(d_x.get(), n, d_y.get());
+      env.ref->GeluFwd(x.data(), n, y.data());
+      ExpectNear(d_y.ToHost(), y, kElementwiseTol, "gelu fwd " + what);
+      env.cuda->GeluBwd(d_x.get(), d_dy.get(), n, d_y.get());
+      env.ref->GeluBwd(x.data(), dy.data(), n, y.data());
+      ExpectNear(d_y.ToHost(), y, kElementwiseTol, "gelu bwd " + what);
+
+      env.cuda->Add(d_x.get(), d_b.get(), n, d_y.get());
+      env.ref->Add(x.data(), b.data(), n, y.data());
+      ExpectEqual(d_y.ToHost(), y, "add " + what);
+
+      for (const float p : {0.f, 0.1f, 0.5f, 1.f}) {
+        const std::string dwhat = "dropout p=" + std::to_string(p) + " " + what;
+        const uint64_t seed = 0x1234'5678'9ABC'DEF0ull, offset = 98765;
+        DeviceArray<uint8_t> d_mask(un, misalign);
+        std::vector<uint8_t> mask(un);
+        env.cuda->DropoutFwd(d_x.get(), n, p, seed, offset, d_y.get(), d_mask.get());
+        env.ref->DropoutFwd(x.data(), n, p, seed, offset, y.data(), mask.data());
+        ExpectEqual(d_mask.ToHost(), mask, dwhat + " mask");
+        ExpectEqual(d_y.ToHost(), y, dwhat + " y");
+        env.cuda->DropoutBwd(d_dy.get(), d_mask.get(), n, p, d_y.get());
+        env.ref->DropoutBwd(dy.data(), mask.data(), n, p, y.data());
+        ExpectEqual(d_y.ToHost(), y, dwhat + " bwd");
+      }
+    }
+
+    for (const int64_t f : {int64_t{100}, int64_t{37}, int64_t{1}}) {
+      const int64_t rows = 33;
+      const std::string what = Shape(rows, f) + (misalign ? " misaligned" : "");
+      const auto x = Random(static_cast<size_t>(rows * 2 * f), 210, 0.01f, 4.f);
+      const auto dy = Random(static_cast<size_t>(rows * f), 211);
+      DevF d_x(x, misalign), d_dy(dy, misalign), d_y(dy.size(), misalign), d_dx(x.size(), misalign);
+      std::vector<float> y(dy.size()), dx(x.size());
+      env.cuda->SwigluFwd(d_x.get(), rows, f, d_y.get());
+      env.ref->SwigluFwd(x.data(), rows, f, y.data());
+      ExpectNear(d_y.ToHost(), y, kElementwiseTol, "swiglu fwd " + what);
+      env.cuda->SwigluBwd(d_x.get(), d_dy.get(), rows, f, d_dx.get());
+      env.ref->SwigluBwd(x.data(), dy.data(), rows, f, dx.data());
+      ExpectNear(d_dx.ToHost(), dx, kElementwiseTol, "swiglu bwd " + what);
+    }
+  }
+}
+
+TEST_CASE("Router forward and backward") {
+  Env& env = GetEnv();
+  struct Case {
+    int64_t tokens, experts, top_k;
+  };
+  uint32_t seed = 300;
+  for (const Case cs : {Case{77, 64, 6}, Case{40, 256, 8}, Case{9, 5, 5}, Case{3, 1, 1}}) {
+    const size_t n = static_cast<size_t>(cs.tokens * cs.experts);
+    const size_t nk = static_cast<size_t>(cs.tokens * cs.top_k);
+    auto logits = Normal(n, ++seed, 2.f);
+    // Exact ties: token 0 all equal, token 1 in equal pairs (expect the lower
+    // index first on both backends).
+    std::fill(logits.begin(), logits.begin() + cs.experts, 0.25f);
+    if (cs.tokens > 1) {
+      for (int64_t e = 1; e < cs.experts; e += 2) logits[cs.experts + e] = logits[cs.experts + e - 1];
+    }
+    const auto d_topk = Random(nk, ++seed);
+    DevF d_logits(logits), d_dtopk(d_topk);
+    for (const bool sigmoid : {false, true}) {
+      for (const bool renormalize : {false, true}) {
+        const std::string what = "router E=" + std::to_string(cs.experts) + " k=" + std::to_string(cs.top_k) +
+                                 (sigmoid ? " sigmoid" : " softmax") + (renormalize ? " renorm" : "");
+        DevF d_probs(n), d_weights(nk), d_dlogits(n);
+        DevI d_idx(nk);
+        std::vector<float> probs(n), weights(nk), dlogits(n);
+        std::vector<int32_t> idx(nk);
+        env.cuda->RouterFwd(d_logits.get(), cs.tokens, cs.experts, cs.top_k, sigmoid, renormalize, d_probs.get(),
+                            d_idx.get(), d_weights.get());
+        env.ref->RouterFwd(logits.data(), cs.tokens, cs.experts, cs.top_k, sigmoid, renormalize, probs.data(),
+                           idx.data(), weights.data());
+        ExpectNear(d_probs.ToHost(), probs, kElementwiseTol, what + " probs");
+        ExpectEqual(d_idx.ToHost(), idx, what + " topk_idx");
+        ExpectNear(d_weights.ToHost(), weights, kElementwiseTol, what + " weights");
+
+        // Backward from the reference's forward, so only the backward differs.
+        DevF r_probs(probs), r_weights(weights);
+        DevI r_idx(idx);
+        env.cuda->RouterBwd(r_probs.get(), r_idx.get(), r_weights.get(), d_dtopk.get(), cs.tokens, cs.experts, cs.top_k,
+                            sigmoid, renormalize, d_dlogits.get());
+        env.ref->RouterBwd(probs.data(), idx.data(), weights.data(), d_topk.data(), cs.tokens, cs.experts, cs.top_k,
+                           sigmoid, renormalize, dlogits.data());
+        ExpectNear(d_dlogits.ToHost(), dlogits, kReductionTol, what + " dlogits");
+      }
+    }
+  }
+}
+
+TEST_CASE("DispatchPlan: stable order and host offsets, beyond one staging window") {
+  Env& env = GetEnv();
+  struct Case {
+    int64_t tokens, top_k, experts;
+  };
+  uint32_t seed = 400;
+  for (const Case cs : {Case{123, 4, 16}, Case{1000, 8, 64}, Case{50, 2, 1500}, Case{0, 2, 3}, Case{7, 1, 1}}) {
+    const std::string what = "dispatch plan T=" + std::to_string(cs.tokens) + " k=" + std::to_string(cs.top_k) +
+                             " E=" + std::to_string(cs.experts);
+    const auto topk = RandomTopk(cs.tokens, cs.top_k, cs.experts, ++seed);
+    DevI d_topk(topk), d_slot(topk.size());
+    std::vector<int32_t> slot(topk.size());
+    std::vector<int64_t> offsets(static_cast<size_t>(cs.experts + 1), -1), d_offsets(offsets);
+    env.cuda->DispatchPlan(d_topk.get(), cs.tokens, cs.top_k, cs.experts, d_slot.get(), d_offsets.data());
+    env.ref->DispatchPlan(topk.data(), cs.tokens, cs.top_k, cs.experts, slot.data(), offsets.data());
+    ExpectEqual(d_offsets, offsets, what + " offsets");
+    ExpectEqual(d_slot.ToHost(), slot, what + " slot_of");
+  }
+}
+
+TEST_CASE("Dispatch, combine and the router-gradient rewrite") {
+  Env& env = GetEnv();
+  struct Case {
+    int64_t tokens, top_k, experts, d;
+    bool misalign;
+  };
+  // d = 3 < top_k = 4 takes the atomic fallback of DispatchBwd/CombineFwd.
+  uint32_t seed = 500;
+  for (const Case cs : {Case{123, 4, 16, 64, false}, Case{57, 2, 8, 130, false}, Case{57, 2, 8, 128, true},
+                        Case{31, 4, 6, 3, false}, Case{5, 1, 2, 8, false}}) {
+    const std::string what = "T=" + std::to_string(cs.tokens) + " k=" + std::to_string(cs.top_k) +
+                             " d=" + std::to_string(cs.d) + (cs.misalign ? " misaligned" : "");
+    const size_t nk = static_cast<size_t>(cs.tokens * cs.top_k);
+    const size_t td = static_cast<size_t>(cs.tokens * cs.d);
+    const size_t kd = nk * static_cast<size_t>(cs.d);
+    const auto topk = RandomTopk(cs.tokens, cs.top_k, cs.experts, ++seed);
+    std::vector<int32_t> slot(nk);
+    std::vector<int64_t> offsets(static_cast<size_t>(cs.experts + 1));
+    env.ref->DispatchPlan(topk.data(), cs.tokens, cs.top_k, cs.experts, slot.data(), offsets.data());
+    const auto x = Random(td, ++seed);
+    const auto rows = Random(kd, ++seed);
+    const auto weights = Random(nk, ++seed, 0.05f, 1.f);
+    const auto dout = Random(td, ++seed);
+    const auto act = Random(kd, ++seed);
+    DevI d_slot(slot);
+    DevF d_x(x, cs.misalign), d_rows(rows, cs.misalign), d_weights(weights), d_dout(dout, cs.misalign),
+        d_act(act, cs.misalign);
+
+    DevF d_sorted(kd, cs.misalign), d_out(td, cs.misalign);
+    std::vector<float> sorted(kd), out(td);
+    env.cuda->DispatchFwd(d_x.get(), d_slot.get(), cs.tokens, cs.top_k, cs.d, d_sorted.get());
+    env.ref->DispatchFwd(x.data(), slot.data(), cs.tokens, cs.top_k, cs.d, sorted.data());
+    ExpectEqual(d_sorted.ToHost(), sorted, "dispatch fwd " + what);
+
+    env.cuda->DispatchBwd(d_rows.get(), d_slot.get(), cs.tokens, cs.top_k, cs.d, d_out.get());
+    env.ref->DispatchBwd(rows.data(), slot.data(), cs.tokens, cs.top_k, cs.d, out.data());
+    ExpectNear(d_out.ToHost(), out, kElementwiseTol, "dispatch bwd " + what);
+
+    env.cuda->CombineFwd(d_rows.get(), d_slot.get(), d_weights.get(), cs.tokens, cs.top_k, cs.d, d_out.get());
+    env.ref->CombineFwd(rows.data(), slot.data(), weights.data(), cs.tokens, cs.top_k, cs.d, out.data());
+    ExpectNear(d_out.ToHost(), out, kElementwiseTol, "combine fwd " + what);
+
+    for (const bool with_y : {true, false}) {
+      // Without y_sorted, d_topk_weights must be left alone.
+      const auto sentinel = Random(nk, ++seed);
+      std::vector<float> dtopk = sentinel;
+      DevF d_dtopk(sentinel);
+      env.cuda->CombineBwd(d_dout.get(), d_slot.get(), d_weights.get(), with_y ? d_rows.get() : nullptr, cs.tokens,
+                           cs.top_k, cs.d, d_sorted.get(), d_dtopk.get());
+      env.ref->CombineBwd(dout.data(), slot.data(), weights.data(), with_y ? rows.data() : nullptr, cs.tokens, cs.top_k,
+                          cs.d, sorted.data(), dtopk.data());
+      const std::string cwhat = "combine bwd " + what + (with_y ? " with y" : " without y");
+      ExpectEqual(d_sorted.ToHost(), sorted, cwhat + " dy_sorted");
+      ExpectNear(d_dtopk.ToHost(), dtopk, kReductionTol, cwhat + " d_topk_weights");
+    }
+
+    DevF d_dtopk(nk);
+    std::vector<float> dtopk(nk);
+    env.cuda->RouterGradRewrite(d_rows.get(), d_act.get(), d_slot.get(), cs.tokens, cs.top_k, cs.d, d_dtopk.get());
+    env.ref->RouterGradRewrite(rows.data(), act.data(), slot.data(), cs.tokens, cs.top_k, cs.d, dtopk.data());
+    ExpectNear(d_dtopk.ToHost(), dtopk, kReductionTol, "router grad rewrite " + what);
+  }
+}
+
+TEST_CASE("CrossEntropy forward and backward") {
+  Env& env = GetEnv();
+  uint32_t seed = 600;
+  for (const int64_t vocab : {int64_t{4096}, int64_t{50257}, int64_t{3}}) {
+    const int64_t tokens = 19;
+    const std::string what = "cross entropy " + Shape(tokens, vocab);
+    const size_t n = static_cast<size_t>(tokens * vocab);
+    const auto logits = Normal(n, ++seed, 3.f);
+    std::vector<int32_t> targets(static_cast<size_t>(tokens));
+    std::mt19937 rng(++seed);
+    for (auto& t : targets) t = static_cast<int32_t>(rng() % static_cast<uint32_t>(vocab));
+    targets[0] = 0;
+    targets[1] = static_cast<int32_t>(vocab - 1);
+    DevF d_logits(logits), d_probs(n), d_loss(targets.size()), d_dlogits(n);
+    DevI d_targets(targets);
+    std::vector<float> probs(n), loss(targets.size()), dlogits(n);
+    env.cuda->CrossEntropyFwd(d_logits.get(), d_targets.get(), tokens, vocab, d_probs.get(), d_loss.get());
+    env.ref->CrossEntropyFwd(logits.data(), targets.data(), tokens, vocab, probs.data(), loss.data());
+    ExpectNear(d_probs.ToHost(), probs, kElementwiseTol, what + " probs");
+    ExpectNear(d_loss.ToHost(), loss, kElementwiseTol, what + " loss");
+    // Backward from the reference's probs: the same arithmetic, bit for bit.
+    DevF r_probs(probs);
+    const float scale = 1.f / static_cast<float>(tokens);
+    env.cuda->CrossEntropyBwd(r_probs.get(), d_targets.get(), tokens, vocab, scale, d_dlogits.get());
+    env.ref->CrossEntropyBwd(probs.data(), targets.data(), tokens, vocab, scale, dlogits.data());
+    ExpectEqual(d_dlogits.ToHost(), dlogits, what + " dlogits");
+  }
+}
+
+TEST_CASE("AttnRes forward and backward") {
+  Env& env = GetEnv();
+  struct Case {
+    int64_t n, tokens, d;
+    bool misalign;
+  };
+  // d = 60000 does not fit its partial sums in shared memory (global path).
+  uint32_t seed = 700;
+  for (const Case cs : {Case{3, 50, 256, false}, Case{4, 33, 130, false}, Case{1, 1, 64, false},
+                        Case{5, 700, 128, false}, Case{2, 4, 60000, false}, Case{3, 20, 256, true}}) {
+    const std::string what =
+        "attn_res n=" + std::to_string(cs.n) + " " + Shape(cs.tokens, cs.d) + (cs.misalign ? " misaligned" : "");
+    const size_t nsrc = static_cast<size_t>(cs.n * cs.tokens * cs.d);
+    const size_t td = static_cast<size_t>(cs.tokens * cs.d);
+    const size_t d = static_cast<size_t>(cs.d);
+    const auto sources = Random(nsrc, ++seed, 0.05f, 2.f);
+    // Logits of order 1-10: the softmax over sources is far from uniform but
+    // not one-hot, so the weights and their gradients are all exercised.
+    auto w = Random(d, ++seed, 0.5f, 3.f);
+    for (float& x : w) x *= 4.f / std::sqrt(static_cast<float>(cs.d));
+    const auto gamma = Random(d, ++seed, 0.5f, 1.5f);
+    const auto dh = Random(td, ++seed);
+    auto dw = Random(d, ++seed);
+    auto dgamma = Random(d, ++seed);
+    const float eps = 1e-6f;
+    DevF d_sources(sources, cs.misalign), d_w(w, cs.misalign), d_gamma(gamma, cs.misalign), d_dh(dh, cs.misalign);
+    DevF d_h(td, cs.misalign), d_weights(static_cast<size_t>(cs.n * cs.tokens)), d_ds(nsrc, cs.misalign);
+    DevF d_dw(dw, cs.misalign), d_dgamma(dgamma, cs.misalign);
+    std::vector<float> h(td), weights(static_cast<size_t>(cs.n * cs.tokens)), ds(nsrc);
+
+    env.cuda->AttnResFwd(d_sources.get(), d_w.get(), d_gamma.get(), cs.n, cs.tokens, cs.d, eps, d_h.get(),
+                         d_weights.get());
+    env.ref->AttnResFwd(sources.data(), w.data(), gamma.data(), cs.n, cs.tokens, cs.d, eps, h.data(), weights.data());
+    ExpectNear(d_h.ToHost(), h, kReductionTol, what + " h");
+    ExpectNear(d_weights.ToHost(), weights, kReductionTol, what + " weights");
+
+    env.cuda->AttnResBwd(d_sources.get(), d_w.get(), d_gamma.get(), d_dh.get(), cs.n, cs.tokens, cs.d, eps, d_ds.get(),
+                         d_dw.get(), d_dgamma.get());
+    env.ref->AttnResBwd(sources.data(), w.data(), gamma.data(), dh.data(), cs.n, cs.tokens, cs.d, eps, ds.data(),
+                        dw.data(), dgamma.data());
+    ExpectNear(d_ds.ToHost(), ds, kReductionTol, what + " dsources");
+    ExpectNear(d_dw.ToHost(), dw, kReductionTol, what + " dw");
+    ExpectNear(d_dgamma.ToHost(), dgamma, kReductionTol, what + " dgamma");
+  }
+}
+
+// The attention kernels have their own test (attention_cuda_test.cc); this
+// checks that CudaOps forwards to them on its stream.
+TEST_CASE("Attention through CudaOps") {
+  Env& env = GetEnv();
+  mk::AttentionShape sh;
+  sh.b = 2;
+  sh.heads = 4;
+  sh.kv_heads = 2;
+  sh.s = 33;
+  sh.dqk = 16;
+  sh.dv = 8;
+  sh.scale = 0.25f;
+  sh.causal = true;
+  const size_t nq = static_cast<size_t>(sh.b * sh.heads * sh.s * sh.dqk);
+  const size_t nk = static_cast<size_t>(sh.b * sh.kv_heads * sh.s * sh.dqk);
+  const size_t nv = static_cast<size_t>(sh.b * sh.kv_heads * sh.s * sh.dv);
+  const size_t no = static_cast<size_t>(sh.b * sh.heads * sh.s * sh.dv);
+  const size_t np = static_cast<size_t>(sh.b * sh.heads * sh.s * sh.s);
+  const size_t nl = static_cast<size_t>(sh.b * sh.heads * sh.s);
+  const auto q = Random(nq, 801), k = Random(nk, 802), v = Random(nv, 803), d_o = Random(no, 804);
+  DevF dq_(q), dk_(k), dv_(v), ddo(d_o);
+
+  {
+    DevF d_probs(np), d_out(no), d_dq(nq), d_dk(nk), d_dv(nv);
+    DeviceArray<char> ws(static_cast<size_t>(mk::AttentionBwdWorkspaceBytes(sh.b, sh.heads, sh.s)));
+    std::vector<float> probs(np), out(no), gq(nq), gk(nk), gv(nv),
+        ref_ws(static_cast<size_t>(mk::AttentionBwdWorkspaceBytes(sh.b, sh.heads, sh.s)) / sizeof(float));
+    env.cuda->AttentionFwd(sh, dq_.get(), dk_.get(), dv_.get(), d_probs.get(), d_out.get());
+    env.ref->AttentionFwd(sh, q.data(), k.data(), v.data(), probs.data(), out.data());
+    ExpectNear(d_probs.ToHost(), probs, kReductionTol, "attention probs");
+    ExpectNear(d_out.ToHost(), out, kReductionTol, "attention o");
+    DevF r_probs(probs);
+    env.cuda->AttentionBwd(sh, dq_.get(), dk_.get(), dv_.get(), r_probs.get(), ddo.get(), d_dq.get(), d_dk.get(),
+                           d_dv.get(), ws.get());
+    env.ref->AttentionBwd(sh, q.data(), k.data(), v.data(), probs.data(), d_o.data(), gq.data(), gk.data(), gv.data(),
+                          ref_ws.data());
+    ExpectNear(d_dq.ToHost(), gq, kReductionTol, "attention dq");
+    ExpectNear(d_dk.ToHost(), gk, kReductionTol, "attention dk");
+    ExpectNear(d_dv.ToHost(), gv, kReductionTol, "attention dv");
+  }
+  {
+    DevF d_out(no), d_lse(nl), d_dq(nq), d_dk(nk), d_dv(nv);
+    DeviceArray<char> ws(static_cast<size_t>(mk::FlashAttentionBwdWorkspaceBytes(sh.b, sh.heads, sh.s)));
+    std::vector<float> out(no), lse(nl), gq(nq), gk(nk), gv(nv),
+        ref_ws(static_cast<size_t>(mk::FlashAttentionBwdWorkspaceBytes(sh.b, sh.heads, sh.s)) / sizeof(float));
+    env.cuda->FlashAttentionFwd(sh, dq_.get(), dk_.get(), dv_.get(), d_out.get(), d_lse.get());
+    env.ref->FlashAttentionFwd(sh, q.data(), k.data(), v.data(), out.data(), lse.data());
+    ExpectNear(d_out.ToHost(), out, kReductionTol, "flash attention o");
+    ExpectNear(d_lse.ToHost(), lse, kReductionTol, "flash attention lse");
+    DevF r_out(out), r_lse(lse);
+    env.cuda->FlashAttentionBwd(sh, dq_.get(), dk_.get(), dv_.get(), r_out.get(), r_lse.get(), ddo.get(), d_dq.get(),
+                                d_dk.get(), d_dv.get(), ws.get());
+    env.ref->FlashAttentionBwd(sh, q.data(), k.data(), v.data(), out.data(), lse.data(), d_o.data(), gq.data(),
+                               gk.data(), gv.data(), ref_ws.data());
+    ExpectNear(d_dq.ToHost(), gq, kReductionTol, "flash attention dq");
+    ExpectNear(d_dk.ToHost(), gk, kReductionTol, "flash attention dk");
+    ExpectNear(d_dv.ToHost(), gv, kReductionTol, "flash attention dv");
+  }
+}
+
+int main(int argc, char** argv) {
+  int device_count = 0;
+  if (cudaGetDeviceCount(&device_count) != cudaSuccess || device_count == 0) {
+    std::printf("no CUDA device: skipping\n");
+    return 77;
+  }
+  doctest::Context context(argc, argv);
+  return context.run();
+}
