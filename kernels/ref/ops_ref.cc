@@ -7,6 +7,7 @@
 #include <limits>
 #include <memory>
 
+#include "memplan/common/workspace.h"
 #include "memplan/kernels/ops.h"
 #include "ops_ref_impl.h"
 
@@ -25,15 +26,16 @@ float Uniform01(uint64_t seed, uint64_t offset, uint64_t index) {
   return static_cast<float>(SplitMix64(seed ^ SplitMix64(offset + index)) >> 40) * 0x1p-24f;
 }
 
+// The formulas live in common/workspace.h, shared with the planner.
 int64_t AttentionBwdWorkspaceBytes(int64_t b, int64_t heads, int64_t s) {
-  return b * heads * s * s * static_cast<int64_t>(sizeof(float));
+  return workspace::AttentionBwdBytes(b, heads, s, s);
 }
 
 int64_t FlashAttentionBwdWorkspaceBytes(int64_t b, int64_t heads, int64_t s) {
-  return b * heads * s * static_cast<int64_t>(sizeof(float));
+  return workspace::FlashAttentionBwdBytes(b, heads, s);
 }
 
-int64_t GemmWorkspaceBytes() { return int64_t{32} << 20; }
+int64_t GemmWorkspaceBytes() { return workspace::GemmBytes(); }
 
 namespace ref {
 namespace {

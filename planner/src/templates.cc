@@ -7,6 +7,7 @@
 
 #include "memplan/common/check.h"
 #include "memplan/common/units.h"
+#include "memplan/common/workspace.h"
 
 namespace memplan::planner {
 namespace {
@@ -91,6 +92,10 @@ class Builder {
     op.flops = flops;
     g_->ops.push_back(std::move(op));
   }
+
+  // Workspace of the op declared last (its backward's scratch, from
+  // common/workspace.h, the formulas the kernels use).
+  void SetWorkspace(int64_t bytes) { g_->ops.back().workspace_bytes = bytes; }
 
   // Declares a parameter; returns its per-device bytes (for op bytes_read).
   int64_t Param(std::string_view module, std::string_view name, Shape shape, ParamKind kind,
@@ -184,6 +189,7 @@ std::string AddAttentionCore(Builder& B, const Dims& d, std::string_view module,
     std::string out = B.Act(module, "out", {d.tokens, heads_local * v_dim}, true, "tp");
     std::string lse = B.Tensor(module, "lse", {d.b, heads_local, d.s}, DType::kFP32, true, "tp");
     B.Op(module, "flash", "flash_attention", {q, k, v}, {out, lse}, score_flops + pv_flops);
+    B.SetWorkspace(workspace::FlashAttentionBwdBytes(d.b, heads_local, d.s));
     return out;
   }
   std::string scores = B.Act(module, "scores", prob_shape, false, "tp");
@@ -191,6 +197,8 @@ std::string AddAttentionCore(Builder& B, const Dims& d, std::string_view module,
   std::string probs = B.Act(module, "softmax_out", prob_shape, true, "tp");
   B.Op(module, "softmax", "softmax", {scores}, {probs},
        5.0 * static_cast<double>(Product(prob_shape, "scores")));
+  // The fused attention backward's score gradients (Ops::AttentionBwd).
+  B.SetWorkspace(workspace::AttentionBwdBytes(d.b, heads_local, d.s, d.skv));
   if (a.dropout) {
     std::string mask = B.Tensor(module, "attn_dropout_mask", prob_shape, DType::kU8, true, "tp");
     std::string dropped = B.Act(module, "probs", prob_shape, true, "tp");
