@@ -98,5 +98,21 @@ grep -q " NO " "$tmp/out" && ok || bad "table does not flag the rank"
 python3 -c "import json; p=json.load(open('$tmp/pinned.plan.json')); assert not all(r['fits'] for r in p['ranks'])" \
   && ok || bad "fits not false in plan.json"
 
+# 9. memplan check: plan vs measured, verdicts and exit codes.
+d="$root/tests/data/check"
+expect_exit 0 "check pass" "$memplan" check "$d/plan.json" "$d/measured-pass.json"
+grep -q "check passed" "$tmp/out" && ok || bad "no pass line: $(cat "$tmp/out")"
+expect_exit 0 "check cuda 1%" "$memplan" check "$d/plan.json" "$d/measured-cuda-1pct.json"
+expect_exit 1 "check cuda 1% at 0.5%" "$memplan" check "$d/plan.json" "$d/measured-cuda-1pct.json" --tolerance 0.005
+expect_exit 1 "check peak over" "$memplan" check "$d/plan.json" "$d/measured-peak-over.json"
+grep -q "FAIL" "$tmp/out" && ok || bad "no FAIL row: $(cat "$tmp/out")"
+expect_exit 1 "check below bound" "$memplan" check "$d/plan.json" "$d/measured-below-bound.json"
+expect_exit 4 "check digest" "$memplan" check "$d/plan.json" "$d/measured-digest.json"
+for f in measured-missing-rank measured-unknown-key measured-bad-value; do
+  expect_exit 2 "check $f" "$memplan" check "$d/plan.json" "$d/$f.json"
+  [ "$(wc -l <"$tmp/err")" -eq 1 ] && grep -q "$f.json: /" "$tmp/err" && ok || bad "$f: $(cat "$tmp/err")"
+done
+expect_exit 2 "check swapped" "$memplan" check "$d/measured-pass.json" "$d/plan.json"
+
 echo "cli: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]

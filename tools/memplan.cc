@@ -10,9 +10,12 @@
 
 #include "memplan/common/json_util.h"
 #include "memplan/common/status.h"
+#include "memplan/common/table.h"
 #include "memplan/common/units.h"
 #include "memplan/planner/model.h"
 #include "memplan/planner/plan.h"
+#include "memplan/traces/check.h"
+#include "memplan/traces/measured.h"
 
 namespace {
 
@@ -72,6 +75,30 @@ int RunExpand(const std::string& model_path, const std::string& out_path) {
   return written ? 0 : Fail(written.error());
 }
 
+// Exit 0 when every rank passes, 1 with the offending ranks otherwise.
+int RunCheck(const std::string& plan_path, const std::string& measured_path, std::optional<double> tolerance) {
+  auto plan_json = memplan::ReadJsonFile(plan_path);
+  if (!plan_json) return Fail(plan_json.error());
+  auto bounds = memplan::traces::ParsePlanBounds(*plan_json, plan_path);
+  if (!bounds) return Fail(bounds.error());
+  auto measured = memplan::traces::LoadMeasured(measured_path);
+  if (!measured) return Fail(measured.error());
+  auto result = memplan::traces::Check(*bounds, *measured, {tolerance, plan_path, measured_path});
+  if (!result) return Fail(result.error());
+  std::fputs(memplan::traces::RenderCheckTable(*result, !result->pass).c_str(), stdout);
+  const std::string tol = memplan::FormatFixed(100 * result->tolerance, 2) + " %";
+  if (!result->pass) {
+    size_t failed = 0;
+    for (const auto& r : result->ranks) failed += r.pass ? 0 : 1;
+    return Fail({ErrorCode::kCheckFailed, "check failed: " + std::to_string(failed) + " of " +
+                                              std::to_string(result->ranks.size()) +
+                                              " ranks outside the plan's bounds (tolerance " + tol + ")"});
+  }
+  std::printf("check passed: %zu ranks within the plan's bounds (tolerance %s, %s backend)\n", result->ranks.size(),
+              tol.c_str(), measured->backend.c_str());
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -102,6 +129,17 @@ int main(int argc, char** argv) {
   expand->add_option("model", expand_model, "model file (memplan.model/1)")->required();
   expand->add_option("-o,--output", expand_out, "write to a file instead of stdout");
 
+  std::string check_plan;
+  std::string check_measured;
+  double tolerance = 0;
+  auto* check =
+      app.add_subcommand("check", "Compare MEASURED.json with PLAN.json; exit 1 when a rank is out of bounds");
+  check->add_option("plan", check_plan, "plan file (memplan.plan/1)")->required();
+  check->add_option("measured", check_measured, "measurement (memplan.measured/1)")->required();
+  auto* tolerance_opt = check->add_option("--tolerance", tolerance,
+                                          "relative tolerance (default 0 for host, 0.02 for cuda measurements)")
+                            ->check(CLI::Range(0.0, 1.0));
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -111,5 +149,8 @@ int main(int argc, char** argv) {
   }
   if (plan->parsed()) return RunPlan(model_path, out_path, budget, solver, sweep, verify, quiet);
   if (expand->parsed()) return RunExpand(expand_model, expand_out);
+  if (check->parsed()) {
+    return RunCheck(check_plan, check_measured, tolerance_opt->count() ? std::optional(tolerance) : std::nullopt);
+  }
   return static_cast<int>(ErrorCode::kBadInput);
 }

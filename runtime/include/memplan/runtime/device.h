@@ -1,0 +1,111 @@
+// Devices: the memory and copy engines the runtime executes a plan on.
+//
+// Glossary
+//   buffer   one block of a device's memory, returned by Allocate() and given
+//            back by Free(). Its `bytes` are the requested size; the arena
+//            rounds it up to its alignment (256 B by default, like the
+//            planner's placement heap).
+//   queue    a copy engine: d2h (device -> host), h2d (host -> device) and
+//            link (between pipeline ranks, for remote offload). Each queue
+//            runs its copies one at a time, first in first out, overlapped
+//            with the caller (design.md, "Backends").
+//   event    completion flag of one asynchronous copy.
+//
+// Accounting (the names MEASURED.json uses):
+//   allocated_bytes   live requested bytes (not aligned);
+//   allocated_peak    the maximum of allocated_bytes: compare with the plan's
+//                     `lower_bound`;
+//   peak/high_water   the arena's high-water mark (offset + aligned size):
+//                     compare with the plan's `peak`.
+//
+// A device is driven from one thread (the compute stream): Allocate, Free,
+// CopyAsync and Wait are called in program order, so byte counts do not depend
+// on how fast the copy engines run.
+#pragma once
+
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string_view>
+
+#include "memplan/common/status.h"
+
+namespace memplan::runtime {
+
+// One block of device memory. Empty (ptr == nullptr) for zero bytes.
+struct Buffer {
+  std::byte* ptr = nullptr;  // host-visible on the host backend
+  int64_t offset = -1;       // offset in the owning arena, -1 when empty
+  int64_t bytes = 0;         // requested bytes
+
+  bool empty() const { return ptr == nullptr; }
+  template <class T>
+  T* as() const {
+    return reinterpret_cast<T*>(ptr);
+  }
+};
+
+enum class Queue : uint8_t { kD2H, kH2D, kLink };
+inline constexpr int kQueueCount = 3;
+std::string_view QueueName(Queue q);  // "d2h", "h2d", "link"
+
+namespace internal {
+struct EventState {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+};
+}  // namespace internal
+
+// Completion of one asynchronous copy. Copyable (shared state); a
+// default-constructed Event is already complete. Thread-safe.
+class Event {
+ public:
+  Event() = default;
+  // A pending event, completed by Complete() (called by a copy engine).
+  static Event Pending();
+  bool done() const;
+  // Blocks until complete.
+  void Wait() const;
+  void Complete() const;
+
+ private:
+  std::shared_ptr<internal::EventState> state_;
+};
+
+// The memory and copy engines of one (emulated) pipeline rank.
+class Device {
+ public:
+  virtual ~Device() = default;
+  virtual std::string_view name() const = 0;
+
+  // A new buffer of `bytes` (>= 0; 0 gives an empty buffer). An error
+  // (kRuntime, "... exhausted ...") when the memory cannot hold it; the
+  // device is unchanged then.
+  virtual Expected<Buffer> Allocate(int64_t bytes) = 0;
+  // Gives a buffer back; first waits for every in-flight copy that reads or
+  // writes it ("a free waits for its copy"). Freeing an empty buffer is a
+  // no-op; freeing anything else that is not live aborts (MEMPLAN_CHECK).
+  virtual void Free(Buffer buffer) = 0;
+
+  virtual int64_t capacity_bytes() const = 0;
+  virtual int64_t high_water() const = 0;
+  // MEASURED.json's `peak`: the same as high_water().
+  int64_t peak() const { return high_water(); }
+  virtual int64_t allocated_bytes() const = 0;
+  virtual int64_t allocated_peak() const = 0;
+
+  // Enqueues a copy of `bytes` (>= 0) from src to dst on `queue` and returns
+  // its completion event. The ranges must not overlap; when they lie in host
+  // arenas they must be inside live buffers, which then wait for the copy
+  // before they are freed. A zero-byte copy returns a complete event.
+  virtual Event CopyAsync(void* dst, const void* src, int64_t bytes, Queue queue) = 0;
+  // Blocks until `event` is complete.
+  virtual void Wait(const Event& event) = 0;
+  // Blocks until every queue is empty.
+  virtual void Synchronize() = 0;
+};
+
+}  // namespace memplan::runtime

@@ -1,0 +1,417 @@
+// traces/: MEASURED.json, the plan/measurement check, the Chrome-trace writer
+// and nesting validator, footprint reconstruction from allocation records.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <random>
+#include <string>
+
+#include "memplan/common/json_util.h"
+#include "memplan/traces/check.h"
+#include "memplan/traces/chrome_trace.h"
+#include "memplan/traces/footprint.h"
+#include "memplan/traces/measured.h"
+
+#ifdef MEMPLAN_HAVE_VALIJSON
+#include <valijson/adapters/nlohmann_json_adapter.hpp>
+#include <valijson/schema.hpp>
+#include <valijson/schema_parser.hpp>
+#include <valijson/validation_results.hpp>
+#include <valijson/validator.hpp>
+#endif
+
+using namespace memplan;
+using namespace memplan::traces;
+
+namespace {
+
+std::string SourcePath(const std::string& relative) { return std::string(MEMPLAN_SOURCE_ROOT) + "/" + relative; }
+
+Json ReadJson(const std::string& relative) {
+  auto j = ReadJsonFile(SourcePath(relative));
+  if (!j) throw std::runtime_error(j.error().message);
+  return *j;
+}
+
+const std::string kDigest = "sha256:" + std::string(64, 'a');
+
+Measured Sample() {
+  Measured m;
+  m.backend = "cuda";
+  m.device = "NVIDIA H200";
+  m.plan_digest = kDigest;
+  m.step_s = 0.25;
+  m.loss = 10.5;
+  m.grad_norm = 0.125;
+  m.ranks = {{0, 900, 1000, 400, {{0, 400}, {12.5, 900}, {30, 400}}, {{"alloc", 3}, {"kernel", 17}}},
+             {1, 800, 950, 300, {}, {}}};
+  return m;
+}
+
+// The error message of parsing `j`, "" when it parses.
+std::string ParseError(const Json& j) {
+  auto m = ParseMeasured(j, "m.json");
+  return m ? "" : m.error().message;
+}
+
+PlanBounds Bounds(int64_t peak, int64_t lower_bound) { return {kDigest, {{0, peak, lower_bound}}}; }
+
+Measured OneRank(std::string backend, int64_t peak, int64_t allocated_peak) {
+  Measured m;
+  m.backend = std::move(backend);
+  m.plan_digest = kDigest;
+  m.ranks = {{0, allocated_peak, peak, 0, {}, {}}};
+  return m;
+}
+
+bool Passes(const PlanBounds& plan, const Measured& m, std::optional<double> tolerance = std::nullopt) {
+  auto r = Check(plan, m, {tolerance});
+  REQUIRE(r.ok());
+  return r->pass;
+}
+
+#ifdef MEMPLAN_HAVE_VALIJSON
+std::string SchemaErrors(const std::string& schema_file, const Json& doc) {
+  Json schema_json = ReadJson(schema_file);
+  valijson::Schema schema;
+  valijson::SchemaParser parser;
+  valijson::adapters::NlohmannJsonAdapter schema_adapter(schema_json);
+  parser.populateSchema(schema_adapter, schema);
+  valijson::Validator validator;
+  valijson::ValidationResults results;
+  valijson::adapters::NlohmannJsonAdapter doc_adapter(doc);
+  if (validator.validate(schema, doc_adapter, &results)) return "";
+  valijson::ValidationResults::Error e;
+  std::string out;
+  for (int n = 0; n < 3 && results.popError(e); ++n) {
+    std::string ctx;
+    for (const auto& c : e.context) ctx += c;
+    out += ctx + ": " + e.description + "; ";
+  }
+  return out;
+}
+#endif
+
+}  // namespace
+
+TEST_CASE("MEASURED.json round-trips") {
+  Measured m = Sample();
+  Json j = Json::parse(MeasuredToJson(m).dump());
+  auto back = ParseMeasured(j, "m.json");
+  REQUIRE_MESSAGE(back.ok(), back.error().message);
+  CHECK(back->backend == "cuda");
+  CHECK(back->device == m.device);
+  CHECK(back->plan_digest == kDigest);
+  CHECK(back->step_s == m.step_s);
+  CHECK(back->loss == m.loss);
+  CHECK(back->grad_norm == m.grad_norm);
+  REQUIRE(back->ranks.size() == 2);
+  CHECK(back->ranks[0].allocated_peak == 900);
+  CHECK(back->ranks[0].peak == 1000);
+  CHECK(back->ranks[0].static_bytes == 400);
+  REQUIRE(back->ranks[0].timeline.size() == 3);
+  CHECK(back->ranks[0].timeline[1].t_us == 12.5);
+  CHECK(back->ranks[0].timeline[1].allocated_bytes == 900);
+  CHECK(back->ranks[0].events == m.ranks[0].events);
+  CHECK(MeasuredToJson(*back).dump() == MeasuredToJson(m).dump());
+  CHECK(j["ranks"][0].contains("static"));
+#ifdef MEMPLAN_HAVE_VALIJSON
+  CHECK(SchemaErrors("schemas/measured.schema.json", j) == "");
+#endif
+}
+
+TEST_CASE("MEASURED.json bad input names the file and the pointer") {
+  const Json good = Json::parse(MeasuredToJson(Sample()).dump());
+  struct Case {
+    const char* pointer;
+    Json value;
+    const char* message;
+  };
+  const Case cases[] = {
+      {"/schema", "memplan.measured/2", "m.json: /schema: expected \"memplan.measured/1\""},
+      {"/backend", "rocm", "m.json: /backend: expected one of host|cuda"},
+      {"/plan_digest", "sha256:abc", "m.json: /plan_digest: expected \"sha256:\""},
+      {"/step_s", -1, "m.json: /step_s: expected a non-negative number"},
+      {"/loss", "high", "m.json: /loss: expected a non-negative number"},
+      {"/ranks", Json::array(), "m.json: /ranks: expected at least one rank"},
+      {"/ranks/1/peak", -5, "m.json: /ranks/1/peak: expected a byte count"},
+      {"/ranks/0/allocated_peak", 1.5, "m.json: /ranks/0/allocated_peak: expected an integer"},
+      {"/ranks/0/peek", 1, "m.json: /ranks/0/peek: unknown key \"peek\""},
+      {"/extra", 1, "m.json: /extra: unknown key \"extra\""},
+      {"/ranks/0/timeline/1", Json::array({1}), "m.json: /ranks/0/timeline/1: expected [t_us, allocated_bytes]"},
+      {"/ranks/0/timeline/2/0", 3, "m.json: /ranks/0/timeline/2/0: timeline goes back in time"},
+      {"/ranks/0/events/kernel", -1, "m.json: /ranks/0/events/kernel: expected a count"},
+      {"/ranks/1/pp_rank", 0, "m.json: /ranks/1/pp_rank: pp_rank 0 appears twice"},
+  };
+  for (const auto& c : cases) {
+    CAPTURE(c.pointer);
+    Json j = good;
+    j[Json::json_pointer(c.pointer)] = c.value;
+    std::string e = ParseError(j);
+    CHECK(e.starts_with(c.message));
+    CHECK(e.find('\n') == std::string::npos);
+#ifdef MEMPLAN_HAVE_VALIJSON
+    // The schema agrees, except on what it cannot express (order, uniqueness).
+    if (std::string(c.pointer) != "/ranks/0/timeline/2/0" && std::string(c.pointer) != "/ranks/1/pp_rank") {
+      CHECK(SchemaErrors("schemas/measured.schema.json", j) != "");
+    }
+#endif
+  }
+  Json missing = good;
+  missing["ranks"][0].erase("timeline");
+  CHECK(ParseError(missing) == "m.json: /ranks/0: missing required key \"timeline\"");
+  auto not_found = LoadMeasured(SourcePath("tests/data/check/no-such-file.json"));
+  REQUIRE(!not_found.ok());
+  CHECK(not_found.error().code == ErrorCode::kBadInput);
+}
+
+TEST_CASE("check passes exactly at the bounds with tolerance 0 and fails one byte beyond") {
+  const PlanBounds plan = Bounds(1000, 800);
+  CHECK(Passes(plan, OneRank("host", 1000, 800)));
+  CHECK(Passes(plan, OneRank("host", 999, 800)));  // the allocator may beat its simulation
+  CHECK_FALSE(Passes(plan, OneRank("host", 1001, 800)));
+  CHECK_FALSE(Passes(plan, OneRank("host", 1000, 801)));
+  CHECK_FALSE(Passes(plan, OneRank("host", 1000, 799)));  // below the lower bound: something was missed
+
+  auto r = Check(plan, OneRank("host", 1001, 801));
+  REQUIRE(r.ok());
+  CHECK(r->tolerance == 0);
+  CHECK(r->ranks[0].verdict == "FAIL: allocated 1 B over; peak 1 B over");
+  r = Check(plan, OneRank("host", 1000, 799));
+  CHECK(r->ranks[0].verdict == "FAIL: allocated 1 B below lower bound");
+  // Exact at the extremes of int64.
+  const int64_t big = INT64_MAX - 1;
+  CHECK(Passes(Bounds(big, big), OneRank("host", big, big)));
+  CHECK_FALSE(Passes(Bounds(big, big), OneRank("host", big + 1, big)));
+}
+
+TEST_CASE("check tolerance: 2 % on cuda by default, explicit override, range") {
+  const PlanBounds plan = Bounds(1'000'000, 500'000);
+  CHECK(Passes(plan, OneRank("cuda", 1'020'000, 510'000)));
+  CHECK_FALSE(Passes(plan, OneRank("cuda", 1'020'001, 510'000)));
+  CHECK_FALSE(Passes(plan, OneRank("cuda", 1'020'000, 510'001)));
+  CHECK_FALSE(Passes(plan, OneRank("cuda", 1'000'000, 499'999)));  // the lower side has no tolerance
+  CHECK_FALSE(Passes(plan, OneRank("host", 1'000'001, 500'000)));
+  CHECK(Passes(plan, OneRank("host", 1'020'000, 510'000), 0.02));
+  CHECK_FALSE(Passes(plan, OneRank("cuda", 1'020'000, 510'000), 0.0));
+  for (double bad : {-0.1, 1.5, std::nan("")}) {
+    auto r = Check(plan, OneRank("host", 1, 1), {bad});
+    REQUIRE(!r.ok());
+    CHECK(r.error().code == ErrorCode::kBadInput);
+  }
+}
+
+TEST_CASE("check: digest mismatch and differing rank sets are errors") {
+  Measured m = OneRank("host", 1000, 800);
+  m.plan_digest = "sha256:" + std::string(64, 'b');
+  auto r = Check(Bounds(1000, 800), m, {std::nullopt, "p.json", "m.json"});
+  REQUIRE(!r.ok());
+  CHECK(r.error().code == ErrorCode::kDigestMismatch);
+  CHECK(r.error().message.starts_with("m.json: /plan_digest: "));
+  CHECK(r.error().message.find("p.json: /digest") != std::string::npos);
+
+  PlanBounds two = Bounds(1000, 800);
+  two.ranks.push_back({1, 900, 700});
+  r = Check(two, OneRank("host", 1000, 800), {std::nullopt, "p.json", "m.json"});
+  REQUIRE(!r.ok());
+  CHECK(r.error().code == ErrorCode::kBadInput);
+  CHECK(r.error().message == "m.json: /ranks: pp ranks {0} differ from p.json: /ranks {0, 1}");
+}
+
+TEST_CASE("check table: units, verdicts, failures only") {
+  PlanBounds plan = Bounds(1000, 800);
+  plan.ranks.push_back({1, 900, 700});
+  Measured m = OneRank("host", 1000, 800);
+  m.ranks.push_back({1, 700, 901, 0, {}, {}});
+  auto r = Check(plan, m);
+  REQUIRE(r.ok());
+  CHECK_FALSE(r->pass);
+  std::string all = RenderCheckTable(*r);
+  CHECK(all.find("peak(MiB)") != std::string::npos);
+  CHECK(all.find("allocated(MiB)") != std::string::npos);
+  CHECK(all.find("pass") != std::string::npos);
+  CHECK(all.find("FAIL: peak 1 B over") != std::string::npos);
+  std::string failures = RenderCheckTable(*r, true);
+  CHECK(failures.find("pass") == std::string::npos);
+  CHECK(failures.find("FAIL") != std::string::npos);
+  r = Check(Bounds(int64_t{2} << 30, 1 << 30), OneRank("host", int64_t{2} << 30, 1 << 30));
+  CHECK(RenderCheckTable(*r).find("peak(GiB)") != std::string::npos);
+}
+
+TEST_CASE("plan bounds and the check fixtures (what `memplan check` sees)") {
+  const std::string dir = "tests/data/check/";
+  auto plan = ParsePlanBounds(ReadJson(dir + "plan.json"), "plan.json");
+  REQUIRE_MESSAGE(plan.ok(), plan.error().message);
+  REQUIRE(plan->ranks.size() == 2);
+  CHECK(plan->digest.starts_with("sha256:"));
+  for (const auto& r : plan->ranks) CHECK(r.peak >= r.lower_bound);
+
+  struct Case {
+    const char* file;
+    int code;  // the exit code memplan check gives
+  };
+  for (const Case& c : {Case{"measured-pass.json", 0}, Case{"measured-cuda-1pct.json", 0},
+                        Case{"measured-peak-over.json", 1}, Case{"measured-below-bound.json", 1},
+                        Case{"measured-digest.json", 4}, Case{"measured-missing-rank.json", 2},
+                        Case{"measured-unknown-key.json", 2}, Case{"measured-bad-value.json", 2}}) {
+    CAPTURE(c.file);
+    int code = 0;
+    auto m = LoadMeasured(SourcePath(dir + c.file));
+    if (!m) {
+      code = static_cast<int>(m.error().code);
+    } else {
+#ifdef MEMPLAN_HAVE_VALIJSON
+      CHECK(SchemaErrors("schemas/measured.schema.json", ReadJson(dir + c.file)) == "");
+#endif
+      auto r = Check(*plan, *m);
+      code = r ? (r->pass ? 0 : 1) : static_cast<int>(r.error().code);
+    }
+    CHECK(code == c.code);
+  }
+  auto m = LoadMeasured(SourcePath(dir + "measured-cuda-1pct.json"));
+  REQUIRE(m.ok());
+  auto tight = Check(*plan, *m, {0.005});
+  REQUIRE(tight.ok());
+  CHECK_FALSE(tight->pass);
+
+  Json bad = ReadJson(dir + "plan.json");
+  bad["ranks"][1].erase("lower_bound");
+  auto e = ParsePlanBounds(bad, "plan.json");
+  REQUIRE(!e.ok());
+  CHECK(e.error().message == "plan.json: /ranks/1: missing required key \"lower_bound\"");
+  bad = ReadJson(dir + "plan.json");
+  bad["schema"] = "memplan.measured/1";
+  e = ParsePlanBounds(bad, "plan.json");
+  REQUIRE(!e.ok());
+  CHECK(e.error().message.starts_with("plan.json: /schema: expected \"memplan.plan/1\""));
+}
+
+TEST_CASE("Chrome trace: metadata, spans, counters; the document parses and nests") {
+  ChromeTrace t;
+  t.AddRank(1);  // no events: still named
+  t.AddSpan({0, Stream::kCompute, "layer0.fwd", "kernel", 0, 100, {{"microbatch", 0}}});
+  t.AddSpan({0, Stream::kCompute, "layer0.attn.fwd", "kernel", 10, 40, {}});
+  t.AddSpan({0, Stream::kCompute, "layer0.mlp.fwd", "kernel", 50, 50, {}});  // ends with its parent
+  t.AddSpan({0, Stream::kD2H, "offload layer0.mlp.fc1_out@mb0", "memcpy", 30, 60, {{"bytes", 4096}}});
+  t.AddSpan({0, Stream::kCompute, "layer1.fwd", "kernel", 100, 5, {}});  // starts as the last one ends
+  t.AddCounter({0, 0, 100, 200, 150});
+  t.AddCounter({0, 50, 300, 400, 350});
+
+  Json doc = Json::parse(t.ToJson().dump());
+  CHECK(doc["displayTimeUnit"] == "ms");
+  REQUIRE(doc["traceEvents"].is_array());
+  int process_names = 0, thread_names = 0, sort_indices = 0, spans = 0, counters = 0;
+  for (const auto& e : doc["traceEvents"]) {
+    const std::string ph = e["ph"];
+    if (ph == "M" && e["name"] == "process_name") {
+      ++process_names;
+      CHECK(e["args"]["name"] == "pp rank " + std::to_string(e["pid"].get<int>() - 1));
+    }
+    if (ph == "M" && e["name"] == "thread_name") ++thread_names;
+    if (ph == "M" && (e["name"] == "process_sort_index" || e["name"] == "thread_sort_index")) ++sort_indices;
+    if (ph == "X") {
+      ++spans;
+      CHECK(e.contains("ts"));
+      CHECK(e.contains("dur"));
+      CHECK(e.contains("cat"));
+      CHECK(e["pid"] == 1);
+      if (e["name"] == "layer0.fwd") CHECK(e["args"]["microbatch"] == 0);
+      if (e["name"] == "layer0.attn.fwd") CHECK_FALSE(e.contains("args"));
+      if (e["cat"] == "memcpy") CHECK(e["tid"] == ChromeTrace::Tid(Stream::kD2H));
+    }
+    if (ph == "C") {
+      ++counters;
+      CHECK(e["name"] == "device_memory");
+      CHECK(e["args"].contains("allocated"));
+      CHECK(e["args"].contains("reserved"));
+      CHECK(e["args"].contains("predicted"));
+    }
+  }
+  CHECK(process_names == 2);
+  CHECK(thread_names == 2 * kStreamCount);
+  CHECK(sort_indices == 2 + 2 * kStreamCount);
+  CHECK(spans == 5);
+  CHECK(counters == 2);
+  CHECK(ValidateNesting(doc).empty());
+  CHECK(t.ToJson().dump() == ChromeTrace(t).ToJson().dump());
+}
+
+TEST_CASE("nesting validator rejects partial overlap and negative times") {
+  auto x = [](int tid, double ts, double dur) {
+    return Json{{"ph", "X"}, {"name", "k"}, {"pid", 1}, {"tid", tid}, {"ts", ts}, {"dur", dur}};
+  };
+  auto doc = [](Json events) { return Json{{"traceEvents", std::move(events)}}; };
+  CHECK(ValidateNesting(doc({x(1, 0, 10), x(1, 2, 3), x(1, 5, 5), x(1, 10, 1)})).empty());
+  CHECK(ValidateNesting(doc({x(1, 0, 10), x(2, 5, 10)})).empty());  // other stream
+  auto errors = ValidateNesting(doc({x(1, 0, 10), x(1, 5, 10)}));
+  REQUIRE(errors.size() == 1);
+  CHECK(errors[0].find("/traceEvents/1: overlaps /traceEvents/0") == 0);
+  CHECK(ValidateNesting(doc({x(1, 0, 10), x(1, 2, 3), x(1, 4, 7)})).size() == 1);  // overlaps the parent's end
+  CHECK(ValidateNesting(doc({x(1, -1, 1)})).size() == 1);
+  CHECK(ValidateNesting(doc({x(1, 1, -1)})).size() == 1);
+  CHECK(ValidateNesting(doc({Json{{"ph", "C"}, {"name", "device_memory"}, {"pid", 1}, {"ts", -2}}})).size() == 1);
+  CHECK(ValidateNesting(Json::object()).size() == 1);
+}
+
+TEST_CASE("footprint: sort, ties, pools, releases, filters") {
+  const uint64_t pool = 0x7000;
+  std::vector<MemoryRecord> memory = {
+      {0, 0xA, 100, MemoryOp::kAllocation, MemoryKind::kDevice, 0, 0, 0},          // cudaMalloc
+      {10, 0xB, 200, MemoryOp::kAllocation, MemoryKind::kDevice, 0, pool, 1024},
+      {20, 0xB, 0, MemoryOp::kRelease, MemoryKind::kDevice, 0, pool, 1024},         // tie: applied after C
+      {20, 0xC, 300, MemoryOp::kAllocation, MemoryKind::kDevice, 0, pool, 1024},
+      {30, 0xA, 0, MemoryOp::kRelease, MemoryKind::kDevice, 0, 0, 0},
+      {35, 0xD, 5000, MemoryOp::kAllocation, MemoryKind::kPinned, 0, 0, 0},        // host memory: not counted
+      {36, 0xE, 7000, MemoryOp::kAllocation, MemoryKind::kDevice, 1, 0, 0},        // another device
+      {50, 0xC, 0, MemoryOp::kRelease, MemoryKind::kDevice, 0, pool, 512},
+  };
+  std::vector<PoolRecord> pools = {
+      {5, pool, 0, PoolOp::kCreated, 0},
+      {40, pool, 512, PoolOp::kTrimmed, 0},
+      {60, pool, 0, PoolOp::kDestroyed, 0},
+  };
+  // Out of order on input, as CUPTI's per-thread buffers deliver them.
+  std::mt19937 rng(7);
+  std::shuffle(memory.begin(), memory.end(), rng);
+  // Keep the tie's input order adversarial: the release before the allocation.
+  std::stable_partition(memory.begin(), memory.end(), [](const MemoryRecord& r) { return r.op == MemoryOp::kRelease; });
+  VectorRecordSource source;
+  for (const auto& r : memory) source.Add(r);
+  for (const auto& r : pools) source.Add(r);
+
+  Footprint f = ReconstructFootprint(source, {0});
+  CHECK(f.warnings.empty());
+  CHECK(f.allocated_peak == 600);   // A + B + C at t = 20
+  CHECK(f.reserved_peak == 1124);   // A + the 1 KiB pool
+  CHECK(f.allocated_bytes == 0);
+  CHECK(f.reserved_bytes == 0);
+  REQUIRE(f.samples.size() == 9);
+  auto earlier = [](const FootprintSample& a, const FootprintSample& b) { return a.timestamp_ns < b.timestamp_ns; };
+  CHECK(std::is_sorted(f.samples.begin(), f.samples.end(), earlier));
+  auto at = [&](int64_t t) {
+    FootprintSample last{};
+    for (const auto& s : f.samples) {
+      if (s.timestamp_ns <= t) last = s;
+    }
+    return last;
+  };
+  CHECK(at(20).allocated_bytes == 400);
+  CHECK(at(30).allocated_bytes == 300);
+  CHECK(at(30).reserved_bytes == 1024);
+  CHECK(at(40).reserved_bytes == 512);
+  CHECK(at(50).allocated_bytes == 0);
+
+  // Drained: a second reconstruction sees nothing.
+  CHECK(ReconstructFootprint(source).samples.empty());
+
+  // Without the device filter the other device's 7000 B count too.
+  CHECK(ReconstructFootprint(memory, pools).allocated_peak == 7300);
+
+  // A release without its allocation and a reused live address are reported.
+  Footprint w = ReconstructFootprint({{1, 0xF, 0, MemoryOp::kRelease}, {2, 0x1, 8, MemoryOp::kAllocation},
+                                      {3, 0x1, 16, MemoryOp::kAllocation}},
+                                     {});
+  CHECK(w.warnings.size() == 2);
+  CHECK(w.allocated_bytes == 16);
+  CHECK(w.allocated_peak == 16);
+}

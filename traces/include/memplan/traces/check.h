@@ -1,0 +1,83 @@
+// `memplan check`: compares a plan's predictions with a measurement.
+//
+// The rule (design.md): a rank passes when
+//   lower_bound <= allocated_peak <= lower_bound * (1 + tolerance)   and
+//   measured peak <= predicted peak * (1 + tolerance).
+// The first says the allocator-independent prediction is exact (no plan can
+// beat its lower bound; a measurement below it means the plan or the
+// measurement misses allocations); the second that the allocator does no
+// worse than the planner's simulation of it. The default tolerance is 0 on
+// the deterministic host backend and 2 % on CUDA.
+//
+// Only the plan's schema, digest and ranks[].{pp_rank, peak, lower_bound}
+// are read here, so traces/ does not depend on the planner library;
+// schemas/plan.schema.json validates the rest.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "memplan/common/json_util.h"
+#include "memplan/common/status.h"
+#include "memplan/traces/measured.h"
+
+namespace memplan::traces {
+
+inline constexpr double kHostTolerance = 0.0;
+inline constexpr double kCudaTolerance = 0.02;
+
+struct PlanRankBounds {
+  int64_t pp_rank = 0;
+  int64_t peak = 0;         // predicted allocator high-water mark, bytes
+  int64_t lower_bound = 0;  // max over steps of live bytes, bytes
+};
+
+struct PlanBounds {
+  std::string digest;  // "sha256:<64 hex>"
+  std::vector<PlanRankBounds> ranks;
+};
+
+// Reads the bounds from a PLAN.json document; other keys are ignored.
+// Errors are kBadInput, one line naming `file` and the JSON pointer.
+Expected<PlanBounds> ParsePlanBounds(const Json& json, const std::string& file);
+
+struct CheckOptions {
+  // Relative tolerance in [0, 1]; default by backend (kHostTolerance,
+  // kCudaTolerance).
+  std::optional<double> tolerance;
+  // Names used in messages.
+  std::string plan_file = "PLAN.json";
+  std::string measured_file = "MEASURED.json";
+};
+
+// One rank's comparison; bytes throughout.
+struct RankCheck {
+  int64_t pp_rank = 0;
+  int64_t predicted_peak = 0;
+  int64_t measured_peak = 0;
+  int64_t lower_bound = 0;
+  int64_t allocated_peak = 0;
+  bool pass = false;
+  std::string verdict;  // "pass", or why not, with the excess in bytes
+};
+
+struct CheckResult {
+  double tolerance = 0;
+  bool pass = false;             // every rank passes
+  std::vector<RankCheck> ranks;  // in the plan's rank order
+};
+
+// Compares plan and measurement rank by rank. Errors: kDigestMismatch when
+// the measurement was taken for another plan; kBadInput when the sets of pp
+// ranks differ or the tolerance is out of range. A failed verdict is not an
+// error: it is CheckResult::pass == false.
+Expected<CheckResult> Check(const PlanBounds& plan, const Measured& measured, const CheckOptions& options = {});
+
+// Aligned table: pp_rank, predicted peak, measured peak, lower bound,
+// allocated peak (MiB when all below 1 GiB, else GiB) and the verdict.
+// With `failures_only`, only the ranks that fail.
+std::string RenderCheckTable(const CheckResult& result, bool failures_only = false);
+
+}  // namespace memplan::traces

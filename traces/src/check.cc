@@ -1,0 +1,119 @@
+#include "memplan/traces/check.h"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <set>
+
+#include "memplan/common/table.h"
+#include "memplan/common/units.h"
+
+namespace memplan::traces {
+namespace {
+
+constexpr int64_t kMaxBytes = INT64_MAX;
+
+// Largest integer byte count within `tolerance` of `bytes`: floor(bytes * (1 + tol)).
+// long double keeps tolerance 0 exact for every int64.
+int64_t Limit(int64_t bytes, double tolerance) {
+  long double extra = std::floor(static_cast<long double>(bytes) * static_cast<long double>(tolerance));
+  if (extra >= static_cast<long double>(kMaxBytes - bytes)) return kMaxBytes;
+  return bytes + static_cast<int64_t>(extra);
+}
+
+std::string RankList(const std::set<int64_t>& ranks) {
+  std::string out;
+  for (int64_t r : ranks) out += (out.empty() ? "" : ", ") + std::to_string(r);
+  return "{" + out + "}";
+}
+
+}  // namespace
+
+Expected<PlanBounds> ParsePlanBounds(const Json& json, const std::string& file) {
+  return CatchErrors([&] {
+    // Deliberately no Finish(): the plan has many keys this reader skips.
+    ObjectReader r(json, JsonLocation{file, ""});
+    std::string schema = r.String("schema");
+    if (schema != "memplan.plan/1") ThrowAt(r.At("schema"), "expected \"memplan.plan/1\", got " + Brief(schema));
+    PlanBounds plan;
+    plan.digest = r.String("digest");
+    const Json& ranks = ExpectArray(r.Required("ranks"), r.At("ranks"));
+    if (ranks.empty()) ThrowAt(r.At("ranks"), "expected at least one rank");
+    std::set<int64_t> seen;
+    for (size_t i = 0; i < ranks.size(); ++i) {
+      ObjectReader rr(ranks[i], r.At("ranks").Child(i));
+      PlanRankBounds b{rr.Int("pp_rank", 0, 1 << 20), rr.Int("peak", 0, kMaxBytes),
+                       rr.Int("lower_bound", 0, kMaxBytes)};
+      if (!seen.insert(b.pp_rank).second) {
+        ThrowAt(rr.At("pp_rank"), "pp_rank " + std::to_string(b.pp_rank) + " appears twice");
+      }
+      plan.ranks.push_back(b);
+    }
+    return plan;
+  });
+}
+
+Expected<CheckResult> Check(const PlanBounds& plan, const Measured& measured, const CheckOptions& options) {
+  CheckResult result;
+  result.tolerance = options.tolerance.value_or(measured.backend == "cuda" ? kCudaTolerance : kHostTolerance);
+  if (!std::isfinite(result.tolerance) || result.tolerance < 0 || result.tolerance > 1) {
+    return Error{ErrorCode::kBadInput,
+                 "--tolerance: expected a fraction in [0, 1], got " + FormatFixed(result.tolerance, 4)};
+  }
+  if (measured.plan_digest != plan.digest) {
+    return Error{ErrorCode::kDigestMismatch, options.measured_file + ": /plan_digest: measured for plan " +
+                                                 measured.plan_digest + ", but " + options.plan_file +
+                                                 ": /digest is " + plan.digest + " (a different model)"};
+  }
+  std::map<int64_t, const MeasuredRank*> by_rank;
+  std::set<int64_t> measured_ranks, plan_ranks;
+  for (const auto& r : measured.ranks) {
+    by_rank[r.pp_rank] = &r;
+    measured_ranks.insert(r.pp_rank);
+  }
+  for (const auto& r : plan.ranks) plan_ranks.insert(r.pp_rank);
+  if (measured_ranks != plan_ranks) {
+    return Error{ErrorCode::kBadInput, options.measured_file + ": /ranks: pp ranks " + RankList(measured_ranks) +
+                                           " differ from " + options.plan_file + ": /ranks " + RankList(plan_ranks)};
+  }
+  result.pass = true;
+  for (const auto& p : plan.ranks) {
+    const MeasuredRank& m = *by_rank.at(p.pp_rank);
+    RankCheck c{p.pp_rank, p.peak, m.peak, p.lower_bound, m.allocated_peak, true, ""};
+    std::vector<std::string> why;
+    if (m.allocated_peak < p.lower_bound) {
+      why.push_back("allocated " + std::to_string(p.lower_bound - m.allocated_peak) + " B below lower bound");
+    }
+    if (int64_t limit = Limit(p.lower_bound, result.tolerance); m.allocated_peak > limit) {
+      why.push_back("allocated " + std::to_string(m.allocated_peak - limit) + " B over");
+    }
+    if (int64_t limit = Limit(p.peak, result.tolerance); m.peak > limit) {
+      why.push_back("peak " + std::to_string(m.peak - limit) + " B over");
+    }
+    c.pass = why.empty();
+    for (const auto& w : why) c.verdict += (c.verdict.empty() ? "FAIL: " : "; ") + w;
+    if (c.pass) c.verdict = "pass";
+    result.pass = result.pass && c.pass;
+    result.ranks.push_back(std::move(c));
+  }
+  return result;
+}
+
+std::string RenderCheckTable(const CheckResult& result, bool failures_only) {
+  int64_t max_bytes = 0;
+  for (const auto& r : result.ranks) max_bytes = std::max({max_bytes, r.predicted_peak, r.measured_peak});
+  const bool mib = max_bytes < kGiB;
+  const std::string u = mib ? "(MiB)" : "(GiB)";
+  auto cell = [&](int64_t bytes) {
+    return FormatFixed(static_cast<double>(bytes) / static_cast<double>(mib ? kMiB : kGiB), 2);
+  };
+  Table t({"pp_rank", "peak" + u, "measured" + u, "lower_bd" + u, "allocated" + u, "verdict"});
+  for (const auto& r : result.ranks) {
+    if (failures_only && r.pass) continue;
+    t.AddRow({std::to_string(r.pp_rank), cell(r.predicted_peak), cell(r.measured_peak), cell(r.lower_bound),
+              cell(r.allocated_peak), r.verdict});
+  }
+  return t.Render();
+}
+
+}  // namespace memplan::traces

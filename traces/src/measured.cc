@@ -1,0 +1,134 @@
+#include "memplan/traces/measured.h"
+
+#include <cmath>
+#include <set>
+
+namespace memplan::traces {
+namespace {
+
+constexpr int64_t kMaxBytes = INT64_MAX;
+
+double NonNegative(const Json& v, const JsonLocation& where) {
+  if (!v.is_number() || !std::isfinite(v.get<double>()) || v.get<double>() < 0) {
+    ThrowAt(where, "expected a non-negative number, got " + Brief(v));
+  }
+  return v.get<double>();
+}
+
+double NonNegative(ObjectReader& r, std::string_view key) { return NonNegative(r.Required(key), r.At(key)); }
+
+// ExpectInt's range message would print INT64_MAX; say what is meant instead.
+int64_t ByteCount(const Json& v, const JsonLocation& where) {
+  if (!v.is_number() || v.get<double>() < 0) ThrowAt(where, "expected a byte count (integer >= 0), got " + Brief(v));
+  return ExpectInt(v, where, 0, kMaxBytes);
+}
+
+int64_t ByteCount(ObjectReader& r, std::string_view key) { return ByteCount(r.Required(key), r.At(key)); }
+
+bool IsDigest(const std::string& s) {
+  if (s.size() != 7 + 64 || !s.starts_with("sha256:")) return false;
+  for (char c : s.substr(7)) {
+    if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) return false;
+  }
+  return true;
+}
+
+MeasuredRank ParseRank(const Json& json, const JsonLocation& where) {
+  ObjectReader r(json, where);
+  MeasuredRank rank;
+  rank.pp_rank = r.Int("pp_rank", 0, 1 << 20);
+  rank.allocated_peak = ByteCount(r, "allocated_peak");
+  rank.peak = ByteCount(r, "peak");
+  rank.static_bytes = ByteCount(r, "static");
+  const Json& timeline = ExpectArray(r.Required("timeline"), r.At("timeline"));
+  for (size_t i = 0; i < timeline.size(); ++i) {
+    JsonLocation at = r.At("timeline").Child(i);
+    const Json& pair = timeline[i];
+    if (!pair.is_array() || pair.size() != 2) ThrowAt(at, "expected [t_us, allocated_bytes], got " + Brief(pair));
+    TimelinePoint p{NonNegative(pair[0], at.Child(size_t{0})), ByteCount(pair[1], at.Child(1))};
+    if (!rank.timeline.empty() && p.t_us < rank.timeline.back().t_us) {
+      ThrowAt(at.Child(size_t{0}), "timeline goes back in time (" + Brief(pair[0]) + " after " +
+                                       Brief(timeline[i - 1][0]) + ")");
+    }
+    rank.timeline.push_back(p);
+  }
+  const Json& events = r.Required("events");
+  if (!events.is_object()) ThrowAt(r.At("events"), "expected an object of event counts, got " + Brief(events));
+  for (auto it = events.begin(); it != events.end(); ++it) {
+    const Json& count = it.value();
+    JsonLocation at = r.At("events").Child(it.key());
+    if (!count.is_number() || count.get<double>() < 0) {
+      ThrowAt(at, "expected a count (integer >= 0), got " + Brief(count));
+    }
+    rank.events[it.key()] = ExpectInt(count, at, 0, kMaxBytes);
+  }
+  r.Finish();
+  return rank;
+}
+
+}  // namespace
+
+Expected<Measured> ParseMeasured(const Json& json, const std::string& file) {
+  return CatchErrors([&] {
+    ObjectReader r(json, JsonLocation{file, ""});
+    std::string schema = r.String("schema");
+    if (schema != kMeasuredSchema) {
+      ThrowAt(r.At("schema"), "expected \"" + std::string(kMeasuredSchema) + "\", got " + Brief(schema));
+    }
+    Measured m;
+    m.backend = r.Enum("backend", {"host", "cuda"});
+    m.device = r.String("device");
+    m.plan_digest = r.String("plan_digest");
+    if (!IsDigest(m.plan_digest)) {
+      ThrowAt(r.At("plan_digest"), "expected \"sha256:\" and 64 lower-case hex digits, got " + Brief(m.plan_digest));
+    }
+    m.step_s = NonNegative(r, "step_s");
+    m.loss = NonNegative(r, "loss");
+    m.grad_norm = NonNegative(r, "grad_norm");
+    const Json& ranks = ExpectArray(r.Required("ranks"), r.At("ranks"));
+    if (ranks.empty()) ThrowAt(r.At("ranks"), "expected at least one rank");
+    std::set<int64_t> seen;
+    for (size_t i = 0; i < ranks.size(); ++i) {
+      m.ranks.push_back(ParseRank(ranks[i], r.At("ranks").Child(i)));
+      if (!seen.insert(m.ranks.back().pp_rank).second) {
+        ThrowAt(r.At("ranks").Child(i).Child("pp_rank"),
+                "pp_rank " + std::to_string(m.ranks.back().pp_rank) + " appears twice");
+      }
+    }
+    r.Finish();
+    return m;
+  });
+}
+
+Expected<Measured> LoadMeasured(const std::string& path) {
+  auto json = ReadJsonFile(path);
+  if (!json) return json.error();
+  return ParseMeasured(*json, path);
+}
+
+OrderedJson MeasuredToJson(const Measured& m) {
+  OrderedJson j;
+  j["schema"] = kMeasuredSchema;
+  j["backend"] = m.backend;
+  j["device"] = m.device;
+  j["plan_digest"] = m.plan_digest;
+  j["step_s"] = m.step_s;
+  j["loss"] = m.loss;
+  j["grad_norm"] = m.grad_norm;
+  j["ranks"] = OrderedJson::array();
+  for (const auto& rank : m.ranks) {
+    OrderedJson r;
+    r["pp_rank"] = rank.pp_rank;
+    r["allocated_peak"] = rank.allocated_peak;
+    r["peak"] = rank.peak;
+    r["static"] = rank.static_bytes;
+    r["timeline"] = OrderedJson::array();
+    for (const auto& p : rank.timeline) r["timeline"].push_back({p.t_us, p.allocated_bytes});
+    r["events"] = OrderedJson::object();
+    for (const auto& [name, count] : rank.events) r["events"][name] = count;
+    j["ranks"].push_back(std::move(r));
+  }
+  return j;
+}
+
+}  // namespace memplan::traces
