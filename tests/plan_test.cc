@@ -151,8 +151,21 @@ TEST_CASE("annotations: first match wins") {
 TEST_CASE("planning is deterministic: byte-identical output") {
   for (const char* name : {"tiny-moe", "kimi-k3-like"}) {
     Model m = MustLoad(std::string("examples/models/") + name + ".json");
-    CHECK(PlanToJson(MustPlan(m)).dump() == PlanToJson(MustPlan(m)).dump());
+    Plan first = MustPlan(m);
+    CHECK(PlanToJson(first).dump() == PlanToJson(MustPlan(m)).dump());
+    // The bundled models are meant to fit their hardware once planned.
+    for (const auto& r : first.ranks) CHECK(r.fits);
   }
+}
+
+TEST_CASE("the exact solver refuses instances too large for a MILP") {
+  Model m = MustLoad("examples/models/kimi-k3-like.json");
+  PlanOptions o;
+  o.solver = SolverKind::kExact;
+  auto p = BuildPlan(m, o);
+  REQUIRE_FALSE(p.ok());
+  CHECK(p.error().code == ErrorCode::kBadInput);
+  CHECK(p.error().message.find("too large") != std::string::npos);
 }
 
 TEST_CASE("the expanded graph form round-trips and plans identically") {
