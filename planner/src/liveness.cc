@@ -46,9 +46,9 @@ bool IsFp8(Storage s) {
 }
 
 int64_t Fp8Bytes(const std::vector<int64_t>& shape) {
-  int64_t cols = shape.back();
+  int64_t cols = shape.empty() ? 1 : shape.back();  // a scalar is one block of one
   int64_t rows = 1;
-  for (size_t i = 0; i + 1 < shape.size(); ++i) rows *= shape[i];
+  for (size_t i = 0; i + 1 < shape.size(); ++i) rows = CheckedMul(rows, shape[i], "fp8 rows");
   int64_t blocks = (cols + 127) / 128;
   return CheckedAdd(CheckedMul(rows, cols, "fp8 bytes"), CheckedMul(rows, blocks * 4, "fp8 scales"), "fp8 bytes");
 }

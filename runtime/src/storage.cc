@@ -6,17 +6,6 @@
 
 namespace memplan::runtime {
 
-std::string_view PolicyName(Policy p) {
-  switch (p) {
-    case Policy::kKeep: return "keep";
-    case Policy::kRecompute: return "recompute";
-    case Policy::kFp8: return "fp8";
-    case Policy::kOffloadHost: return "offload_host";
-    case Policy::kOffloadRemote: return "offload_remote";
-  }
-  return "unknown";
-}
-
 Expected<Policy> ParsePolicy(std::string_view name) {
   for (Policy p : {Policy::kKeep, Policy::kRecompute, Policy::kFp8, Policy::kOffloadHost, Policy::kOffloadRemote}) {
     if (PolicyName(p) == name) return p;
@@ -68,14 +57,6 @@ int64_t NumElements(const std::vector<int64_t>& shape) {
   int64_t n = 1;
   for (int64_t d : shape) n = CheckedMul(n, d, "tensor elements");
   return n;
-}
-
-int64_t Fp8Bytes(const std::vector<int64_t>& shape) {
-  int64_t cols = shape.empty() ? 1 : shape.back();
-  int64_t rows = 1;
-  for (size_t i = 0; i + 1 < shape.size(); ++i) rows = CheckedMul(rows, shape[i], "fp8 rows");
-  int64_t blocks = (cols + 127) / 128;
-  return CheckedAdd(CheckedMul(rows, cols, "fp8 bytes"), CheckedMul(rows, blocks * 4, "fp8 scales"), "fp8 bytes");
 }
 
 }  // namespace memplan::runtime

@@ -19,16 +19,17 @@
 #include <vector>
 
 #include "memplan/common/status.h"
+#include "memplan/planner/liveness.h"
+#include "memplan/planner/model.h"
 
 namespace memplan::runtime {
 
 class Device;
 
-enum class Policy : uint8_t { kKeep, kRecompute, kFp8, kOffloadHost, kOffloadRemote };
-
-// "keep", "recompute", "fp8", "offload_host", "offload_remote" (MODEL.json's
-// and PLAN.json's spelling).
-std::string_view PolicyName(Policy p);
+// The plan's policies and their spelling ("keep", "recompute", "fp8",
+// "offload_host", "offload_remote"), shared with the planner.
+using Policy = planner::Policy;
+using planner::PolicyName;
 Expected<Policy> ParsePolicy(std::string_view name);
 
 struct StorageSpec {
@@ -57,7 +58,7 @@ int64_t NumElements(const std::vector<int64_t>& shape);
 // FP8 1x128 blockwise footprint of an fp32/bf16 tensor of `shape`: E4M3
 // values plus one fp32 scale per block of the last dimension,
 // rows*cols + 4*rows*ceil(cols/128) bytes (1.03125 B/element when 128 divides
-// cols). The planner's Fp8Bytes.
-int64_t Fp8Bytes(const std::vector<int64_t>& shape);
+// cols): the planner's own formula, so device bytes match the plan.
+using planner::Fp8Bytes;
 
 }  // namespace memplan::runtime
