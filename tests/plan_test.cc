@@ -5,21 +5,18 @@
 
 #include "memplan/planner/plan.h"
 #include "memplan/planner/templates.h"
+#include "json_test_util.h"
 #include "test_util.h"
-
-#ifdef MEMPLAN_HAVE_VALIJSON
-#include <valijson/adapters/nlohmann_json_adapter.hpp>
-#include <valijson/schema.hpp>
-#include <valijson/schema_parser.hpp>
-#include <valijson/validation_results.hpp>
-#include <valijson/validator.hpp>
-#endif
 
 using namespace memplan;
 using namespace memplan::planner;
 using memplan::test::MustLoad;
 using memplan::test::MustParse;
+using memplan::test::ReadJson;
 using memplan::test::SourcePath;
+#ifdef MEMPLAN_HAVE_VALIJSON
+using memplan::test::SchemaErrors;
+#endif
 
 namespace {
 
@@ -31,35 +28,6 @@ Plan MustPlan(const Model& m, PlanOptions o = {}) {
   if (!p) throw std::runtime_error(p.error().message);
   return *p;
 }
-
-Json ReadJson(const std::string& relative) {
-  auto j = ReadJsonFile(SourcePath(relative));
-  if (!j) throw std::runtime_error(j.error().message);
-  return *j;
-}
-
-#ifdef MEMPLAN_HAVE_VALIJSON
-// Returns "" when `doc` validates against the schema, else the first error.
-std::string SchemaErrors(const std::string& schema_file, const Json& doc) {
-  Json schema_json = ReadJson(schema_file);
-  valijson::Schema schema;
-  valijson::SchemaParser parser;
-  valijson::adapters::NlohmannJsonAdapter schema_adapter(schema_json);
-  parser.populateSchema(schema_adapter, schema);
-  valijson::Validator validator;
-  valijson::ValidationResults results;
-  valijson::adapters::NlohmannJsonAdapter doc_adapter(doc);
-  if (validator.validate(schema, doc_adapter, &results)) return "";
-  valijson::ValidationResults::Error e;
-  std::string out;
-  for (int n = 0; n < 3 && results.popError(e); ++n) {
-    std::string ctx;
-    for (const auto& c : e.context) ctx += c;
-    out += ctx + ": " + e.description + "; ";
-  }
-  return out;
-}
-#endif
 
 }  // namespace
 

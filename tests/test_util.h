@@ -5,12 +5,9 @@
 
 #include "memplan/common/json_util.h"
 #include "memplan/planner/model.h"
+#include "json_test_util.h"
 
 namespace memplan::test {
-
-inline std::string SourcePath(const std::string& relative) {
-  return std::string(MEMPLAN_SOURCE_ROOT) + "/" + relative;
-}
 
 inline planner::Model MustLoad(const std::string& relative) {
   auto m = planner::LoadModel(SourcePath(relative));

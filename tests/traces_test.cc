@@ -11,27 +11,17 @@
 #include "memplan/traces/chrome_trace.h"
 #include "memplan/traces/footprint.h"
 #include "memplan/traces/measured.h"
-
-#ifdef MEMPLAN_HAVE_VALIJSON
-#include <valijson/adapters/nlohmann_json_adapter.hpp>
-#include <valijson/schema.hpp>
-#include <valijson/schema_parser.hpp>
-#include <valijson/validation_results.hpp>
-#include <valijson/validator.hpp>
-#endif
+#include "json_test_util.h"
 
 using namespace memplan;
 using namespace memplan::traces;
+using memplan::test::ReadJson;
+using memplan::test::SourcePath;
+#ifdef MEMPLAN_HAVE_VALIJSON
+using memplan::test::SchemaErrors;
+#endif
 
 namespace {
-
-std::string SourcePath(const std::string& relative) { return std::string(MEMPLAN_SOURCE_ROOT) + "/" + relative; }
-
-Json ReadJson(const std::string& relative) {
-  auto j = ReadJsonFile(SourcePath(relative));
-  if (!j) throw std::runtime_error(j.error().message);
-  return *j;
-}
 
 const std::string kDigest = "sha256:" + std::string(64, 'a');
 
@@ -69,28 +59,6 @@ bool Passes(const PlanBounds& plan, const Measured& m, std::optional<double> tol
   REQUIRE(r.ok());
   return r->pass;
 }
-
-#ifdef MEMPLAN_HAVE_VALIJSON
-std::string SchemaErrors(const std::string& schema_file, const Json& doc) {
-  Json schema_json = ReadJson(schema_file);
-  valijson::Schema schema;
-  valijson::SchemaParser parser;
-  valijson::adapters::NlohmannJsonAdapter schema_adapter(schema_json);
-  parser.populateSchema(schema_adapter, schema);
-  valijson::Validator validator;
-  valijson::ValidationResults results;
-  valijson::adapters::NlohmannJsonAdapter doc_adapter(doc);
-  if (validator.validate(schema, doc_adapter, &results)) return "";
-  valijson::ValidationResults::Error e;
-  std::string out;
-  for (int n = 0; n < 3 && results.popError(e); ++n) {
-    std::string ctx;
-    for (const auto& c : e.context) ctx += c;
-    out += ctx + ": " + e.description + "; ";
-  }
-  return out;
-}
-#endif
 
 }  // namespace
 

@@ -297,12 +297,4 @@ TEST_CASE("invalid shapes are rejected without launching") {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  int device_count = 0;
-  if (cudaGetDeviceCount(&device_count) != cudaSuccess || device_count == 0) {
-    std::printf("no CUDA device: skipping\n");
-    return 77;
-  }
-  doctest::Context context(argc, argv);
-  return context.run();
-}
+#include "gpu_test_main.h"

@@ -186,12 +186,4 @@ TEST_CASE("CUDA launchers validate arguments") {
         static_cast<int>(cudaErrorInvalidValue));
 }
 
-int main(int argc, char** argv) {
-  int device_count = 0;
-  if (cudaGetDeviceCount(&device_count) != cudaSuccess || device_count == 0) {
-    std::printf("no CUDA device: skipping\n");
-    return 77;
-  }
-  doctest::Context context(argc, argv);
-  return context.run();
-}
+#include "gpu_test_main.h"

@@ -621,12 +621,4 @@ TEST_CASE("Attention through CudaOps") {
   }
 }
 
-int main(int argc, char** argv) {
-  int device_count = 0;
-  if (cudaGetDeviceCount(&device_count) != cudaSuccess || device_count == 0) {
-    std::printf("no CUDA device: skipping\n");
-    return 77;
-  }
-  doctest::Context context(argc, argv);
-  return context.run();
-}
+#include "gpu_test_main.h"
