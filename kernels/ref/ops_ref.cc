@@ -45,6 +45,21 @@ T Sigmoid(T x) {
   return T(1) / (T(1) + std::exp(-x));
 }
 
+// p = softmax(l) over n entries, max-subtracted, summed in index order.
+// Returns the row sum of exp(l - max) and stores the max in *mx.
+template <typename T>
+T SoftmaxRow(const T* l, int64_t n, T* p, T* mx) {
+  *mx = l[0];
+  for (int64_t i = 1; i < n; ++i) *mx = std::max(*mx, l[i]);
+  T sum = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    p[i] = std::exp(l[i] - *mx);
+    sum += p[i];
+  }
+  for (int64_t i = 0; i < n; ++i) p[i] /= sum;
+  return sum;
+}
+
 template <typename T>
 T DotN(const T* a, const T* b, int64_t n) {
   T s = 0;
@@ -318,14 +333,8 @@ void RefMath<T>::RouterFwd(const T* logits, int64_t tokens, int64_t experts, int
     if (sigmoid) {
       for (int64_t e = 0; e < experts; ++e) p[e] = Sigmoid(l[e]);
     } else {
-      T mx = l[0];
-      for (int64_t e = 1; e < experts; ++e) mx = std::max(mx, l[e]);
-      T sum = 0;
-      for (int64_t e = 0; e < experts; ++e) {
-        p[e] = std::exp(l[e] - mx);
-        sum += p[e];
-      }
-      for (int64_t e = 0; e < experts; ++e) p[e] /= sum;
+      T mx;
+      SoftmaxRow(l, experts, p, &mx);
     }
     // Pass i picks the best expert that comes after pass i-1's pick in the
     // total order (p descending, index ascending): no "taken" flags needed.
@@ -455,14 +464,8 @@ void RefMath<T>::CrossEntropyFwd(const T* logits, const int32_t* targets, int64_
   for (int64_t t = 0; t < tokens; ++t) {
     const T* l = logits + t * vocab;
     T* p = probs + t * vocab;
-    T mx = l[0];
-    for (int64_t v = 1; v < vocab; ++v) mx = std::max(mx, l[v]);
-    T sum = 0;
-    for (int64_t v = 0; v < vocab; ++v) {
-      p[v] = std::exp(l[v] - mx);
-      sum += p[v];
-    }
-    for (int64_t v = 0; v < vocab; ++v) p[v] /= sum;
+    T mx;
+    const T sum = SoftmaxRow(l, vocab, p, &mx);
     loss[t] = std::log(sum) - (l[targets[t]] - mx);
   }
 }
