@@ -374,6 +374,21 @@ PlanningProblem BuildProblem(const Model& model, std::vector<LayerGraph> layers)
       in.need_s = tl.start_s[static_cast<size_t>(in.b_first)];
     }
   }
+  p.tensor_cost_s.resize(static_cast<size_t>(pp));
+  for (int64_t r = 0; r < pp; ++r) {
+    const auto& first = p.first_instance[static_cast<size_t>(r)];
+    auto& table = p.tensor_cost_s[static_cast<size_t>(r)];
+    table.resize(p.tensors[static_cast<size_t>(r)].size());
+    for (size_t t = 0; t < table.size(); ++t) {
+      for (int s = 0; s < kStorageCount; ++s) {
+        double c = 0;
+        for (int32_t i = first[t]; i < first[t + 1]; ++i) {
+          c += InstanceCost(p, static_cast<int32_t>(r), i, static_cast<Storage>(s));
+        }
+        table[t][static_cast<size_t>(s)] = c;
+      }
+    }
+  }
   auto any = AnyPlanProfiles(p);
   for (size_t r = 0; r < any.size(); ++r) {
     int64_t m = any[r].empty() ? 0 : *std::max_element(any[r].begin(), any[r].end());

@@ -145,18 +145,8 @@ class ProfileTrees {
   std::vector<Interval> scratch_;
 };
 
-std::vector<std::array<double, kStorageCount>> CostTable(const PlanningProblem& p, int32_t rank) {
-  const auto& ts = p.tensors[static_cast<size_t>(rank)];
-  const auto& first = p.first_instance[static_cast<size_t>(rank)];
-  std::vector<std::array<double, kStorageCount>> table(ts.size());
-  for (size_t t = 0; t < ts.size(); ++t) {
-    for (int s = 0; s < kStorageCount; ++s) {
-      double c = 0;
-      for (int32_t i = first[t]; i < first[t + 1]; ++i) c += InstanceCost(p, rank, i, static_cast<Storage>(s));
-      table[t][static_cast<size_t>(s)] = c;
-    }
-  }
-  return table;
+const std::vector<std::array<double, kStorageCount>>& CostTable(const PlanningProblem& p, int32_t rank) {
+  return p.tensor_cost_s[static_cast<size_t>(rank)];
 }
 
 bool Decidable(const SavedTensor& t, Storage current) { return !t.annotated && !IsRemote(current); }
@@ -164,7 +154,7 @@ bool Decidable(const SavedTensor& t, Storage current) { return !t.annotated && !
 SolveResult Heuristic(const PlanningProblem& p, int32_t rank, int64_t budget, ProfileTrees& prof, Assignment* a) {
   const auto& ts = p.tensors[static_cast<size_t>(rank)];
   auto& st = a->storage[static_cast<size_t>(rank)];
-  const auto costs = CostTable(p, rank);
+  const auto& costs = CostTable(p, rank);
   const int64_t pp = p.model->parallel.pp;
   MaxTree& tree = prof.tree(rank);
   OffloadCapacity cap = HostCapacity(p, rank);
@@ -283,7 +273,7 @@ SolveResult Exact(const PlanningProblem& p, int32_t rank, int64_t budget, const 
   auto& st = a->storage[static_cast<size_t>(rank)];
   const int64_t pp = p.model->parallel.pp;
   const int64_t steps = p.timelines[static_cast<size_t>(rank)].steps;
-  const auto costs = CostTable(p, rank);
+  const auto& costs = CostTable(p, rank);
   // Fixed part: transients, tensors the solver does not decide, incoming.
   std::vector<Interval> ivs = fixed;
   struct Column {
@@ -445,10 +435,10 @@ SolveResult Exact(const PlanningProblem& p, int32_t rank, int64_t budget, const 
 }  // namespace
 
 double SeparableCost(const PlanningProblem& p, int32_t rank, const Assignment& a) {
+  const auto& table = CostTable(p, rank);
   double c = 0;
-  const auto& insts = p.instances[static_cast<size_t>(rank)];
-  for (size_t i = 0; i < insts.size(); ++i) {
-    c += InstanceCost(p, rank, static_cast<int32_t>(i), a.storage[static_cast<size_t>(rank)][static_cast<size_t>(insts[i].tensor)]);
+  for (size_t t = 0; t < table.size(); ++t) {
+    c += table[t][static_cast<size_t>(a.storage[static_cast<size_t>(rank)][t])];
   }
   return c;
 }
@@ -486,14 +476,9 @@ RebalanceResult Rebalance(const PlanningProblem& p, int64_t budget, Assignment* 
   ProfileTrees prof(p, *a);
   auto lower = [&](int32_t r) { return p.statics[static_cast<size_t>(r)].total + prof.tree(r).Max(); };
   const Hardware& hw = p.model->hardware;
-  std::vector<std::vector<std::array<double, kStorageCount>>> costs;
+  const auto& costs = p.tensor_cost_s;
   std::vector<double> added(static_cast<size_t>(pp), 0);
-  for (int32_t r = 0; r < pp; ++r) {
-    costs.push_back(CostTable(p, r));
-    for (size_t t = 0; t < p.tensors[static_cast<size_t>(r)].size(); ++t) {
-      added[static_cast<size_t>(r)] += costs.back()[t][static_cast<size_t>(a->storage[static_cast<size_t>(r)][t])];
-    }
-  }
+  for (int32_t r = 0; r < pp; ++r) added[static_cast<size_t>(r)] = SeparableCost(p, r, *a);
   // Link budget: remote bytes per (rank, layer) and microbatch must move
   // within the layer's prefetch window.
   std::vector<std::map<int64_t, double>> link_s(static_cast<size_t>(pp));

@@ -25,6 +25,7 @@
 // exposed time. Transfer windows come from the base timeline.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -117,6 +118,9 @@ struct PlanningProblem {
   std::vector<double> stage_fwd_s, stage_bwd_s;
   // Per rank: static + the any-plan profile's maximum (filled by BuildProblem).
   std::vector<int64_t> any_plan_lower_bound;
+  // Per rank, per tensor, per storage: InstanceCost summed over the tensor's
+  // instances (the solvers' objective coefficients), computed once.
+  std::vector<std::vector<std::array<double, kStorageCount>>> tensor_cost_s;
 };
 
 // Host-offload capacity of a rank, so that copies hide behind compute: the
