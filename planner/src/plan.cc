@@ -47,7 +47,7 @@ class StageClock {
   std::chrono::steady_clock::time_point last_ = std::chrono::steady_clock::now();
 };
 
-Solved Solve(const PlanningProblem& problem, int64_t budget, const PlanOptions& options, StageClock& clock) {
+Solved SolveForBudget(const PlanningProblem& problem, int64_t budget, const PlanOptions& options, StageClock& clock) {
   const Model& model = *problem.model;
   Solved out{Assignment::Annotated(problem), {}, {}};
   const size_t pp = problem.tensors.size();
@@ -64,12 +64,12 @@ Solved Solve(const PlanningProblem& problem, int64_t budget, const PlanOptions& 
     for (size_t r = 0; r < pp; ++r) b[r] = budget - problem.statics[r].total - margin[r];
     return b;
   };
-  std::vector<SolveResult> results = planner::Solve(problem, budgets(), options.solver, &out.assignment);
+  std::vector<SolveResult> results = Solve(problem, budgets(), options.solver, &out.assignment);
   clock.Mark("solve");
   if (model.options.pp_balance && pp > 1) {
     out.rebalance = Rebalance(problem, budget, &out.assignment);
     clock.Mark("rebalance");
-    if (out.rebalance.moved_tensors > 0) results = planner::Solve(problem, budgets(), options.solver, &out.assignment);
+    if (out.rebalance.moved_tensors > 0) results = Solve(problem, budgets(), options.solver, &out.assignment);
     clock.Mark("re-solve");
   }
   // Fragmentation: where the placed peak exceeds the budget although the
@@ -89,7 +89,7 @@ Solved Solve(const PlanningProblem& problem, int64_t budget, const PlanOptions& 
       }
     }
     if (!any) break;
-    results = planner::Solve(problem, budgets(), options.solver, &out.assignment);
+    results = Solve(problem, budgets(), options.solver, &out.assignment);
     Evaluation next = Evaluate(problem, out.assignment, false, &out.eval, &redo);
     out.eval = std::move(next);
     clock.Mark("fragmentation");
@@ -170,7 +170,7 @@ Plan BuildPlanOrThrow(const Model& input, const PlanOptions& options) {
 
   std::vector<int64_t> keep_all = LowerBounds(problem, Assignment::KeepAll(problem));
   clock.Mark("keep-all");
-  Solved solved = Solve(problem, model.budget, options, clock);
+  Solved solved = SolveForBudget(problem, model.budget, options, clock);
   const Evaluation& e = solved.eval;
   plan.rebalance = solved.rebalance;
   {
@@ -277,7 +277,7 @@ Plan BuildPlanOrThrow(const Model& input, const PlanOptions& options) {
     for (int k = 0; k < n; ++k) {
       int64_t budget = hi - static_cast<int64_t>(static_cast<double>(hi - lo) * k / (n - 1));
       StageClock silent(PlanOptions{});
-      Solved s = Solve(problem, budget, quiet, silent);
+      Solved s = SolveForBudget(problem, budget, quiet, silent);
       SweepPoint pt;
       pt.budget = budget;
       pt.fits = true;
