@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <unordered_map>
 
 #include "memplan/common/best_fit_heap.h"
 #include "memplan/common/units.h"
@@ -14,42 +15,27 @@ struct Placed {
   size_t interval;  // index into intervals, or SIZE_MAX for a transient
 };
 
-// Places `rank`'s buffers in step order: at each step, buffers that ended at
-// the previous step are freed, then the step's new intervals are allocated
-// (in interval order), then the op's transient. Returns the high-water mark.
+// Places `rank`'s memory program (ProgramWalker: the order the runtime
+// follows) with the deterministic best-fit heap. Returns the high-water mark.
 int64_t Place(const PlanningProblem& p, int32_t rank, const std::vector<Interval>& ivs,
               const std::vector<size_t>& mine, std::vector<Placed>* placed) {
-  const RankTimeline& tl = p.timelines[static_cast<size_t>(rank)];
-  // Allocation order: by first step (stable: interval order); frees: by last.
-  std::vector<size_t> by_first = mine;
-  std::stable_sort(by_first.begin(), by_first.end(), [&](size_t x, size_t y) { return ivs[x].first < ivs[y].first; });
   BestFitHeap heap;
-  size_t next = 0;
-  // Frees due at the end of a step are kept in a min-heap on the step.
-  std::vector<std::pair<int64_t, int64_t>> pending;
-  auto later = [](const std::pair<int64_t, int64_t>& x, const std::pair<int64_t, int64_t>& y) { return x > y; };
-  for (int64_t s = 0; s < tl.steps; ++s) {
-    for (; next < by_first.size() && ivs[by_first[next]].first == s; ++next) {
-      size_t k = by_first[next];
-      int64_t off = heap.Allocate(ivs[k].bytes);
-      pending.emplace_back(ivs[k].last, off);
-      std::push_heap(pending.begin(), pending.end(), later);
-      if (placed) placed->push_back({ivs[k].first, ivs[k].last, off, heap.AlignedSize(ivs[k].bytes), k});
-    }
-    int64_t tr = tl.transient[static_cast<size_t>(s)];
-    if (tr > 0) {
+  ProgramWalker walk(p, rank, ivs, mine);
+  // Offsets of live buffers, keyed by (last step, allocation sequence).
+  std::unordered_map<int64_t, std::vector<int64_t>> offsets_by_last;
+  while (walk.Next()) {
+    for (const ProgramBuffer& b : walk.allocations()) {
+      int64_t off = heap.Allocate(b.bytes);
+      offsets_by_last[b.last].push_back(off);
       if (placed) {
-        int64_t off = heap.Allocate(tr);
-        placed->push_back({s, s, off, heap.AlignedSize(tr), SIZE_MAX});
-        heap.Free(off);
-      } else {
-        heap.AllocateAndFree(tr);
+        placed->push_back({b.first, b.last, off, heap.AlignedSize(b.bytes),
+                           b.interval >= 0 ? static_cast<size_t>(b.interval) : SIZE_MAX});
       }
     }
-    while (!pending.empty() && pending.front().first == s) {
-      std::pop_heap(pending.begin(), pending.end(), later);
-      heap.Free(pending.back().second);
-      pending.pop_back();
+    if (!walk.frees().empty()) {
+      auto it = offsets_by_last.find(walk.step());
+      for (int64_t off : it->second) heap.Free(off);
+      offsets_by_last.erase(it);
     }
   }
   return heap.high_water();
@@ -165,7 +151,7 @@ Evaluation Evaluate(const PlanningProblem& p, const Assignment& a, bool verify, 
           }
           return need > hi;
         };
-        if (!covers(in.prod, in.prod) || !covers(in.b_first, in.b_last)) {
+        if (!covers(in.prod, in.f_last) || !covers(in.b_first, in.b_last)) {
           e.verify_errors.push_back("pp rank " + std::to_string(r) + ": " +
                                     p.tensors[static_cast<size_t>(r)][static_cast<size_t>(in.tensor)].name + "@mb" +
                                     std::to_string(in.microbatch) + " is not resident when it is used");

@@ -85,37 +85,42 @@ Storage Fallback(const SavedTensor& t, Storage s, int64_t pp) {
   return s;
 }
 
+bool IsFloat(DType d) { return d == DType::kBF16 || d == DType::kFP16 || d == DType::kFP32; }
+
 struct LayerInfo {
   std::vector<double> fwd_s, bwd_s;             // per op, topological order
-  std::vector<int64_t> fwd_trans, bwd_trans;    // per op, topological order
   std::vector<int32_t> saved;                   // graph indices of saved tensors
   std::vector<int64_t> prod_pos;                // per saved tensor
+  std::vector<int32_t> prod;                    // per tensor: producer's topo position, -1 when not local
+  std::vector<int32_t> last_use;                // per tensor: last local consumer's topo position, -1 when none
+  std::vector<int32_t> export_to;               // per tensor: the next layer's tensor it becomes, or -1
+  std::vector<int32_t> import_from;             // per tensor: the previous layer's tensor it is, or -1
   std::unordered_map<std::string_view, int32_t> op_pos;      // op name -> topo position
   std::unordered_map<std::string_view, int32_t> tensor_idx;  // tensor name -> index
   double fwd_total = 0, bwd_total = 0;
 };
 
-LayerInfo Analyze(const LayerGraph& g, const Hardware& hw) {
+LayerInfo Analyze(const LayerGraph& g, const Hardware* hw) {
   LayerInfo info;
   const auto& order = g.TopologicalOrder();
   for (size_t i = 0; i < g.tensors.size(); ++i) info.tensor_idx.emplace(g.tensors[i].name, static_cast<int32_t>(i));
+  info.prod.assign(g.tensors.size(), -1);
+  info.last_use.assign(g.tensors.size(), -1);
+  info.export_to.assign(g.tensors.size(), -1);
+  info.import_from.assign(g.tensors.size(), -1);
   for (size_t pos = 0; pos < order.size(); ++pos) {
     const OpSpec& op = g.ops[order[pos]];
     info.op_pos.emplace(op.name, static_cast<int32_t>(pos));
-    double f = Roofline(hw, op.flops, static_cast<double>(op.bytes_read + op.bytes_written));
+    double f = hw ? Roofline(*hw, op.flops, static_cast<double>(op.bytes_read + op.bytes_written)) : 0;
     info.fwd_s.push_back(f);
     info.bwd_s.push_back(2 * f);
     info.fwd_total += f;
     info.bwd_total += 2 * f;
-    int64_t ft = op.workspace_bytes;
-    for (const auto& out : op.outputs) {
-      const TensorSpec& t = g.tensors[static_cast<size_t>(info.tensor_idx.at(out))];
-      if (!t.saved) ft += t.bytes;
+    for (const auto& out : op.outputs) info.prod[static_cast<size_t>(info.tensor_idx.at(out))] = static_cast<int32_t>(pos);
+    for (const auto& in : op.inputs) {
+      auto& u = info.last_use[static_cast<size_t>(info.tensor_idx.at(in))];
+      u = std::max(u, static_cast<int32_t>(pos));
     }
-    int64_t bt = op.workspace_bytes;
-    for (const auto& in : op.inputs) bt += g.tensors[static_cast<size_t>(info.tensor_idx.at(in))].bytes;
-    info.fwd_trans.push_back(ft);
-    info.bwd_trans.push_back(bt);
   }
   for (size_t i = 0; i < g.tensors.size(); ++i) {
     const TensorSpec& t = g.tensors[i];
@@ -125,6 +130,133 @@ LayerInfo Analyze(const LayerGraph& g, const Hardware& hw) {
     info.prod_pos.push_back(it == info.op_pos.end() ? -1 : it->second);
   }
   return info;
+}
+
+// Links each layer's inputs produced by the previous layer to the tensor
+// that op writes there (the residual stream crossing layers).
+void LinkLayers(const std::vector<LayerGraph>& layers, std::vector<LayerInfo>* info) {
+  for (size_t l = 1; l < layers.size(); ++l) {
+    const LayerGraph& g = layers[l];
+    const LayerGraph& prev = layers[l - 1];
+    LayerInfo& li = (*info)[l];
+    LayerInfo& pi = (*info)[l - 1];
+    for (size_t t = 0; t < g.tensors.size(); ++t) {
+      if (li.prod[t] >= 0 || g.tensors[t].producer.empty()) continue;
+      auto op = pi.op_pos.find(g.tensors[t].producer);
+      if (op == pi.op_pos.end()) continue;
+      const OpSpec& o = prev.ops[prev.TopologicalOrder()[static_cast<size_t>(op->second)]];
+      int32_t src = -1;
+      for (const auto& out : o.outputs) {
+        int32_t k = pi.tensor_idx.at(out);
+        if (prev.tensors[static_cast<size_t>(k)].bytes == g.tensors[t].bytes && pi.export_to[static_cast<size_t>(k)] < 0) {
+          src = k;
+          break;
+        }
+      }
+      if (src < 0) continue;
+      pi.export_to[static_cast<size_t>(src)] = static_cast<int32_t>(t);
+      li.import_from[t] = src;
+    }
+  }
+}
+
+LayerBuffers MakeLayerBuffers(const LayerGraph& g, const std::vector<LayerInfo>& info, size_t l) {
+  using B = BlockBuffer;
+  const LayerInfo& li = info[l];
+  LayerBuffers lb;
+  const int32_t n = static_cast<int32_t>(g.ops.size());
+  lb.ops = n;
+  auto push = [](std::vector<B>* v, B::Role role, B::When when, int32_t tensor, int32_t op, int32_t first,
+                 int32_t last, int64_t bytes, int32_t next_last = -1) {
+    if (bytes <= 0) return;
+    B b;
+    b.role = role;
+    b.when = when;
+    b.tensor = tensor;
+    b.op = op;
+    b.first = first;
+    b.last = std::max(first, last);
+    b.next_last = next_last;
+    b.bytes = bytes;
+    v->push_back(b);
+  };
+  // Forward: values that are not saved, from their producer to their last
+  // consumer; the layer's output, until the next block of the pass is done
+  // with it (or, when that block saves it, written into the saved instance).
+  for (size_t t = 0; t < g.tensors.size(); ++t) {
+    const TensorSpec& ts = g.tensors[t];
+    if (ts.saved) continue;
+    int32_t ti = static_cast<int32_t>(t);
+    int32_t prod = li.prod[t];
+    int32_t use = li.last_use[t];
+    if (prod >= 0) {
+      int32_t exp = li.export_to[t];
+      if (exp >= 0) {
+        const LayerInfo& ni = info[l + 1];
+        bool next_saved = ni.saved.end() != std::find(ni.saved.begin(), ni.saved.end(), exp);
+        if (!next_saved) {
+          push(&lb.forward, B::Role::kValue, B::When::kNextInPass, ti, prod, prod, n - 1, ts.bytes,
+               std::max(0, ni.last_use[static_cast<size_t>(exp)]));
+        }
+        push(&lb.forward, B::Role::kValue, B::When::kNextNotInPass, ti, prod, prod, n - 1, ts.bytes);
+      } else {
+        push(&lb.forward, B::Role::kValue, B::When::kAlways, ti, prod, prod, use, ts.bytes);
+      }
+    } else if (li.import_from[t] >= 0) {
+      push(&lb.forward, B::Role::kValue, B::When::kPrevNotInPass, ti, -1, 0, use, ts.bytes);
+    } else {
+      push(&lb.forward, B::Role::kValue, B::When::kAlways, ti, -1, 0, use, ts.bytes);
+    }
+  }
+  // Backward: local step j runs the backward of the op at position n-1-j.
+  auto bstep = [n](int32_t pos) { return n - 1 - pos; };
+  for (size_t t = 0; t < g.tensors.size(); ++t) {
+    const TensorSpec& ts = g.tensors[t];
+    if (!IsFloat(ts.dtype)) continue;
+    int32_t ti = static_cast<int32_t>(t);
+    int32_t prod = li.prod[t];
+    int32_t use = li.last_use[t];
+    if (prod >= 0) {
+      if (li.export_to[t] >= 0) {
+        // Received from the next layer's backward on another pass or rank;
+        // within the pass, that block's buffer spills into this one.
+        push(&lb.backward, B::Role::kGrad, B::When::kPrevNotInPass, ti, prod, 0, bstep(prod), ts.bytes);
+      } else if (use >= 0) {
+        push(&lb.backward, B::Role::kGrad, B::When::kAlways, ti, prod, bstep(use), bstep(prod), ts.bytes);
+      }
+    } else if (use >= 0 && li.import_from[t] >= 0) {
+      const LayerInfo& pi = info[l - 1];
+      int32_t src_prod = pi.prod[static_cast<size_t>(li.import_from[t])];
+      int32_t prev_n = static_cast<int32_t>(pi.fwd_s.size());
+      push(&lb.backward, B::Role::kGrad, B::When::kNextInPass, ti, -1, bstep(use), n - 1, ts.bytes,
+           prev_n - 1 - src_prod);
+      push(&lb.backward, B::Role::kGrad, B::When::kNextNotInPass, ti, -1, bstep(use), n - 1, ts.bytes);
+    }
+  }
+  const auto& order = g.TopologicalOrder();
+  std::vector<int32_t> need_first(g.tensors.size(), -1), need_last(g.tensors.size(), -1);
+  for (int32_t pos = 0; pos < n; ++pos) {
+    const OpSpec& op = g.ops[order[static_cast<size_t>(pos)]];
+    if (op.workspace_bytes > 0) {
+      push(&lb.backward, B::Role::kWorkspace, B::When::kAlways, -1, pos, bstep(pos), bstep(pos), op.workspace_bytes);
+    }
+    for (int32_t t : BackwardReads(g, op)) {
+      if (g.tensors[static_cast<size_t>(t)].saved || li.prod[static_cast<size_t>(t)] < 0) continue;
+      // Backward runs from the last op down: the first reader is the highest position.
+      auto& f = need_first[static_cast<size_t>(t)];
+      f = f < 0 ? bstep(pos) : std::min(f, bstep(pos));
+      need_last[static_cast<size_t>(t)] = std::max(need_last[static_cast<size_t>(t)], bstep(pos));
+    }
+  }
+  for (size_t t = 0; t < g.tensors.size(); ++t) {
+    if (need_first[t] < 0) continue;
+    push(&lb.backward, B::Role::kRebuilt, B::When::kAlways, static_cast<int32_t>(t), li.prod[t], need_first[t],
+         need_last[t], g.tensors[t].bytes);
+  }
+  auto by_first = [](const B& a, const B& b) { return a.first < b.first; };
+  std::stable_sort(lb.forward.begin(), lb.forward.end(), by_first);
+  std::stable_sort(lb.backward.begin(), lb.backward.end(), by_first);
+  return lb;
 }
 
 // The producer chain that re-materializes `tensor` of layer `layer` from
@@ -154,21 +286,9 @@ void AddToChain(const std::vector<LayerGraph>& layers, const std::vector<LayerIn
   if (!root && t.saved) return;  // available
   auto pi = li.op_pos.find(t.producer);
   if (pi == li.op_pos.end()) {
-    // Produced by the previous layer: only reachable inside this chunk.
-    if (t.producer.empty() || layer - 1 < chunk_first) {
-      c->legal = false;
-      return;
-    }
-    const LayerInfo& prev = info[static_cast<size_t>(layer - 1)];
-    auto op = prev.op_pos.find(t.producer);
-    if (op == prev.op_pos.end()) {
-      c->legal = false;
-      return;
-    }
-    const OpSpec& o = layers[static_cast<size_t>(layer - 1)].ops[layers[static_cast<size_t>(layer - 1)].TopologicalOrder()[static_cast<size_t>(op->second)]];
-    c->seconds += prev.fwd_s[static_cast<size_t>(op->second)];
-    if (!root) c->extra_bytes += t.bytes;
-    for (const auto& in : o.inputs) AddToChain(layers, info, chunk_first, layer - 1, in, false, c, depth + 1);
+    // Produced by another layer: the chain would read that layer's saved
+    // tensors, whose own storage may not leave them resident here.
+    c->legal = false;
     return;
   }
   const OpSpec& o = g.ops[g.TopologicalOrder()[static_cast<size_t>(pi->second)]];
@@ -211,7 +331,9 @@ PlanningProblem BuildProblem(const Model& model, std::vector<LayerGraph> layers)
 
   std::vector<LayerInfo> info;
   info.reserve(p.layers.size());
-  for (const auto& g : p.layers) info.push_back(Analyze(g, hw));
+  for (const auto& g : p.layers) info.push_back(Analyze(g, &hw));
+  LinkLayers(p.layers, &info);
+  for (size_t l = 0; l < p.layers.size(); ++l) p.layer_buffers.push_back(MakeLayerBuffers(p.layers[l], info, l));
 
   // --- Saved tensors per rank ------------------------------------------------
   p.tensors.resize(static_cast<size_t>(pp));
@@ -333,14 +455,22 @@ PlanningProblem BuildProblem(const Model& model, std::vector<LayerGraph> layers)
       const PassRef& pr = sched[pi];
       const auto& chunk = p.layout.chunks[static_cast<size_t>(r)][static_cast<size_t>(pr.chunk)];
       double now = pass_start[static_cast<size_t>(r)][pi];
-      auto visit = [&](int64_t layer) {
+      auto visit = [&](size_t j) {
+        int64_t layer = pr.forward ? chunk[j] : chunk[chunk.size() - 1 - j];
         const LayerInfo& li = info[static_cast<size_t>(layer)];
         int64_t block_first = tl.steps;
+        Block blk;
+        blk.first = block_first;
+        blk.layer = layer;
+        blk.microbatch = pr.microbatch;
+        blk.forward = pr.forward;
+        blk.prev_in_pass = j > 0;
+        blk.next_in_pass = j + 1 < chunk.size();
+        tl.blocks.push_back(blk);
         size_t n = li.fwd_s.size();
         for (size_t k = 0; k < n; ++k) {
           size_t pos = pr.forward ? k : n - 1 - k;
           double dur = pr.forward ? li.fwd_s[pos] : li.bwd_s[pos];
-          tl.transient.push_back(pr.forward ? li.fwd_trans[pos] : li.bwd_trans[pos]);
           tl.start_s.push_back(now);
           now += dur;
           tl.end_s.push_back(now);
@@ -352,8 +482,31 @@ PlanningProblem BuildProblem(const Model& model, std::vector<LayerGraph> layers)
         int32_t base = bases.empty() ? 0 : bases.front();
         for (size_t k = 0; k < li.saved.size(); ++k) {
           Instance& in = insts[(static_cast<size_t>(base) + k) * static_cast<size_t>(mbs) + static_cast<size_t>(pr.microbatch)];
+          size_t gi = static_cast<size_t>(li.saved[k]);
           if (pr.forward) {
             in.prod = block_first + std::max<int64_t>(0, li.prod_pos[k]);
+            int32_t src = li.import_from[gi];
+            if (li.prod_pos[k] < 0 && src >= 0 && blk.prev_in_pass) {
+              // Written straight into this instance by the previous layer's
+              // last op, unless that layer saves the value itself (then it is
+              // copied at this block's first step).
+              const LayerInfo& prev = info[static_cast<size_t>(layer - 1)];
+              bool src_saved = p.layers[static_cast<size_t>(layer - 1)].tensors[static_cast<size_t>(src)].saved;
+              if (!src_saved) in.prod = prev_block_first + prev.prod[static_cast<size_t>(src)];
+            }
+            in.f_last = in.prod;
+            if (li.last_use[gi] >= 0) in.f_last = std::max(in.f_last, block_first + li.last_use[gi]);
+            int32_t exp = li.export_to[gi];
+            if (exp >= 0) {
+              int64_t next_first = block_first + static_cast<int64_t>(n);
+              if (blk.next_in_pass) {
+                const LayerInfo& ni = info[static_cast<size_t>(layer + 1)];
+                bool exp_saved = p.layers[static_cast<size_t>(layer + 1)].tensors[static_cast<size_t>(exp)].saved;
+                in.f_last = std::max(in.f_last, next_first + (exp_saved ? 0 : std::max(0, ni.last_use[static_cast<size_t>(exp)])));
+              } else {
+                in.f_last = std::max(in.f_last, next_first - 1);  // sent at the end of the pass
+              }
+            }
           } else {
             in.b_first = block_first;
             in.b_last = tl.steps - 1;
@@ -362,12 +515,23 @@ PlanningProblem BuildProblem(const Model& model, std::vector<LayerGraph> layers)
         }
         prev_block_first = block_first;
       };
-      if (pr.forward) {
-        for (int64_t layer : chunk) visit(layer);
-      } else {
-        for (auto it = chunk.rbegin(); it != chunk.rend(); ++it) visit(*it);
+      for (size_t j = 0; j < chunk.size(); ++j) visit(j);
+    }
+    // Block buffers per step.
+    std::vector<int64_t> diff(static_cast<size_t>(tl.steps) + 1, 0);
+    for (const Block& blk : tl.blocks) {
+      const LayerBuffers& lb = p.layer_buffers[static_cast<size_t>(blk.layer)];
+      for (const BlockBuffer& b : blk.forward ? lb.forward : lb.backward) {
+        int64_t first = 0, last = 0;
+        if (!BlockBufferSteps(blk, lb, b, &first, &last)) continue;
+        MEMPLAN_CHECK(last < tl.steps, "block buffer outlives the timeline");
+        diff[static_cast<size_t>(first)] += b.bytes;
+        diff[static_cast<size_t>(last) + 1] -= b.bytes;
       }
     }
+    tl.transient.resize(static_cast<size_t>(tl.steps));
+    int64_t run = 0;
+    for (size_t st = 0; st < tl.transient.size(); ++st) tl.transient[st] = run += diff[st];
     for (auto& in : insts) {
       in.prod_end_s = tl.end_s[static_cast<size_t>(in.prod)];
       in.pf_start_s = tl.start_s[static_cast<size_t>(in.pf_start)];
@@ -428,10 +592,11 @@ namespace {
 
 int64_t MovedBytes(const SavedTensor& t, Storage s) { return IsFp8(s) ? t.fp8_bytes : t.bytes; }
 
-void Emit(std::vector<Interval>* out, int32_t rank, int64_t first, int64_t last, int64_t bytes, int32_t owner,
-          int32_t inst) {
+void Emit(std::vector<Interval>* out, IntervalPart part, int32_t rank, int64_t first, int64_t last, int64_t bytes,
+          int32_t owner, int32_t inst) {
   if (first > last || bytes <= 0) return;
   Interval iv;
+  iv.part = part;
   iv.rank = rank;
   iv.first = first;
   iv.last = last;
@@ -445,44 +610,48 @@ void Emit(std::vector<Interval>* out, int32_t rank, int64_t first, int64_t last,
 // prefetch arrives (both only for offloads).
 void EmitInstance(const PlanningProblem& p, int32_t rank, int32_t index, Storage s, int32_t target, double done_s,
                   double arrive_s, std::vector<Interval>* out) {
+  using P = IntervalPart;
   const Instance& in = p.instances[static_cast<size_t>(rank)][static_cast<size_t>(index)];
   const SavedTensor& t = p.tensors[static_cast<size_t>(rank)][static_cast<size_t>(in.tensor)];
   const RankTimeline& tl = p.timelines[static_cast<size_t>(rank)];
   switch (s) {
     case Storage::kKeep:
-      Emit(out, rank, in.prod, in.b_last, t.bytes, rank, index);
+      Emit(out, P::kFull, rank, in.prod, in.b_last, t.bytes, rank, index);
       return;
     case Storage::kRecompute:
-      Emit(out, rank, in.prod, in.prod, t.bytes, rank, index);
-      Emit(out, rank, in.b_first, in.b_last, t.bytes, rank, index);
-      Emit(out, rank, in.b_first, in.b_first, t.recompute_extra_bytes, rank, index);
+      Emit(out, P::kFull, rank, in.prod, in.f_last, t.bytes, rank, index);
+      Emit(out, P::kRestored, rank, in.b_first, in.b_last, t.bytes, rank, index);
+      Emit(out, P::kExtra, rank, in.b_first, in.b_first, t.recompute_extra_bytes, rank, index);
       return;
     case Storage::kFp8:
-      Emit(out, rank, in.prod, in.prod, t.bytes, rank, index);
-      Emit(out, rank, in.prod, in.b_first, t.fp8_bytes, rank, index);
-      Emit(out, rank, in.b_first, in.b_last, t.bytes, rank, index);
+      Emit(out, P::kFull, rank, in.prod, in.f_last, t.bytes, rank, index);
+      Emit(out, P::kCompact, rank, in.prod, in.b_first, t.fp8_bytes, rank, index);
+      Emit(out, P::kRestored, rank, in.b_first, in.b_last, t.bytes, rank, index);
       return;
     default:
       break;
   }
   bool fp8 = IsFp8(s);
   int64_t moved = MovedBytes(t, s);
+  // The device copy goes once the copy-out is over and, without FP8, once
+  // the forward consumers have read it.
   int64_t done = std::max(in.prod, StepAt(tl, done_s));
-  if (fp8) Emit(out, rank, in.prod, in.prod, t.bytes, rank, index);
+  if (!fp8) done = std::max(done, in.f_last);
+  if (fp8) Emit(out, P::kFull, rank, in.prod, in.f_last, t.bytes, rank, index);
   if (done >= in.pf_start) {
     // The copy-out does not finish before the prefetch would start: the
     // instance stays resident (the verifier flags it).
-    Emit(out, rank, in.prod, fp8 ? in.b_first : in.b_last, moved, rank, index);
+    Emit(out, fp8 ? P::kCompact : P::kFull, rank, in.prod, fp8 ? in.b_first : in.b_last, moved, rank, index);
     (*out)[out->size() - 1].transfer_late = true;
   } else {
-    Emit(out, rank, in.prod, done, moved, rank, index);
-    Emit(out, rank, in.pf_start, fp8 ? in.b_first : in.b_last, moved, rank, index);
+    Emit(out, P::kMovedOut, rank, in.prod, done, moved, rank, index);
+    Emit(out, P::kFetched, rank, in.pf_start, fp8 ? in.b_first : in.b_last, moved, rank, index);
     if (IsRemote(s) && target >= 0) {
       const RankTimeline& tt = p.timelines[static_cast<size_t>(target)];
-      Emit(out, target, StepAt(tt, done_s), StepAt(tt, arrive_s), moved, rank, index);
+      Emit(out, P::kLanded, target, StepAt(tt, done_s), StepAt(tt, arrive_s), moved, rank, index);
     }
   }
-  if (fp8) Emit(out, rank, in.b_first, in.b_last, t.bytes, rank, index);
+  if (fp8) Emit(out, P::kRestored, rank, in.b_first, in.b_last, t.bytes, rank, index);
 }
 
 }  // namespace
@@ -586,8 +755,10 @@ std::vector<std::vector<int64_t>> AnyPlanProfiles(const PlanningProblem& p) {
     for (size_t i = 0; i < p.instances[r].size(); ++i) {
       const Instance& in = p.instances[r][i];
       int64_t bytes = p.tensors[r][static_cast<size_t>(in.tensor)].bytes;
-      Emit(&ivs, static_cast<int32_t>(r), in.prod, in.prod, bytes, static_cast<int32_t>(r), static_cast<int32_t>(i));
-      Emit(&ivs, static_cast<int32_t>(r), in.b_first, in.b_last, bytes, static_cast<int32_t>(r), static_cast<int32_t>(i));
+      Emit(&ivs, IntervalPart::kFull, static_cast<int32_t>(r), in.prod, in.f_last, bytes, static_cast<int32_t>(r),
+           static_cast<int32_t>(i));
+      Emit(&ivs, IntervalPart::kRestored, static_cast<int32_t>(r), in.b_first, in.b_last, bytes,
+           static_cast<int32_t>(r), static_cast<int32_t>(i));
     }
   }
   return Profiles(p, ivs);
@@ -649,6 +820,130 @@ double InstanceCost(const PlanningProblem& p, int32_t rank, int32_t index, Stora
     }
   }
   return cost;
+}
+
+
+std::vector<int32_t> BackwardReads(const LayerGraph& g, const OpSpec& op) {
+  auto idx = [&](const std::string& name) {
+    for (size_t i = 0; i < g.tensors.size(); ++i) {
+      if (g.tensors[i].name == name) return static_cast<int32_t>(i);
+    }
+    return -1;
+  };
+  std::vector<int32_t> r;
+  auto in = [&](size_t k) {
+    if (k < op.inputs.size()) r.push_back(idx(op.inputs[k]));
+  };
+  auto out = [&](size_t k) {
+    if (k < op.outputs.size()) r.push_back(idx(op.outputs[k]));
+  };
+  const std::string& k = op.kind;
+  if (k == "linear" || k == "layernorm" || k == "rmsnorm" || k == "gelu" || k == "swiglu" || k == "embedding" ||
+      k == "grouped_gemm") {
+    in(0);
+  } else if (k == "batched_gemm" || k == "attn_res_mix") {
+    in(0), in(1);
+  } else if (k == "softmax" || k == "sigmoid") {
+    out(0);
+  } else if (k == "dropout") {
+    out(1);
+  } else if (k == "cross_entropy") {
+    out(0), in(1);
+  } else if (k == "flash_attention") {
+    in(0), in(1), in(2), out(0), out(1);
+  } else if (k == "topk") {
+    in(0), out(0), out(1);
+  } else if (k == "dispatch") {
+    in(1);
+  } else if (k == "combine") {
+    // The native router gradient <dO, Y> needs the expert output; the
+    // rewrite (expert output not saved) does not.
+    int32_t y = idx(op.inputs[0]);
+    if (y >= 0 && g.tensors[static_cast<size_t>(y)].saved) r.push_back(y);
+    in(1), in(2);
+  } else if (k == "attn_res_softmax") {
+    in(0), out(0);
+  }
+  r.erase(std::remove(r.begin(), r.end(), -1), r.end());
+  return r;
+}
+
+std::vector<LayerBuffers> BuildLayerBuffers(const std::vector<LayerGraph>& layers) {
+  std::vector<LayerInfo> info;
+  info.reserve(layers.size());
+  for (const auto& g : layers) info.push_back(Analyze(g, nullptr));
+  LinkLayers(layers, &info);
+  std::vector<LayerBuffers> out;
+  for (size_t l = 0; l < layers.size(); ++l) out.push_back(MakeLayerBuffers(layers[l], info, l));
+  return out;
+}
+
+bool BlockBufferSteps(const Block& block, const LayerBuffers& lb, const BlockBuffer& b, int64_t* first, int64_t* last) {
+  using W = BlockBuffer::When;
+  switch (b.when) {
+    case W::kAlways: break;
+    case W::kPrevInPass: if (!block.prev_in_pass) return false; break;
+    case W::kPrevNotInPass: if (block.prev_in_pass) return false; break;
+    case W::kNextInPass: if (!block.next_in_pass) return false; break;
+    case W::kNextNotInPass: if (block.next_in_pass) return false; break;
+  }
+  *first = block.first + b.first;
+  *last = b.when == W::kNextInPass ? block.first + lb.ops + b.next_last : block.first + b.last;
+  return true;
+}
+
+ProgramWalker::ProgramWalker(const PlanningProblem& p, int32_t rank, const std::vector<Interval>& intervals,
+                             std::vector<size_t> mine)
+    : p_(p), tl_(p.timelines[static_cast<size_t>(rank)]), ivs_(intervals), mine_(std::move(mine)) {
+  std::stable_sort(mine_.begin(), mine_.end(), [&](size_t x, size_t y) { return ivs_[x].first < ivs_[y].first; });
+}
+
+bool ProgramWalker::Next() {
+  using Entry = std::pair<std::pair<int64_t, int64_t>, ProgramBuffer>;
+  auto later = [](const Entry& a, const Entry& b) { return a.first > b.first; };
+  if (step_ + 1 >= tl_.steps) return false;
+  ++step_;
+  allocs_.clear();
+  frees_.clear();
+  auto go_live = [&](const ProgramBuffer& b) {
+    allocs_.push_back(b);
+    live_.push_back({{b.last, seq_++}, b});
+    std::push_heap(live_.begin(), live_.end(), later);
+  };
+  for (; next_interval_ < mine_.size() && ivs_[mine_[next_interval_]].first == step_; ++next_interval_) {
+    const Interval& iv = ivs_[mine_[next_interval_]];
+    ProgramBuffer b;
+    b.first = iv.first;
+    b.last = iv.last;
+    b.bytes = iv.bytes;
+    b.interval = static_cast<int64_t>(mine_[next_interval_]);
+    go_live(b);
+  }
+  for (; next_block_ < tl_.blocks.size() && tl_.blocks[next_block_].first == step_; ++next_block_) {
+    const Block& blk = tl_.blocks[next_block_];
+    const LayerBuffers& lb = p_.layer_buffers[static_cast<size_t>(blk.layer)];
+    const auto& list = blk.forward ? lb.forward : lb.backward;
+    for (size_t k = 0; k < list.size(); ++k) {
+      ProgramBuffer b;
+      if (!BlockBufferSteps(blk, lb, list[k], &b.first, &b.last)) continue;
+      b.bytes = list[k].bytes;
+      b.block = static_cast<int32_t>(next_block_);
+      b.buffer = static_cast<int32_t>(k);
+      pending_.push_back({{b.first, seq_++}, b});
+      std::push_heap(pending_.begin(), pending_.end(), later);
+    }
+  }
+  while (!pending_.empty() && pending_.front().first.first == step_) {
+    std::pop_heap(pending_.begin(), pending_.end(), later);
+    go_live(pending_.back().second);
+    pending_.pop_back();
+  }
+  while (!live_.empty() && live_.front().first.first == step_) {
+    std::pop_heap(live_.begin(), live_.end(), later);
+    frees_.push_back(live_.back().second);
+    live_.pop_back();
+  }
+  return true;
 }
 
 }  // namespace memplan::planner

@@ -197,8 +197,8 @@ std::string AddAttentionCore(Builder& B, const Dims& d, std::string_view module,
   std::string probs = B.Act(module, "softmax_out", prob_shape, true, "tp");
   B.Op(module, "softmax", "softmax", {scores}, {probs},
        5.0 * static_cast<double>(Product(prob_shape, "scores")));
-  // The fused attention backward's score gradients (Ops::AttentionBwd).
-  B.SetWorkspace(workspace::AttentionBwdBytes(d.b, heads_local, d.s, d.skv));
+  // Its backward's score gradients are the block buffers of d(scores) and
+  // d(softmax_out): no workspace beyond them.
   if (a.dropout) {
     std::string mask = B.Tensor(module, "attn_dropout_mask", prob_shape, DType::kU8, true, "tp");
     std::string dropped = B.Act(module, "probs", prob_shape, true, "tp");

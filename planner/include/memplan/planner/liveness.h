@@ -8,13 +8,26 @@
 //   interval  the inclusive step range during which some bytes of an
 //             instance occupy a rank's device memory. A kept instance has one
 //             interval [produced, end of its layer's backward]; an offloaded
-//             one has two (until the copy-out completes; from the per-layer
-//             prefetch on); an FP8 one holds its full size at quantize and
-//             dequantize and 1.03125 B/element in between; a recomputed one
-//             is re-materialized for its layer's backward.
-//   transient the per-step bytes of the op itself: outputs being produced
-//             that are not saved, workspace, and in backward the input
-//             gradients being produced.
+//             one has two (until the copy-out completes and its forward
+//             consumers ran; from the per-layer prefetch on); an FP8 one
+//             holds its full size until its last forward consumer and from
+//             its dequantization on, and 1.03125 B/element in between; a
+//             recomputed one is freed after its last forward consumer and
+//             re-materialized for its layer's backward.
+//   block     the steps of one layer in one pass (forward or backward) of
+//             one microbatch.
+//   block buffer  a buffer a block allocates for itself (BlockBuffer): in
+//             forward, every value that is not saved, from the op producing
+//             it to its last consumer; in backward, the gradient of every
+//             floating-point tensor, from the first op that writes it to the
+//             op that consumes it, each op's backward workspace, and values
+//             that are not saved but that a backward op needs (rebuilt by
+//             re-running their producer). The residual stream and its
+//             gradient cross blocks: a layer's output that the next layer
+//             of the same pass consumes is handed over (the buffer spills
+//             into the next block, or, when the next layer saves it, it is
+//             written straight into that saved instance).
+//   transient the bytes of block buffers live at a step.
 //
 // Time: every op takes its roofline time on the hardware (backward: twice the
 // forward); a pipeline simulation of the schedules (each pass waits for the
@@ -85,6 +98,7 @@ struct Instance {
   int32_t tensor = 0;  // index into the rank's tensors
   int32_t microbatch = 0;
   int64_t prod = 0;      // step that produces it
+  int64_t f_last = 0;    // last forward step that reads it (>= prod)
   int64_t b_first = 0;   // first step of its layer's backward
   int64_t b_last = 0;    // last step of its layer's backward
   int64_t pf_start = 0;  // step at which its layer's prefetch is issued
@@ -93,9 +107,55 @@ struct Instance {
   double need_s = 0;       // time its layer's backward starts
 };
 
+// One buffer of a block (see the glossary). Steps are local to the block,
+// in execution order (backward: step j runs the backward of the op at
+// topological position n - 1 - j).
+struct BlockBuffer {
+  enum class Role : uint8_t {
+    kValue,      // a forward value that is not saved
+    kGrad,       // the gradient of `tensor`
+    kWorkspace,  // the backward workspace of the op at topological position `op`
+    kRebuilt,    // a value that is not saved, re-made for backward by its producer `op`
+  };
+  // When the buffer exists, depending on the neighbouring blocks of the pass.
+  enum class When : uint8_t { kAlways, kPrevInPass, kPrevNotInPass, kNextInPass, kNextNotInPass };
+  Role role = Role::kValue;
+  When when = When::kAlways;
+  int32_t tensor = -1;  // index into the layer graph's tensors
+  int32_t op = -1;      // topological position of the op it belongs to
+  int32_t first = 0;    // local steps, inclusive
+  int32_t last = 0;
+  int32_t next_last = -1;  // kNextInPass: lasts until this local step of the next block
+  int64_t bytes = 0;
+};
+
+// The block buffers of one layer, for both passes, in allocation order.
+struct LayerBuffers {
+  int32_t ops = 0;  // steps per block
+  std::vector<BlockBuffer> forward, backward;
+};
+
+// Block buffers of every layer of `layers` (indexed like it).
+std::vector<LayerBuffers> BuildLayerBuffers(const std::vector<LayerGraph>& layers);
+
+// The tensors (by graph index) a backward op reads besides the gradients of
+// its outputs: these must be resident when it runs (saved, or rebuilt).
+std::vector<int32_t> BackwardReads(const LayerGraph& g, const OpSpec& op);
+
+// A block of a rank's timeline.
+struct Block {
+  int64_t first = 0;  // first step
+  int64_t layer = 0;
+  int32_t microbatch = 0;
+  bool forward = true;
+  bool prev_in_pass = false;  // the block before it runs the previous op of the same pass
+  bool next_in_pass = false;
+};
+
 struct RankTimeline {
   int64_t steps = 0;
-  std::vector<int64_t> transient;          // bytes per step
+  std::vector<Block> blocks;               // in step order
+  std::vector<int64_t> transient;          // block-buffer bytes per step
   std::vector<double> start_s, end_s;      // per step, pipeline time
   std::vector<int32_t> step_pass;          // index into the rank's schedule
   double compute_s = 0;                    // sum of op times
@@ -121,6 +181,7 @@ struct PlanningProblem {
   // Per rank, per tensor, per storage: InstanceCost summed over the tensor's
   // instances (the solvers' objective coefficients), computed once.
   std::vector<std::vector<std::array<double, kStorageCount>>> tensor_cost_s;
+  std::vector<LayerBuffers> layer_buffers;  // per global layer
 };
 
 // Host-offload capacity of a rank, so that copies hide behind compute: the
@@ -148,7 +209,19 @@ struct Assignment {
   static Assignment Annotated(const PlanningProblem& p);
 };
 
+// What an interval holds of its instance.
+enum class IntervalPart : uint8_t {
+  kFull,      // the tensor as produced, until its last use before backward (or all along when kept)
+  kCompact,   // the FP8 encoding
+  kMovedOut,  // the offloaded payload on the device until its copy-out is over
+  kFetched,   // the offloaded payload brought back by the prefetch
+  kRestored,  // the full tensor again, for its layer's backward (recompute, dequantize)
+  kExtra,     // the recompute chain's intermediates
+  kLanded,    // a remote offload's payload on its target rank
+};
+
 struct Interval {
+  IntervalPart part = IntervalPart::kFull;
   int32_t rank = 0;   // where the bytes live
   int64_t first = 0;  // inclusive steps of that rank
   int64_t last = 0;
@@ -182,6 +255,56 @@ int64_t StepAt(const RankTimeline& t, double s);
 
 // Per rank: live activation bytes per step (transients + intervals).
 std::vector<std::vector<int64_t>> Profiles(const PlanningProblem& p, const std::vector<Interval>& intervals);
+
+// Whether block buffer `b` of `layer_buffers` exists in `block`, and its
+// steps on the rank's timeline.
+bool BlockBufferSteps(const Block& block, const LayerBuffers& layer_buffers, const BlockBuffer& b, int64_t* first,
+                      int64_t* last);
+
+// One allocation of a rank's memory program.
+struct ProgramBuffer {
+  int64_t first = 0;  // steps of the rank, inclusive
+  int64_t last = 0;
+  int64_t bytes = 0;
+  int64_t interval = -1;  // index into the intervals, or -1 for a block buffer
+  int32_t block = -1;     // block buffers: index into the timeline's blocks
+  int32_t buffer = -1;    // and into that layer's forward or backward buffers
+};
+
+// A rank's memory program: the canonical order in which its buffers are
+// allocated and freed, which the planner's placement (bounds.h) and the
+// runtime's executor both follow, so that the same deterministic allocator
+// reaches the same bytes. At each step: first the intervals that start
+// there (in the order of `intervals`), then the block buffers that start
+// there (blocks in step order, each block's buffers in list order) are
+// allocated; the step's op runs; then every buffer whose last step it is is
+// freed (the order of frees does not change a best-fit heap's state).
+// O(log n) per buffer.
+class ProgramWalker {
+ public:
+  // `mine`: the indices of the intervals that live on `rank`.
+  ProgramWalker(const PlanningProblem& p, int32_t rank, const std::vector<Interval>& intervals,
+                std::vector<size_t> mine);
+  // Advances to the next step; false after the last one.
+  bool Next();
+  int64_t step() const { return step_; }
+  const std::vector<ProgramBuffer>& allocations() const { return allocs_; }
+  const std::vector<ProgramBuffer>& frees() const { return frees_; }
+
+ private:
+  const PlanningProblem& p_;
+  const RankTimeline& tl_;
+  const std::vector<Interval>& ivs_;
+  std::vector<size_t> mine_;  // sorted by first step (stable)
+  size_t next_interval_ = 0;
+  size_t next_block_ = 0;
+  int64_t step_ = -1;
+  int64_t seq_ = 0;
+  // Block buffers waiting for their first step, and live buffers waiting for
+  // their last: (step, sequence) min-heaps.
+  std::vector<std::pair<std::pair<int64_t, int64_t>, ProgramBuffer>> pending_, live_;
+  std::vector<ProgramBuffer> allocs_, frees_;
+};
 
 // Per rank: the any-plan profile, every instance at its smallest footprint
 // (resident only while produced and during its layer's backward).
