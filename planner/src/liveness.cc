@@ -87,6 +87,12 @@ Storage Fallback(const SavedTensor& t, Storage s, int64_t pp) {
 
 bool IsFloat(DType d) { return d == DType::kBF16 || d == DType::kFP16 || d == DType::kFP32; }
 
+}  // namespace
+
+bool GradAccumulates(std::string_view kind) { return kind == "add" || kind == "identity" || kind == "copy"; }
+
+namespace {
+
 struct LayerInfo {
   std::vector<double> fwd_s, bwd_s;             // per op, topological order
   std::vector<int32_t> saved;                   // graph indices of saved tensors
@@ -240,6 +246,20 @@ LayerBuffers MakeLayerBuffers(const LayerGraph& g, const std::vector<LayerInfo>&
     if (op.workspace_bytes > 0) {
       push(&lb.backward, B::Role::kWorkspace, B::When::kAlways, -1, pos, bstep(pos), bstep(pos), op.workspace_bytes);
     }
+    // An input gradient that an earlier backward (a later consumer, or the
+    // next layer) already wrote is summed: kernels that overwrite their
+    // input gradients write into a temporary first.
+    if (!GradAccumulates(op.kind)) {
+      for (const auto& in : op.inputs) {
+        size_t t = static_cast<size_t>(li.tensor_idx.at(in));
+        if (!IsFloat(g.tensors[t].dtype)) continue;
+        bool later_reader = li.last_use[t] > pos || li.export_to[t] >= 0;
+        if (later_reader) {
+          push(&lb.backward, B::Role::kGradTemp, B::When::kAlways, static_cast<int32_t>(t), pos, bstep(pos),
+               bstep(pos), g.tensors[t].bytes);
+        }
+      }
+    }
     for (int32_t t : BackwardReads(g, op)) {
       if (g.tensors[static_cast<size_t>(t)].saved || li.prod[static_cast<size_t>(t)] < 0) continue;
       // Backward runs from the last op down: the first reader is the highest position.
@@ -292,6 +312,14 @@ void AddToChain(const std::vector<LayerGraph>& layers, const std::vector<LayerIn
     return;
   }
   const OpSpec& o = g.ops[g.TopologicalOrder()[static_cast<size_t>(pi->second)]];
+  // Re-running an op writes all its outputs: the others must have a home
+  // (saved tensors, resident during the layer's backward).
+  for (const auto& out : o.outputs) {
+    if (out != tensor && !g.tensors[static_cast<size_t>(li.tensor_idx.at(out))].saved) {
+      c->legal = false;
+      return;
+    }
+  }
   c->seconds += li.fwd_s[static_cast<size_t>(pi->second)];
   if (!root) c->extra_bytes += t.bytes;
   if (o.inputs.empty()) return;

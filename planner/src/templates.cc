@@ -386,7 +386,10 @@ std::string AddMoe(Builder& B, const Dims& d, const std::string& x_in) {
   // With dispatch recompute, only the dispatch input is saved; the grouped
   // GEMM input is rebuilt in backward by re-running the dispatch.
   std::string fc1_in = B.Act("moe", "fc1_in", {routed, width}, !model.options.moe_recompute_dispatch, "ep");
-  B.Op("moe", "dispatch", "dispatch", {dispatch_in, idx}, {fc1_in}, 0);
+  // The routing map (which (token, slot) each sorted row holds; saved, the
+  // combine and the backward of both read it).
+  std::string slot_of = B.Tensor("moe", "slot_of", {d.tokens_r * m.top_k}, DType::kI32, true, d.shard_r);
+  B.Op("moe", "dispatch", "dispatch", {dispatch_in, idx}, {fc1_in, slot_of}, 0);
   int64_t fe = m.expert_ffn_hidden;
   int64_t fc1_width = glu ? 2 * fe : fe;
   int64_t w1 = B.Param("moe", "experts.fc1.weight", {m.experts, width, fc1_width}, ParamKind::kExpert, false);
@@ -400,7 +403,7 @@ std::string AddMoe(Builder& B, const Dims& d, const std::string& x_in) {
   std::string y = B.Act("moe", "fc2_out", {routed, width}, !model.options.moe_grad_rewrite, "ep");
   B.Op("moe", "experts_fc2", "grouped_gemm", {act}, {y}, Gemm(routed, fe, width), w2);
   std::string combined = B.Act("moe", "combine_out", {d.tokens_r, width}, m.latent_dim.has_value(), d.shard_r);
-  B.Op("moe", "combine", "combine", {y, gates, idx}, {combined}, 2.0 * static_cast<double>(routed * width));
+  B.Op("moe", "combine", "combine", {y, gates, slot_of}, {combined}, 2.0 * static_cast<double>(routed * width));
   std::string routed_out = combined;
   if (m.latent_dim) {
     int64_t w = B.Param("moe", "latent_up.weight", {width, d.h}, ParamKind::kLinear, false);

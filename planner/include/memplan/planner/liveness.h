@@ -42,6 +42,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "memplan/planner/accounting.h"
@@ -116,6 +117,7 @@ struct BlockBuffer {
     kGrad,       // the gradient of `tensor`
     kWorkspace,  // the backward workspace of the op at topological position `op`
     kRebuilt,    // a value that is not saved, re-made for backward by its producer `op`
+    kGradTemp,   // op `op`'s gradient for its input `tensor`, summed into kGrad
   };
   // When the buffer exists, depending on the neighbouring blocks of the pass.
   enum class When : uint8_t { kAlways, kPrevInPass, kPrevNotInPass, kNextInPass, kNextNotInPass };
@@ -137,6 +139,10 @@ struct LayerBuffers {
 
 // Block buffers of every layer of `layers` (indexed like it).
 std::vector<LayerBuffers> BuildLayerBuffers(const std::vector<LayerGraph>& layers);
+
+// Ops whose backward adds into its input gradients without a temporary
+// (add, identity, copy); the others overwrite theirs.
+bool GradAccumulates(std::string_view kind);
 
 // The tensors (by graph index) a backward op reads besides the gradients of
 // its outputs: these must be resident when it runs (saved, or rebuilt).
