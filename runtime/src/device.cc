@@ -1,5 +1,7 @@
 #include "memplan/runtime/device.h"
 
+#include "memplan/common/check.h"
+
 namespace memplan::runtime {
 
 std::string_view QueueName(Queue q) {
@@ -17,20 +19,35 @@ Event Event::Pending() {
   return e;
 }
 
+Event Event::Native(void* native, const internal::NativeEventOps* ops) {
+  MEMPLAN_CHECK(native != nullptr && ops != nullptr, "a native event needs its object and its operations");
+  Event e;
+  e.state_ = std::make_shared<internal::EventState>();
+  e.state_->native = native;
+  e.state_->ops = ops;
+  return e;
+}
+
 bool Event::done() const {
   if (!state_) return true;
+  if (state_->native != nullptr) return state_->ops->query(state_->native);
   std::lock_guard<std::mutex> lock(state_->mu);
   return state_->done;
 }
 
 void Event::Wait() const {
   if (!state_) return;
+  if (state_->native != nullptr) {
+    state_->ops->synchronize(state_->native);
+    return;
+  }
   std::unique_lock<std::mutex> lock(state_->mu);
   state_->cv.wait(lock, [&] { return state_->done; });
 }
 
 void Event::Complete() const {
   if (!state_) return;
+  MEMPLAN_CHECK(state_->native == nullptr, "a native event is completed by its backend, not by Complete()");
   {
     std::lock_guard<std::mutex> lock(state_->mu);
     state_->done = true;

@@ -42,7 +42,16 @@ HostArena::HostArena(Options options) : options_(std::move(options)), heap_(opti
   MEMPLAN_CHECK(options_.alignment > 0 && static_cast<size_t>(options_.alignment) <=
                                               static_cast<size_t>(kArenaBaseAlign),
                 "arena alignment must be in (0, 4096]");
-  base_ = static_cast<std::byte*>(::operator new(static_cast<size_t>(options_.capacity_bytes), kArenaBaseAlign));
+  MEMPLAN_CHECK(static_cast<bool>(options_.allocate) == static_cast<bool>(options_.release),
+                "arena allocate and release hooks come in pairs");
+  if (options_.allocate) {
+    base_ = options_.allocate(options_.capacity_bytes);
+    MEMPLAN_CHECK(base_ != nullptr, "arena allocate hook returned no memory");
+    MEMPLAN_CHECK(reinterpret_cast<uintptr_t>(base_) % static_cast<uintptr_t>(kArenaBaseAlign) == 0,
+                  "arena allocate hook returned memory not aligned to 4096 B");
+  } else {
+    base_ = static_cast<std::byte*>(::operator new(static_cast<size_t>(options_.capacity_bytes), kArenaBaseAlign));
+  }
   std::lock_guard<std::mutex> lock(RegistryMutex());
   Registry().push_back(this);
 }
@@ -57,7 +66,11 @@ HostArena::~HostArena() {
   for (auto& [offset, block] : live_) {
     for (const Event& e : block.fences) e.Wait();
   }
-  ::operator delete(base_, kArenaBaseAlign);
+  if (options_.release) {
+    options_.release(base_);
+  } else {
+    ::operator delete(base_, kArenaBaseAlign);
+  }
 }
 
 Expected<Buffer> HostArena::Allocate(int64_t bytes) {
@@ -265,8 +278,17 @@ class CopyEngine {
 
 // --------------------------------------------------------------- HostDevice
 
-HostDevice::HostDevice(Options options)
-    : arena_(HostArena::Options{options.capacity_bytes, options.alignment, options.name}) {
+namespace {
+HostArena::Options ArenaOptions(const HostDevice::Options& options) {
+  HostArena::Options o;
+  o.capacity_bytes = options.capacity_bytes;
+  o.alignment = options.alignment;
+  o.name = options.name;
+  return o;
+}
+}  // namespace
+
+HostDevice::HostDevice(Options options) : arena_(ArenaOptions(options)) {
   for (int q = 0; q < kQueueCount; ++q) {
     engines_[q] = std::make_unique<internal::CopyEngine>(options.copy_jitter_us, static_cast<uint64_t>(q) + 1);
   }

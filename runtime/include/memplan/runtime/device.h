@@ -9,18 +9,24 @@
 //            link (between pipeline ranks, for remote offload). Each queue
 //            runs its copies one at a time, first in first out, overlapped
 //            with the caller (design.md, "Backends").
-//   event    completion flag of one asynchronous copy.
+//   event    completion flag of one asynchronous copy: a host flag on the
+//            host backend, a native event (cudaEvent_t) on the CUDA backend.
 //
 // Accounting (the names MEASURED.json uses):
 //   allocated_bytes   live requested bytes (not aligned);
 //   allocated_peak    the maximum of allocated_bytes: compare with the plan's
 //                     `lower_bound`;
 //   peak/high_water   the arena's high-water mark (offset + aligned size):
-//                     compare with the plan's `peak`.
+//                     compare with the plan's `peak`. On the CUDA backend
+//                     the pool's reserved high-water mark instead (the
+//                     driver places buffers, not BestFitHeap).
 //
 // A device is driven from one thread (the compute stream): Allocate, Free,
 // CopyAsync and Wait are called in program order, so byte counts do not depend
-// on how fast the copy engines run.
+// on how fast the copy engines run. A copy is ordered after everything issued
+// on the compute stream before it; copies on different queues are unordered
+// with respect to each other unless the caller Waits on one before issuing
+// the next.
 #pragma once
 
 #include <condition_variable>
@@ -38,6 +44,7 @@ namespace memplan::runtime {
 struct Buffer {
   std::byte* ptr = nullptr;  // host-visible on the host backend
   int64_t offset = -1;       // offset in the owning arena, -1 when empty
+                             // (0 on the CUDA backend: its pool has no offsets)
   int64_t bytes = 0;         // requested bytes
 
   bool empty() const { return ptr == nullptr; }
@@ -52,24 +59,54 @@ inline constexpr int kQueueCount = 3;
 std::string_view QueueName(Queue q);  // "d2h", "h2d", "link"
 
 namespace internal {
+// How Event reaches a backend's native completion object without this header
+// naming its type: query (is it complete?), synchronize (block the calling
+// thread until it is) and destroy (release it, once no Event refers to it).
+struct NativeEventOps {
+  bool (*query)(void* native);
+  void (*synchronize)(void* native);
+  void (*destroy)(void* native);
+};
+
 struct EventState {
   std::mutex mu;
   std::condition_variable cv;
   bool done = false;
+  // A backend's completion object (a cudaEvent_t), or nullptr for a host
+  // event; owned: released through `ops` with the state.
+  void* native = nullptr;
+  const NativeEventOps* ops = nullptr;
+
+  EventState() = default;
+  EventState(const EventState&) = delete;
+  EventState& operator=(const EventState&) = delete;
+  ~EventState() {
+    if (native != nullptr) ops->destroy(native);
+  }
 };
 }  // namespace internal
 
 // Completion of one asynchronous copy. Copyable (shared state); a
 // default-constructed Event is already complete. Thread-safe.
+//
+// A host event is completed by Complete(); a native event is completed by
+// its backend (on the CUDA backend: when its stream reaches it), and done()
+// and Wait() ask the backend.
 class Event {
  public:
   Event() = default;
-  // A pending event, completed by Complete() (called by a copy engine).
+  // A pending host event, completed by Complete() (called by a copy engine).
   static Event Pending();
+  // An event over a backend's completion object `native` (non-null), which
+  // the event owns from now on and releases through ops->destroy.
+  static Event Native(void* native, const internal::NativeEventOps* ops);
   bool done() const;
-  // Blocks until complete.
+  // Blocks the calling thread until complete.
   void Wait() const;
+  // Completes a host event; must not be called on a native one.
   void Complete() const;
+  // The native completion object, or nullptr (host or default event).
+  void* native() const { return state_ ? state_->native : nullptr; }
 
  private:
   std::shared_ptr<internal::EventState> state_;
@@ -102,9 +139,13 @@ class Device {
   // arenas they must be inside live buffers, which then wait for the copy
   // before they are freed. A zero-byte copy returns a complete event.
   virtual Event CopyAsync(void* dst, const void* src, int64_t bytes, Queue queue) = 0;
-  // Blocks until `event` is complete.
+  // Orders the compute stream after `event`: whatever is issued on the
+  // device afterwards sees the copy's result. The host backend blocks the
+  // calling thread until it is complete; the CUDA backend makes its compute
+  // stream wait (the calling thread does not block).
   virtual void Wait(const Event& event) = 0;
-  // Blocks until every queue is empty.
+  // Blocks the calling thread until every queue (and, on the CUDA backend,
+  // the compute stream) is empty.
   virtual void Synchronize() = 0;
 };
 

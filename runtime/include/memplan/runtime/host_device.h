@@ -15,11 +15,12 @@
 // accounting is deterministic whatever the worker threads' timing.
 //
 // Limits: capacity is reserved up front (the operating system backs pages
-// lazily); pointers are plain host pointers, so kernels are the CPU
-// references.
+// lazily, except for pinned arenas); pointers are plain host pointers, so
+// kernels are the CPU references.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -42,6 +43,14 @@ class HostArena {
     int64_t capacity_bytes = int64_t{1} << 30;  // fixed arena size
     int64_t alignment = 256;                    // BestFitHeap rounding, the planner's
     std::string name = "host";                  // used in error messages
+    // Where the block comes from: `allocate(capacity_bytes)` returns
+    // capacity_bytes of memory aligned to 4096 B (non-null: it cannot fail
+    // here, so a factory that can fail allocates first and hands the block
+    // over), and `release(block)` gives it back when the arena is destroyed.
+    // Both set or neither; unset, the block is aligned operator new/delete.
+    // MakePinnedArena (cuda_device.h) uses them for page-locked memory.
+    std::function<std::byte*(int64_t)> allocate;
+    std::function<void(std::byte*)> release;
   };
 
   explicit HostArena(Options options);
