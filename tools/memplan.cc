@@ -14,6 +14,7 @@
 #include "memplan/common/units.h"
 #include "memplan/planner/model.h"
 #include "memplan/planner/plan.h"
+#include "memplan/runtime/executor.h"
 #include "memplan/traces/check.h"
 #include "memplan/traces/measured.h"
 
@@ -99,6 +100,51 @@ int RunCheck(const std::string& plan_path, const std::string& measured_path, std
   return 0;
 }
 
+
+// Executes one training step of PLAN.json; writes MEASURED.json and the
+// trace; prints predicted against measured per rank.
+int RunExecute(const std::string& plan_path, const std::string& backend, const std::string& out_path,
+               const std::string& trace_path, const std::string& dump_dir, bool quiet) {
+  auto plan_json = memplan::ReadJsonFile(plan_path);
+  if (!plan_json) return Fail(plan_json.error());
+  memplan::runtime::RunOptions options;
+  options.backend = backend == "cuda" ? memplan::runtime::BackendKind::kCuda : memplan::runtime::BackendKind::kHost;
+  options.plan_file = plan_path;
+  options.trace = !trace_path.empty();
+  options.dump_dir = dump_dir;
+  if (!quiet) options.progress = [](std::string_view line) { std::fprintf(stderr, "%.*s\n", static_cast<int>(line.size()), line.data()); };
+  auto result = memplan::runtime::RunPlan(*plan_json, options);
+  if (!result) return Fail(result.error());
+  const auto& m = result->measured;
+  if (!out_path.empty()) {
+    auto st = memplan::WriteFileAtomic(out_path, memplan::traces::MeasuredToJson(m).dump(2) + "\n");
+    if (!st) return Fail(st.error());
+  }
+  if (!trace_path.empty()) {
+    auto st = memplan::WriteFileAtomic(trace_path, result->trace.dump() + "\n");
+    if (!st) return Fail(st.error());
+  }
+  if (quiet) return 0;
+  memplan::Table t({"pp_rank", "static(MiB)", "lower_bd(MiB)", "alloc_peak(MiB)", "peak(MiB)", "meas_peak(MiB)",
+                    "diff(%)"});
+  const auto& ranks = (*plan_json)["ranks"];
+  for (size_t r = 0; r < m.ranks.size(); ++r) {
+    const auto& mr = m.ranks[r];
+    int64_t lb = ranks[r].value("lower_bound", int64_t{0}), peak = ranks[r].value("peak", int64_t{0});
+    double mib = 1024.0 * 1024.0;
+    t.AddRow({std::to_string(mr.pp_rank), memplan::FormatFixed(static_cast<double>(mr.static_bytes) / mib, 3),
+              memplan::FormatFixed(static_cast<double>(lb) / mib, 3),
+              memplan::FormatFixed(static_cast<double>(mr.allocated_peak) / mib, 3),
+              memplan::FormatFixed(static_cast<double>(peak) / mib, 3),
+              memplan::FormatFixed(static_cast<double>(mr.peak) / mib, 3),
+              memplan::FormatFixed(peak ? 100.0 * static_cast<double>(mr.peak - peak) / static_cast<double>(peak) : 0.0, 3)});
+  }
+  std::fputs(t.Render().c_str(), stdout);
+  std::printf("\n%s backend (%s): step %s ms, loss %.6f, grad_norm %.6f\n", m.backend.c_str(), m.device.c_str(),
+              memplan::FormatFixed(1000 * m.step_s, 2).c_str(), m.loss, m.grad_norm);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -140,6 +186,17 @@ int main(int argc, char** argv) {
                                           "relative tolerance (default 0 for host, 0.02 for cuda measurements)")
                             ->check(CLI::Range(0.0, 1.0));
 
+  std::string run_plan, run_backend = "host", run_out, run_trace, run_dump;
+  bool run_quiet = false;
+  auto* run = app.add_subcommand("run", "Execute one training step of PLAN.json and measure its memory");
+  run->add_option("plan", run_plan, "plan file (memplan.plan/1)")->required();
+  run->add_option("--backend", run_backend, "host (default: CPU reference kernels) or cuda")
+      ->check(CLI::IsMember({"host", "cuda"}));
+  run->add_option("-o,--output", run_out, "write MEASURED.json (memplan.measured/1)");
+  run->add_option("--trace", run_trace, "write a Chrome trace (chrome://tracing, Perfetto)");
+  run->add_option("--dump", run_dump, "write initial weights, batch and gradients as .npy files into DIR");
+  run->add_flag("-q,--quiet", run_quiet, "no table, no progress");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -149,6 +206,7 @@ int main(int argc, char** argv) {
   }
   if (plan->parsed()) return RunPlan(model_path, out_path, budget, solver, sweep, verify, quiet);
   if (expand->parsed()) return RunExpand(expand_model, expand_out);
+  if (run->parsed()) return RunExecute(run_plan, run_backend, run_out, run_trace, run_dump, run_quiet);
   if (check->parsed()) {
     return RunCheck(check_plan, check_measured, tolerance_opt->count() ? std::optional(tolerance) : std::nullopt);
   }

@@ -1,6 +1,9 @@
 // CUDA attention launchers (attention_cuda.h): standard attention, which
 // saves the s x s probabilities, and a FlashAttention-2-style pair that saves
-// only o and the log-sum-exp. fp32 throughout.
+// only o and the log-sum-exp. fp32 throughout. o and d_o are read and
+// written through an OLayout (head-major [b, heads, s, dv] or, with
+// AttentionShape::o_token_major, [b, s, heads, dv]); everything else is
+// head-major.
 //
 // Standard attention is a chain of batched tiled GEMMs (one kernel,
 // parameterized by operand layout and head mapping) plus row kernels for the
@@ -236,15 +239,31 @@ __global__ void __launch_bounds__(kRowThreads) SoftmaxBwdRowsKernel(const float*
   for (int64_t j = lane; j < s; j += kWarpSize) d[j] = j < limit ? pr[j] * (d[j] - dot) : 0.f;
 }
 
-// D[row] = sum_e dO[row, e] * O[row, e] (flash backward preprocessing).
+// Where o and d_o keep element (batch, head, position, c):
+// batch * batch_stride + head * head_stride + position * row_stride + c.
+// Head-major [b, heads, s, dv] or, with o_token_major, [b, s, heads, dv].
+struct OLayout {
+  int64_t batch_stride, head_stride, row_stride;
+};
+
+OLayout MakeOLayout(const AttentionShape& sh) {
+  if (sh.o_token_major) return OLayout{sh.s * sh.heads * sh.dv, sh.dv, sh.heads * sh.dv};
+  return OLayout{sh.heads * sh.s * sh.dv, sh.s * sh.dv, sh.dv};
+}
+
+// D[row] = sum_e dO[row, e] * O[row, e] (flash backward preprocessing), for
+// row = (batch * heads + head) * s + position; o and d_o laid out as `l`.
 __global__ void __launch_bounds__(kRowThreads) RowDotKernel(const float* __restrict__ a,
                                                             const float* __restrict__ b, int64_t rows, int64_t cols,
+                                                            int64_t heads, int64_t s, OLayout l,
                                                             float* __restrict__ out) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerCta + threadIdx.x / kWarpSize;
   if (row >= rows) return;
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  const int64_t bh = row / s;
+  const int64_t at = (bh / heads) * l.batch_stride + (bh % heads) * l.head_stride + (row % s) * l.row_stride;
   float dot = 0.f;
-  for (int64_t e = lane; e < cols; e += kWarpSize) dot += a[row * cols + e] * b[row * cols + e];
+  for (int64_t e = lane; e < cols; e += kWarpSize) dot += a[at + e] * b[at + e];
   dot = WarpSum(dot);
   if (lane == 0) out[row] = dot;
 }
@@ -275,6 +294,7 @@ struct FlashParams {
   float* dk;
   float* dv;
   int64_t s;
+  OLayout o_layout;  // of o, o_out and d_o
   int dqk, dv_dim;
   int heads, kv_heads;
   float scale;
@@ -292,16 +312,18 @@ constexpr int kBwdPairsPerLane = kBwdTile / kBwdLanesPerRow;       // 4
 static_assert(kWarpSize % kFwdLanesPerRow == 0 && kWarpSize % kBwdLanesPerRow == 0,
               "the lanes of one row must sit in one warp");
 
-// Copies rows [row0, row0 + tile_rows) of a [s, width] matrix into a padded
-// shared tile, zero-filling rows past s.
+// Copies rows [row0, row0 + tile_rows) of an [s, width] matrix with row
+// stride src_ld (width when omitted) into a padded shared tile, zero-filling
+// rows past s.
 __device__ __forceinline__ void LoadTile(float* __restrict__ dst, const float* __restrict__ src, int64_t row0,
-                                         int tile_rows, int width, int64_t s) {
+                                         int tile_rows, int width, int64_t s, int64_t src_ld = 0) {
+  if (src_ld == 0) src_ld = width;
   const int ld = width + 1;
   for (int idx = static_cast<int>(threadIdx.x); idx < tile_rows * width; idx += kFlashThreads) {
     const int r = idx / width;
     const int c = idx % width;
     const int64_t row = row0 + r;
-    dst[r * ld + c] = row < s ? src[row * width + c] : 0.f;
+    dst[r * ld + c] = row < s ? src[row * src_ld + c] : 0.f;
   }
 }
 
@@ -407,7 +429,7 @@ __global__ void __launch_bounds__(kFlashThreads) FlashFwdKernel(FlashParams p) {
   }
 
   if (i < s) {
-    float* o = p.o_out + (bh * s + i) * dv;
+    float* o = p.o_out + b * p.o_layout.batch_stride + h * p.o_layout.head_stride + i * p.o_layout.row_stride;
 #pragma unroll
     for (int c = 0; c < kCols; ++c) {
       const int col = sub + kFwdLanesPerRow * c;
@@ -484,11 +506,12 @@ __global__ void __launch_bounds__(kFlashThreads) FlashBwdKvKernel(FlashParams p)
   for (int g = 0; g < group; ++g) {
     const int64_t bh = b * p.heads + static_cast<int64_t>(kvh) * group + g;
     const float* q = p.q + bh * s * dqk;
-    const float* d_o = p.d_o + bh * s * dv;
+    const float* d_o =
+        p.d_o + b * p.o_layout.batch_stride + (static_cast<int64_t>(kvh) * group + g) * p.o_layout.head_stride;
     for (int64_t i0 = i_begin; i0 < s; i0 += kBwdTile) {
       __syncthreads();  // previous tile's reads are done
       LoadTile(q_s, q, i0, kBwdTile, dqk, s);
-      LoadTile(do_s, d_o, i0, kBwdTile, dv, s);
+      LoadTile(do_s, d_o, i0, kBwdTile, dv, s, p.o_layout.row_stride);
       if (t < kBwdTile) {
         const int64_t i = i0 + t;
         lse_s[t] = i < s ? p.lse_in[bh * s + i] : 0.f;
@@ -567,7 +590,8 @@ __global__ void __launch_bounds__(kFlashThreads) FlashBwdQKernel(FlashParams p) 
   const float* v = p.v + bkv * s * dv;
 
   LoadTile(q_s, p.q + bh * s * dqk, i0, kBwdTile, dqk, s);
-  LoadTile(do_s, p.d_o + bh * s * dv, i0, kBwdTile, dv, s);
+  LoadTile(do_s, p.d_o + b * p.o_layout.batch_stride + h * p.o_layout.head_stride, i0, kBwdTile, dv, s,
+           p.o_layout.row_stride);
   if (t < kBwdTile) {
     const int64_t i = i0 + t;
     lse_s[t] = i < s ? p.lse_in[bh * s + i] : 0.f;
@@ -651,6 +675,7 @@ FlashParams MakeFlashParams(const AttentionShape& sh) {
   p.kv_heads = static_cast<int>(sh.kv_heads);
   p.scale = sh.scale;
   p.causal = sh.causal;
+  p.o_layout = MakeOLayout(sh);
   return p;
 }
 
@@ -667,6 +692,12 @@ Operand KvOfQHeadOperand(const float* ptr, int64_t kv_heads, int64_t rows, int64
 OutOperand Out(float* ptr, int64_t heads, int64_t rows, int64_t cols) {
   return OutOperand{ptr, heads * rows * cols, rows * cols, cols};
 }
+// o / d_o in either layout; `mul` as in QHeadOperand (kv-head outputs sum
+// the group's query heads).
+Operand OOperand(const float* ptr, const OLayout& l, int mul) {
+  return Operand{ptr, l.batch_stride, l.head_stride, l.row_stride, mul, 1, false};
+}
+OutOperand OOut(float* ptr, const OLayout& l) { return OutOperand{ptr, l.batch_stride, l.head_stride, l.row_stride}; }
 
 }  // namespace
 
@@ -703,7 +734,7 @@ int AttentionFwd(const AttentionShape& sh, const float* q, const float* k, const
   GemmParams pv{};
   pv.a = QHeadOperand(probs, heads, s, s, false, 1);
   pv.b = KvOfQHeadOperand(v, sh.kv_heads, s, sh.dv, false, group);
-  pv.c = Out(o, heads, s, sh.dv);
+  pv.c = OOut(o, MakeOLayout(sh));
   pv.m = s;
   pv.n = sh.dv;
   pv.k = s;
@@ -728,7 +759,7 @@ int AttentionBwd(const AttentionShape& sh, const float* q, const float* k, const
   // dv[j] = sum over the group of P^T dO (rows i >= j only under causal).
   GemmParams dv_gemm{};
   dv_gemm.a = QHeadOperand(probs, heads, s, s, true, group);
-  dv_gemm.b = QHeadOperand(d_o, heads, s, sh.dv, false, group);
+  dv_gemm.b = OOperand(d_o, MakeOLayout(sh), group);
   dv_gemm.c = Out(dv, kv_heads, s, sh.dv);
   dv_gemm.m = s;
   dv_gemm.n = sh.dv;
@@ -741,7 +772,7 @@ int AttentionBwd(const AttentionShape& sh, const float* q, const float* k, const
 
   // workspace <- dP = dO v^T (zero above the diagonal under causal) ...
   GemmParams dp{};
-  dp.a = QHeadOperand(d_o, heads, s, sh.dv, false, 1);
+  dp.a = OOperand(d_o, MakeOLayout(sh), 1);
   dp.b = KvOfQHeadOperand(v, sh.kv_heads, s, sh.dv, true, group);
   dp.c = Out(ds, heads, s, s);
   dp.m = s;
@@ -822,7 +853,7 @@ int FlashAttentionBwd(const AttentionShape& sh, const float* q, const float* k, 
   auto* delta = static_cast<float*>(workspace);
 
   const int64_t rows = sh.b * sh.heads * sh.s;
-  RowDotKernel<<<RowGrid(rows), kRowThreads, 0, st>>>(d_o, o, rows, sh.dv, delta);
+  RowDotKernel<<<RowGrid(rows), kRowThreads, 0, st>>>(d_o, o, rows, sh.dv, sh.heads, sh.s, MakeOLayout(sh), delta);
   if (int err = static_cast<int>(cudaGetLastError()); err != 0) return err;
 
   FlashParams p = MakeFlashParams(sh);

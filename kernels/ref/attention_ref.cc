@@ -17,8 +17,12 @@ class AttnIndex {
  public:
   explicit AttnIndex(const AttentionShape& sh) : sh_(sh), group_(sh.heads / sh.kv_heads) {}
 
-  // Query-side row (q, o, d_o, dq; lse and D with width 1) of (bb, h, i).
+  // Query-side row (q, dq, probs; lse and D with width 1) of (bb, h, i).
   int64_t QRow(int64_t bb, int64_t h, int64_t i) const { return (bb * sh_.heads + h) * sh_.s + i; }
+  // Row of o and d_o: QRow, or (bb, i, h) when o_token_major.
+  int64_t ORow(int64_t bb, int64_t h, int64_t i) const {
+    return sh_.o_token_major ? (bb * sh_.s + i) * sh_.heads + h : QRow(bb, h, i);
+  }
   // Key/value row (k, v, dk, dv) of (bb, query head h, j) under GQA.
   int64_t KvRow(int64_t bb, int64_t h, int64_t j) const { return (bb * sh_.kv_heads + h / group_) * sh_.s + j; }
   // Keys visible to query i.
@@ -61,7 +65,7 @@ void AttentionMath<T>::AttentionFwd(const AttentionShape& sh, const T* q, const 
         }
         for (int64_t j = 0; j < jend; ++j) p[j] /= sum;
         std::fill(p + jend, p + sh.s, T(0));
-        T* oi = o + qr * sh.dv;
+        T* oi = o + ix.ORow(bb, h, i) * sh.dv;
         std::fill(oi, oi + sh.dv, T(0));
         for (int64_t j = 0; j < jend; ++j) {
           const T* vj = v + ix.KvRow(bb, h, j) * sh.dv;
@@ -85,7 +89,7 @@ void AttentionMath<T>::AttentionBwd(const AttentionShape& sh, const T* q, const 
       for (int64_t i = 0; i < sh.s; ++i) {
         const int64_t qr = ix.QRow(bb, h, i);
         const T* p = probs + qr * sh.s;
-        const T* doi = d_o + qr * sh.dv;
+        const T* doi = d_o + ix.ORow(bb, h, i) * sh.dv;
         T* ds = workspace + qr * sh.s;
         const int64_t jend = ix.KeyEnd(i);
         T rowsum = 0;
@@ -123,7 +127,7 @@ void AttentionMath<T>::FlashAttentionFwd(const AttentionShape& sh, const T* q, c
       for (int64_t i = 0; i < sh.s; ++i) {
         const int64_t qr = ix.QRow(bb, h, i);
         const T* qi = q + qr * sh.dqk;
-        T* oi = o + qr * sh.dv;  // the unnormalized accumulator until the end
+        T* oi = o + ix.ORow(bb, h, i) * sh.dv;  // the unnormalized accumulator until the end
         std::fill(oi, oi + sh.dv, T(0));
         T m = -std::numeric_limits<T>::infinity();
         T l = 0;
@@ -161,9 +165,15 @@ void AttentionMath<T>::FlashAttentionBwd(const AttentionShape& sh, const T* q, c
                                          const T* lse, const T* d_o, T* dq, T* dk, T* dv, T* workspace) {
   const AttnIndex ix(sh);
   const T scale = T(sh.scale);
-  const int64_t rows = sh.b * sh.heads * sh.s;
   T* dsum = workspace;  // D = rowsum(dO * O), one per query row
-  for (int64_t r = 0; r < rows; ++r) dsum[r] = Dot(d_o + r * sh.dv, o + r * sh.dv, sh.dv);
+  for (int64_t bb = 0; bb < sh.b; ++bb) {
+    for (int64_t h = 0; h < sh.heads; ++h) {
+      for (int64_t i = 0; i < sh.s; ++i) {
+        const int64_t orow = ix.ORow(bb, h, i);
+        dsum[ix.QRow(bb, h, i)] = Dot(d_o + orow * sh.dv, o + orow * sh.dv, sh.dv);
+      }
+    }
+  }
   std::fill(dk, dk + sh.b * sh.kv_heads * sh.s * sh.dqk, T(0));
   std::fill(dv, dv + sh.b * sh.kv_heads * sh.s * sh.dv, T(0));
   for (int64_t bb = 0; bb < sh.b; ++bb) {
@@ -171,7 +181,7 @@ void AttentionMath<T>::FlashAttentionBwd(const AttentionShape& sh, const T* q, c
       for (int64_t i = 0; i < sh.s; ++i) {
         const int64_t qr = ix.QRow(bb, h, i);
         const T* qi = q + qr * sh.dqk;
-        const T* doi = d_o + qr * sh.dv;
+        const T* doi = d_o + ix.ORow(bb, h, i) * sh.dv;
         T* dqi = dq + qr * sh.dqk;
         std::fill(dqi, dqi + sh.dqk, T(0));
         const int64_t jend = ix.KeyEnd(i);

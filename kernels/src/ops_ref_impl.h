@@ -104,6 +104,8 @@ struct RefMath {
 };
 
 // Scores are scale * (q . k) with the dot product summed over dqk in order.
+// sh.o_token_major only moves the rows of o and d_o; the arithmetic is the
+// same, so the two layouts give the same bits up to that transpose.
 // Backward ops overwrite dq, dk, dv; dk/dv sum their terms head by head
 // (ascending h within the GQA group), then query by query.
 // Preconditions: heads % kv_heads == 0, s >= 1.

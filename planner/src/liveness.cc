@@ -172,6 +172,10 @@ LayerBuffers MakeLayerBuffers(const LayerGraph& g, const std::vector<LayerInfo>&
   LayerBuffers lb;
   const int32_t n = static_cast<int32_t>(g.ops.size());
   lb.ops = n;
+  lb.prod = li.prod;
+  lb.last_use = li.last_use;
+  lb.export_to = li.export_to;
+  lb.import_from = li.import_from;
   auto push = [](std::vector<B>* v, B::Role role, B::When when, int32_t tensor, int32_t op, int32_t first,
                  int32_t last, int64_t bytes, int32_t next_last = -1) {
     if (bytes <= 0) return;

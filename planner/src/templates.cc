@@ -532,7 +532,8 @@ LayerGraph ExpandTemplateLayer(const Model& model, int64_t layer) {
     B.Op("head", "proj", "linear", {head_in}, {logits}, Gemm(d.tokens, d.h, vocab_local), w);
     std::string probs = B.Tensor("loss", "probs", {d.tokens, vocab_local}, DType::kFP32, true, "tp");
     std::string targets = B.Tensor("loss", "targets", {d.tokens}, DType::kI32, true, "replicated");
-    std::string loss = B.Tensor("loss", "value", {1}, DType::kFP32, false, "replicated");
+    // Per-token losses; the step loss is their mean over tokens and microbatches.
+    std::string loss = B.Tensor("loss", "value", {d.tokens}, DType::kFP32, false, "replicated");
     B.Op("loss", "cross_entropy", "cross_entropy", {logits, targets}, {probs, loss},
          5.0 * static_cast<double>(d.tokens * vocab_local));
   }

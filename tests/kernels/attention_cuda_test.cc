@@ -1,8 +1,9 @@
 // CUDA attention launchers (kernels/cuda/attention.cu) vs the CPU reference
 // (MakeRefOps): standard and flash, forward and backward, over GQA group
 // sizes, sequence lengths that do and do not divide the tile sizes, unequal
-// q/k and v head dims (MLA-like), with and without the causal mask. Exits 77
-// (Meson: skipped) when no CUDA device is visible.
+// q/k and v head dims (MLA-like), with and without the causal mask, o and
+// d_o head-major and token-major. Exits 77 (Meson: skipped) when no CUDA
+// device is visible.
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
@@ -274,6 +275,31 @@ TEST_CASE("odd head dims, the largest head dim, and a longer sequence") {
       sh.dv = c.dv;
       sh.scale = 1.f / std::sqrt(static_cast<float>(c.dqk));
       sh.causal = causal;
+      CheckShape(sh, seed++);
+    }
+  }
+}
+
+TEST_CASE("token-major o and d_o ([b, s, heads, dv]) match the reference in the same layout") {
+  // The reference (RunReference passes the shape on) lays o and d_o out the
+  // same way, so every check of CheckShape applies unchanged.
+  const struct {
+    int64_t kv_heads, s, dqk, dv;
+  } cases[] = {{4, 63, 64, 64}, {1, 130, 64, 128}, {2, 97, 33, 17}, {2, 1, 192, 64}};
+  uint32_t seed = 2000;
+  for (const auto& c : cases) {
+    for (const bool causal : {true, false}) {
+      mk::AttentionShape sh;
+      sh.b = 2;
+      sh.heads = 4;
+      sh.kv_heads = c.kv_heads;
+      sh.s = c.s;
+      sh.dqk = c.dqk;
+      sh.dv = c.dv;
+      sh.scale = 1.f / std::sqrt(static_cast<float>(c.dqk));
+      sh.causal = causal;
+      sh.o_token_major = true;
+      INFO("o_token_major");
       CheckShape(sh, seed++);
     }
   }

@@ -618,6 +618,57 @@ TEST_CASE("Attention backward (standard and flash) matches finite differences") 
   }
 }
 
+TEST_CASE("Attention with o_token_major: the transpose of the head-major o and d_o, bit for bit") {
+  auto ops = mk::MakeRefOps();
+  for (bool causal : {true, false}) {
+    CAPTURE(causal);
+    mk::AttentionShape hm{.b = 2, .heads = 4, .kv_heads = 2, .s = 70, .dqk = 8, .dv = 6, .scale = 0.3f,
+                          .causal = causal};
+    mk::AttentionShape tm = hm;
+    tm.o_token_major = true;
+    const VecF q = Rand(static_cast<int64_t>(QSize(hm)), 231), k = Rand(static_cast<int64_t>(KSize(hm)), 232);
+    const VecF v = Rand(static_cast<int64_t>(VSize(hm)), 233), d_o = Rand(static_cast<int64_t>(OSize(hm)), 234);
+    // [b, heads, s, dv] -> [b, s, heads, dv].
+    auto to_token_major = [&](const VecF& x) {
+      VecF y(x.size());
+      for (int64_t bb = 0; bb < hm.b; ++bb) {
+        for (int64_t h = 0; h < hm.heads; ++h) {
+          for (int64_t i = 0; i < hm.s; ++i) {
+            std::copy_n(x.begin() + ((bb * hm.heads + h) * hm.s + i) * hm.dv, hm.dv,
+                        y.begin() + ((bb * hm.s + i) * hm.heads + h) * hm.dv);
+          }
+        }
+      }
+      return y;
+    };
+    const VecF d_o_tm = to_token_major(d_o);
+    for (bool flash : {false, true}) {
+      CAPTURE(flash);
+      struct Out {
+        VecF o, saved, dq, dk, dv;
+      };
+      auto run = [&](const mk::AttentionShape& sh, const VecF& dout) {
+        Out r{VecF(OSize(sh)), VecF(flash ? LSize(sh) : PSize(sh)), VecF(QSize(sh)), VecF(KSize(sh)),
+              VecF(VSize(sh))};
+        VecF ws(flash ? LSize(sh) : PSize(sh));
+        if (flash) {
+          ops->FlashAttentionFwd(sh, q.data(), k.data(), v.data(), r.o.data(), r.saved.data());
+          ops->FlashAttentionBwd(sh, q.data(), k.data(), v.data(), r.o.data(), r.saved.data(), dout.data(),
+                                 r.dq.data(), r.dk.data(), r.dv.data(), ws.data());
+        } else {
+          ops->AttentionFwd(sh, q.data(), k.data(), v.data(), r.saved.data(), r.o.data());
+          ops->AttentionBwd(sh, q.data(), k.data(), v.data(), r.saved.data(), dout.data(), r.dq.data(), r.dk.data(),
+                            r.dv.data(), ws.data());
+        }
+        return r;
+      };
+      const Out a = run(hm, d_o), b = run(tm, d_o_tm);
+      CHECK(Bytes(to_token_major(a.o)) == Bytes(b.o));
+      CHECK(Bytes(a.saved, a.dq, a.dk, a.dv) == Bytes(b.saved, b.dq, b.dk, b.dv));
+    }
+  }
+}
+
 // --- Router, dispatch, combine --------------------------------------------------
 
 TEST_CASE("Router forward: probabilities, sorted top-k, ties to the lower index") {

@@ -43,11 +43,15 @@ int64_t GemmWorkspaceBytes();                                                  /
 // Attention shapes: q [b, heads, s, dqk], k [b, kv_heads, s, dqk],
 // v [b, kv_heads, s, dv], o [b, heads, s, dv]; head h reads kv head
 // h / (heads / kv_heads) (GQA). Scores are scale * q.k, with the causal mask
-// (key j > query i gets -inf) when `causal`.
+// (key j > query i gets -inf) when `causal`. With `o_token_major`, o and d_o
+// (standard and flash, forward and backward) are [b, s, heads, dv] instead
+// (row = token: [b*s, heads*dv], ready for the output projection); q, k, v,
+// probs and lse [b, heads, s] keep their layouts.
 struct AttentionShape {
   int64_t b = 1, heads = 1, kv_heads = 1, s = 1, dqk = 1, dv = 1;
   float scale = 1.f;
   bool causal = true;
+  bool o_token_major = false;
 };
 
 class Ops {

@@ -135,6 +135,10 @@ struct BlockBuffer {
 struct LayerBuffers {
   int32_t ops = 0;  // steps per block
   std::vector<BlockBuffer> forward, backward;
+  // Per tensor of the layer graph: its producer's and last local consumer's
+  // topological positions (-1: none here), the next layer's tensor it
+  // becomes (-1: none) and the previous layer's tensor it is (-1: none).
+  std::vector<int32_t> prod, last_use, export_to, import_from;
 };
 
 // Block buffers of every layer of `layers` (indexed like it).

@@ -1,0 +1,74 @@
+// The executor: runs one training step of a planned model exactly as its
+// PLAN.json says, and measures it.
+//
+// What it does
+//   - Rebuilds the planner's problem from the plan's embedded model (the
+//     same templates, schedule and intervals; the plan's digest and per-rank
+//     bytes are checked against the rebuilt ones), and binds every saved
+//     tensor to the storage the plan chose (`tensors[].effective`).
+//   - Emulates the pipeline ranks in one process, one device (memory pool
+//     and copy engines) per rank, and runs every rank's steps in the
+//     pipeline order of the plan's schedule (Megatron 1F1B / interleaved
+//     1F1B). Activations and their gradients cross ranks through a mailbox
+//     outside the pools, as a network link would carry them.
+//   - Interprets the layer graph op by op (`kernels::Ops`: CPU references on
+//     the host backend, CUDA kernels and cuBLAS on the cuda backend). Every
+//     buffer a step uses is allocated and freed at the steps of the plan's
+//     memory program (planner::ProgramWalker): saved instances by their
+//     intervals (quantized to FP8 after their producer, copied out to the
+//     host or another rank, prefetched one layer ahead, re-computed at their
+//     layer's backward), the rest as block buffers. A free waits for the
+//     copies that touch it.
+//   - Computes the mean cross-entropy over the step's microbatches, the
+//     global gradient norm, and takes one AdamW step.
+//
+// The model code never names a policy: op handlers ask for tensors by name
+// and the storage bound by the plan decides where their bytes are.
+//
+// Limits (refused with ErrorCode::kBadInput and a reason): tp, ep, cp or
+// dp > 1 (multi-process ranks come later); activations, parameters or
+// gradients other than fp32 (the kernels compute in fp32); Muon; MLA,
+// linear attention (KDA) and Block AttnRes layers.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <string_view>
+
+#include "memplan/common/json_util.h"
+#include "memplan/common/status.h"
+#include "memplan/traces/measured.h"
+
+namespace memplan::runtime {
+
+enum class BackendKind { kHost, kCuda };
+std::string_view BackendName(BackendKind kind);  // "host", "cuda"
+
+struct RunOptions {
+  BackendKind backend = BackendKind::kHost;
+  std::string plan_file = "PLAN.json";  // named in error messages
+  // Seed of the initial weights, the batch and the dropout masks.
+  uint64_t seed = 1234;
+  // Build the Chrome trace (RunResult::trace).
+  bool trace = false;
+  // When not empty: write the initial weights, the batch and every
+  // parameter's gradient there as .npy files (docs/runtime.md).
+  std::string dump_dir;
+  // Progress lines for a person (e.g. to stderr); may be empty.
+  std::function<void(std::string_view line)> progress;
+  // Host backend, tests: each copy first sleeps a pseudo-random 0..N us.
+  int64_t copy_jitter_us = 0;
+};
+
+struct RunResult {
+  traces::Measured measured;  // memplan.measured/1
+  OrderedJson trace;          // Chrome Trace Event document (options.trace)
+};
+
+// Executes one training step of `plan` (a parsed PLAN.json).
+// Errors: kBadInput for a plan this runtime cannot execute or that does not
+// match this planner; kRuntime for device failures (exhausted memory...).
+Expected<RunResult> RunPlan(const Json& plan, const RunOptions& options);
+
+}  // namespace memplan::runtime

@@ -1,0 +1,44 @@
+// What the executor needs from a backend beyond the Device interface:
+// devices, kernels, FP8 conversion and synchronous transfers to and from
+// host memory (the mailbox, the loss, dumps).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "memplan/common/status.h"
+#include "memplan/kernels/ops.h"
+#include "memplan/runtime/device.h"
+#include "memplan/runtime/host_device.h"
+
+namespace memplan::runtime::internal {
+
+class ExecBackend {
+ public:
+  virtual ~ExecBackend() = default;
+  virtual std::string device_name() const = 0;
+  // One rank's device memory (`capacity_bytes` is a bound, not a reservation).
+  virtual Expected<std::unique_ptr<Device>> MakeDevice(const std::string& name, int64_t capacity_bytes) = 0;
+  // Host memory that receives host offloads (pinned on CUDA).
+  virtual Expected<std::unique_ptr<HostArena>> MakeHostArena(const std::string& name, int64_t capacity_bytes) = 0;
+  // Kernels running in order with `device`'s allocations and frees.
+  virtual std::unique_ptr<kernels::Ops> MakeOps(Device& device) = 0;
+  // FP8 E4M3 1x128 blockwise, on `device`'s compute stream.
+  virtual void Quantize(Device& device, const float* x, int64_t rows, int64_t cols, uint8_t* values,
+                        float* scales) = 0;
+  virtual void Dequantize(Device& device, const uint8_t* values, const float* scales, int64_t rows, int64_t cols,
+                          float* y) = 0;
+  // Synchronous copies between `device` memory and plain host memory, in
+  // order with the device's compute stream.
+  virtual void ToHost(Device& device, void* dst, const void* src, int64_t bytes) = 0;
+  virtual void FromHost(Device& device, void* dst, const void* src, int64_t bytes) = 0;
+  // Waits until everything issued on `device` is done.
+  virtual void Finish(Device& device) = 0;
+};
+
+std::unique_ptr<ExecBackend> MakeHostExecBackend(int64_t copy_jitter_us);
+// nullptr when memplan was built without CUDA.
+std::unique_ptr<ExecBackend> MakeCudaExecBackend();
+
+}  // namespace memplan::runtime::internal

@@ -1,0 +1,88 @@
+// The CUDA backend of the executor: one CudaDevice (stream-ordered pool,
+// compute and copy streams) per emulated rank, pinned host arenas, the CUDA
+// kernels and cuBLAS on each device's compute stream.
+#include <cuda_runtime_api.h>
+
+#include "exec_backend.h"
+#include "memplan/common/check.h"
+#include "memplan/kernels/fp8_cuda.h"
+#include "memplan/kernels/ops_cuda.h"
+#include "memplan/runtime/cuda_device.h"
+
+namespace memplan::runtime::internal {
+namespace {
+
+cudaStream_t StreamOf(Device& d) {
+  auto* cuda = dynamic_cast<CudaDevice*>(&d);
+  MEMPLAN_CHECK(cuda != nullptr, "the cuda backend runs on CudaDevices");
+  return static_cast<cudaStream_t>(cuda->compute_stream());
+}
+
+void Check(cudaError_t e, const char* what) {
+  MEMPLAN_CHECK(e == cudaSuccess, (std::string(what) + ": " + cudaGetErrorString(e)).c_str());
+}
+
+class CudaExecBackend final : public ExecBackend {
+ public:
+  std::string device_name() const override {
+    cudaDeviceProp prop{};
+    if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) return "cuda";
+    return std::string(prop.name);
+  }
+
+  Expected<std::unique_ptr<Device>> MakeDevice(const std::string& name, int64_t capacity_bytes) override {
+    CudaDevice::Options o;
+    o.name = name;
+    o.capacity_bytes = capacity_bytes;
+    auto d = CudaDevice::Create(o);
+    if (!d.ok()) return d.error();
+    return std::unique_ptr<Device>(std::move(*d));
+  }
+
+  Expected<std::unique_ptr<HostArena>> MakeHostArena(const std::string& name, int64_t capacity_bytes) override {
+    return MakePinnedArena(capacity_bytes, name);
+  }
+
+  std::unique_ptr<kernels::Ops> MakeOps(Device& d) override { return kernels::MakeCudaOps(StreamOf(d)); }
+
+  void Quantize(Device& d, const float* x, int64_t rows, int64_t cols, uint8_t* values, float* scales) override {
+    kernels::Fp8BlockLayout l;
+    l.rows = rows;
+    l.cols = cols;
+    int rc = kernels::QuantizeFp8BlockwiseCuda(x, l, kernels::ScaleMode::kAmax, values, scales, StreamOf(d));
+    MEMPLAN_CHECK(rc == 0, "FP8 quantization failed");
+  }
+
+  void Dequantize(Device& d, const uint8_t* values, const float* scales, int64_t rows, int64_t cols,
+                  float* y) override {
+    kernels::Fp8BlockLayout l;
+    l.rows = rows;
+    l.cols = cols;
+    int rc = kernels::DequantizeFp8BlockwiseCuda(values, scales, l, y, StreamOf(d));
+    MEMPLAN_CHECK(rc == 0, "FP8 dequantization failed");
+  }
+
+  void ToHost(Device& d, void* dst, const void* src, int64_t bytes) override {
+    cudaStream_t s = StreamOf(d);
+    Check(cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes), cudaMemcpyDefault, s), "cudaMemcpyAsync");
+    Check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+  }
+
+  void FromHost(Device& d, void* dst, const void* src, int64_t bytes) override {
+    cudaStream_t s = StreamOf(d);
+    Check(cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes), cudaMemcpyDefault, s), "cudaMemcpyAsync");
+    // The source may be a temporary of the caller's.
+    Check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+  }
+
+  void Finish(Device& d) override { Check(cudaStreamSynchronize(StreamOf(d)), "cudaStreamSynchronize"); }
+};
+
+}  // namespace
+
+std::unique_ptr<ExecBackend> MakeCudaExecBackend() {
+  if (!CudaRuntimeAvailable()) return nullptr;
+  return std::make_unique<CudaExecBackend>();
+}
+
+}  // namespace memplan::runtime::internal

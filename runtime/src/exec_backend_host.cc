@@ -1,0 +1,71 @@
+// The host backend of the executor: HostDevice arenas placed by the
+// planner's best-fit heap, copy engines as worker threads, CPU reference
+// kernels.
+#include <cstring>
+
+#include "exec_backend.h"
+#include "memplan/kernels/fp8.h"
+
+namespace memplan::runtime::internal {
+namespace {
+
+class HostExecBackend final : public ExecBackend {
+ public:
+  explicit HostExecBackend(int64_t jitter_us) : jitter_us_(jitter_us) {}
+
+  std::string device_name() const override { return "host (CPU reference kernels)"; }
+
+  Expected<std::unique_ptr<Device>> MakeDevice(const std::string& name, int64_t capacity_bytes) override {
+    HostDevice::Options o;
+    o.capacity_bytes = capacity_bytes;
+    o.name = name;
+    o.copy_jitter_us = jitter_us_;
+    return std::unique_ptr<Device>(std::make_unique<HostDevice>(o));
+  }
+
+  Expected<std::unique_ptr<HostArena>> MakeHostArena(const std::string& name, int64_t capacity_bytes) override {
+    HostArena::Options o;
+    o.capacity_bytes = capacity_bytes;
+    o.name = name;
+    return std::make_unique<HostArena>(o);
+  }
+
+  std::unique_ptr<kernels::Ops> MakeOps(Device&) override { return kernels::MakeRefOps(); }
+
+  void Quantize(Device&, const float* x, int64_t rows, int64_t cols, uint8_t* values, float* scales) override {
+    kernels::Fp8BlockLayout l;
+    l.rows = rows;
+    l.cols = cols;
+    kernels::QuantizeFp8BlockwiseRef(x, l, kernels::ScaleMode::kAmax, values, scales);
+  }
+
+  void Dequantize(Device&, const uint8_t* values, const float* scales, int64_t rows, int64_t cols, float* y) override {
+    kernels::Fp8BlockLayout l;
+    l.rows = rows;
+    l.cols = cols;
+    kernels::DequantizeFp8BlockwiseRef(values, scales, l, y);
+  }
+
+  void ToHost(Device&, void* dst, const void* src, int64_t bytes) override {
+    std::memcpy(dst, src, static_cast<size_t>(bytes));
+  }
+  void FromHost(Device&, void* dst, const void* src, int64_t bytes) override {
+    std::memcpy(dst, src, static_cast<size_t>(bytes));
+  }
+  void Finish(Device& d) override { d.Synchronize(); }
+
+ private:
+  int64_t jitter_us_;
+};
+
+}  // namespace
+
+std::unique_ptr<ExecBackend> MakeHostExecBackend(int64_t copy_jitter_us) {
+  return std::make_unique<HostExecBackend>(copy_jitter_us);
+}
+
+#ifndef MEMPLAN_HAVE_CUDA_RUNTIME
+std::unique_ptr<ExecBackend> MakeCudaExecBackend() { return nullptr; }
+#endif
+
+}  // namespace memplan::runtime::internal
