@@ -4,8 +4,9 @@
 // launch leaves the stream in an unknown state.
 //
 // Resources a CudaOps owns (created once, in MakeCudaOps): a cuBLAS handle
-// bound to the stream, and an 8 KiB device buffer that stages DispatchPlan's
-// offsets on their way to host memory. Op calls themselves never allocate;
+// bound to the stream, an 8 KiB device buffer that stages DispatchPlan's
+// offsets on their way to host memory, and an 8 KiB device buffer for
+// SquaredNorm's per-block partial sums. Op calls themselves never allocate;
 // cuBLAS uses the caller's workspace when one is passed, otherwise its own
 // default workspace pool.
 #include <cublas_v2.h>
@@ -45,6 +46,9 @@ class CudaOps final : public Ops {
     void* staged = nullptr;
     MEMPLAN_CUDA_CHECK(cudaMalloc(&staged, kStagedOffsets * sizeof(int64_t)));
     staged_offsets_ = static_cast<int64_t*>(staged);
+    void* partials = nullptr;
+    MEMPLAN_CUDA_CHECK(cudaMalloc(&partials, cuda::kSquaredNormPartials * sizeof(double)));
+    norm_partials_ = static_cast<double*>(partials);
   }
 
   // Teardown errors are ignored: at process exit the context may already be
@@ -52,6 +56,7 @@ class CudaOps final : public Ops {
   ~CudaOps() override {
     if (cublas_ != nullptr) cublasDestroy(cublas_);
     if (staged_offsets_ != nullptr) cudaFree(staged_offsets_);
+    if (norm_partials_ != nullptr) cudaFree(norm_partials_);
   }
 
   CudaOps(const CudaOps&) = delete;
@@ -79,6 +84,23 @@ class CudaOps final : public Ops {
     const int64_t lda = trans_a ? m : k;  // row length of A as stored
     const int64_t ldb = trans_b ? k : n;
     MEMPLAN_CUBLAS_CHECK(cublasSgemm_64(cublas_, op_b, op_a, n, m, k, &alpha, b, ldb, a, lda, &beta, c, n));
+  }
+
+  // Same operand swap as Gemm, with the caller's row strides as cuBLAS's
+  // column-major leading dimensions.
+  void GemmStridedBatched(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+                          int64_t lda, int64_t stride_a, const float* b, int64_t ldb, int64_t stride_b, float beta,
+                          float* c, int64_t ldc, int64_t stride_c, int64_t batch, void* workspace) override {
+    if (m <= 0 || n <= 0 || batch <= 0) return;
+    if (k <= 0) {
+      MEMPLAN_CUDA_CHECK(cuda::LaunchScaleMatrices(ctx_, m, n, beta, c, ldc, stride_c, batch));
+      return;
+    }
+    UseWorkspace(workspace);
+    const cublasOperation_t op_a = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+    const cublasOperation_t op_b = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+    MEMPLAN_CUBLAS_CHECK(cublasSgemmStridedBatched_64(cublas_, op_b, op_a, n, m, k, &alpha, b, ldb, stride_b, a, lda,
+                                                      stride_a, &beta, c, ldc, stride_c, batch));
   }
 
   void GroupedGemm(const int64_t* offsets, int64_t experts, int64_t k, int64_t n, const float* x, const float* w,
@@ -139,6 +161,62 @@ class CudaOps final : public Ops {
 
   void Add(const float* a, const float* b, int64_t n, float* y) override {
     MEMPLAN_CUDA_CHECK(cuda::LaunchAdd(ctx_, a, b, n, y));
+  }
+  void Accumulate(float* y, const float* x, int64_t n) override {
+    MEMPLAN_CUDA_CHECK(cuda::LaunchAccumulate(ctx_, y, x, n));
+  }
+
+  void SoftmaxFwd(const float* x, int64_t rows, int64_t cols, float scale, int64_t causal_seq, float* y) override {
+    MEMPLAN_CUDA_CHECK(cuda::LaunchSoftmaxFwd(ctx_, x, rows, cols, scale, causal_seq, y));
+  }
+  void SoftmaxBwd(const float* y, const float* dy, int64_t rows, int64_t cols, float scale, float* dx) override {
+    MEMPLAN_CUDA_CHECK(cuda::LaunchSoftmaxBwd(ctx_, y, dy, rows, cols, scale, dx));
+  }
+  void SigmoidFwd(const float* x, int64_t n, float* y) override {
+    MEMPLAN_CUDA_CHECK(cuda::LaunchSigmoidFwd(ctx_, x, n, y));
+  }
+  void SigmoidBwd(const float* y, const float* dy, int64_t n, float* dx) override {
+    MEMPLAN_CUDA_CHECK(cuda::LaunchSigmoidBwd(ctx_, y, dy, n, dx));
+  }
+  void TopKFwd(const float* probs, int64_t tokens, int64_t experts, int64_t top_k, bool renormalize, int32_t* idx,
+               float* weights) override {
+    MEMPLAN_CUDA_CHECK(cuda::LaunchTopKFwd(ctx_, probs, tokens, experts, top_k, renormalize, idx, weights));
+  }
+  void TopKBwd(const float* probs, const int32_t* idx, const float* weights, const float* d_weights, int64_t tokens,
+               int64_t experts, int64_t top_k, bool renormalize, float* dprobs) override {
+    MEMPLAN_CUDA_CHECK(
+        cuda::LaunchTopKBwd(ctx_, probs, idx, weights, d_weights, tokens, experts, top_k, renormalize, dprobs));
+  }
+  void EmbeddingFwd(const int32_t* tokens, const float* table, int64_t n, int64_t d, float* y) override {
+    MEMPLAN_CUDA_CHECK(cuda::LaunchEmbeddingFwd(ctx_, tokens, table, n, d, y));
+  }
+  void EmbeddingBwd(const int32_t* tokens, const float* dy, int64_t n, int64_t d, float* dtable) override {
+    MEMPLAN_CUDA_CHECK(cuda::LaunchEmbeddingBwd(ctx_, tokens, dy, n, d, dtable));
+  }
+  void SplitHeadsFwd(const float* qkv, const SplitShape& sh, float* q, float* k, float* v) override {
+    MEMPLAN_CUDA_CHECK(cuda::LaunchSplitHeadsFwd(ctx_, qkv, sh.b, sh.s, sh.heads, sh.kv_heads, sh.head_dim, sh.rope,
+                                                 sh.rope_theta, q, k, v));
+  }
+  void SplitHeadsBwd(const float* dq, const float* dk, const float* dv, const SplitShape& sh, float* dqkv) override {
+    MEMPLAN_CUDA_CHECK(cuda::LaunchSplitHeadsBwd(ctx_, dq, dk, dv, sh.b, sh.s, sh.heads, sh.kv_heads, sh.head_dim,
+                                                 sh.rope, sh.rope_theta, dqkv));
+  }
+  void AdamStep(float* master, const float* grad, float* m, float* v, int64_t n, const AdamConfig& c,
+                int64_t step) override {
+    MEMPLAN_CUDA_CHECK(cuda::LaunchAdamStep(ctx_, master, grad, m, v, n, c.lr, c.beta1, c.beta2, c.eps,
+                                            c.weight_decay, AdamBiasCorrection(c.beta1, step),
+                                            AdamBiasCorrection(c.beta2, step)));
+  }
+  void SquaredNorm(const float* x, int64_t n, double* out) override {
+    MEMPLAN_CUDA_CHECK(cuda::LaunchSquaredNorm(ctx_, x, n, norm_partials_, out));
+  }
+  void Copy(void* dst, const void* src, int64_t bytes) override {
+    if (bytes <= 0) return;
+    MEMPLAN_CUDA_CHECK(cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes), cudaMemcpyDeviceToDevice, ctx_.stream));
+  }
+  void Zero(void* dst, int64_t bytes) override {
+    if (bytes <= 0) return;
+    MEMPLAN_CUDA_CHECK(cudaMemsetAsync(dst, 0, static_cast<size_t>(bytes), ctx_.stream));
   }
 
   void AttentionFwd(const AttentionShape& sh, const float* q, const float* k, const float* v, float* probs,
@@ -248,6 +326,7 @@ class CudaOps final : public Ops {
   cublasHandle_t cublas_ = nullptr;
   void* workspace_ = nullptr;          // what cuBLAS was last given; nullptr = its default pool
   int64_t* staged_offsets_ = nullptr;  // device, kStagedOffsets entries
+  double* norm_partials_ = nullptr;    // device, cuda::kSquaredNormPartials entries
 };
 
 }  // namespace

@@ -10,7 +10,12 @@
 //     256-thread block per row (grid-stride over rows); row reductions are
 //     warp shuffles, then one shuffle across the block's warps. The tree has
 //     a fixed shape, so results do not change from run to run.
-//   - Router ops run one warp per token.
+//   - Router and top-k ops run one warp per token (shared selection and
+//     gradient code). Softmax runs one block per row like the norms.
+//   - Deterministic by construction where the contract asks for bits:
+//     EmbeddingBwd (one thread per column, tokens in order, no atomics),
+//     AdamStep (explicit __f*_rn intrinsics, the reference's roundings) and
+//     SquaredNorm (a fixed grid of double partial sums, fixed trees).
 //   - No kernel allocates. Where an op reduces across rows into a weight
 //     gradient (norm dgamma/dbeta, AttnRes dw/dgamma) and has no workspace,
 //     the per-block partial sums are parked in the input-gradient output,
@@ -115,6 +120,9 @@ __device__ __forceinline__ void StoreShared(float* p, const float (&v)[W]) {
     *p = v[0];
   }
 }
+
+// std::min is host-only without --expt-relaxed-constexpr.
+__device__ __forceinline__ int64_t MinI64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 bool Aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
@@ -724,12 +732,92 @@ void SwigluBwdLaunch(const LaunchContext& ctx, const float* x, const float* dy, 
 }
 
 // ---------------------------------------------------------------------------
-// Router, one warp per token.
+// Router and top-k, one warp per token.
 
 // Rank order of (prob, expert): higher probability first, then lower index.
 __device__ __forceinline__ bool RanksBefore(float av, int ai, float bv, int bi) {
   return av > bv || (av == bv && ai < bi);
 }
+
+// The top-k selection of one token's probabilities pr[experts], shared by
+// RouterFwd and TopKFwd; warp-uniform call. Selection i is the best entry
+// ranking after selection i - 1; lane 0 writes idx[i], w[i] and then the
+// renormalization (summed best first). A lane reads only pr[lane + 32 j], so
+// a caller that just wrote pr from the same lanes needs no barrier.
+__device__ __forceinline__ void WarpTopK(const float* pr, int64_t experts, int64_t top_k, bool renormalize,
+                                         int32_t* idx, float* w) {
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  float prev_v = INFINITY;
+  int prev_i = -1;
+  for (int64_t i = 0; i < top_k; ++i) {
+    float best_v = -INFINITY;
+    int best_i = INT_MAX;
+    for (int64_t e = lane; e < experts; e += kWarpSize) {
+      const float v = pr[e];
+      const int ei = static_cast<int>(e);
+      if (RanksBefore(prev_v, prev_i, v, ei) && RanksBefore(v, ei, best_v, best_i)) {
+        best_v = v;
+        best_i = ei;
+      }
+    }
+#pragma unroll
+    for (int o = kWarpSize / 2; o > 0; o /= 2) {
+      const float ov = __shfl_xor_sync(kFullMask, best_v, o);
+      const int oi = __shfl_xor_sync(kFullMask, best_i, o);
+      if (RanksBefore(ov, oi, best_v, best_i)) {
+        best_v = ov;
+        best_i = oi;
+      }
+    }
+    if (lane == 0) {
+      idx[i] = best_i;
+      w[i] = best_v;
+    }
+    prev_v = best_v;
+    prev_i = best_i;
+  }
+  if (renormalize && lane == 0) {
+    float s = 0.f;
+    for (int64_t i = 0; i < top_k; ++i) s += w[i];
+    for (int64_t i = 0; i < top_k; ++i) w[i] /= s;
+  }
+}
+
+// The gradient of one token's top-k weights with respect to its
+// probabilities, shared by RouterBwd and TopKBwd. With S = sum of the
+// selected probabilities and w = p / S (renormalize):
+// dp_i = (dw_i - sum_j dw_j w_j) / S, else dp_i = dw_i; zero off the
+// selection. Every lane computes the k-term sums (same order, same values).
+struct TopKGrad {
+  const int32_t* idx;
+  const float* dw;
+  int64_t top_k;
+  bool renormalize;
+  float sel_sum = 1.f;
+  float dot = 0.f;
+
+  __device__ TopKGrad(const float* pr, const int32_t* idx_in, const float* w, const float* dw_in, int64_t k,
+                      bool renorm)
+      : idx(idx_in), dw(dw_in), top_k(k), renormalize(renorm) {
+    if (renormalize) {
+      sel_sum = 0.f;
+      for (int64_t i = 0; i < top_k; ++i) {
+        sel_sum += pr[idx[i]];
+        dot += dw[i] * w[i];
+      }
+    }
+  }
+  // dp of selection i.
+  __device__ float Selected(int64_t i) const { return renormalize ? (dw[i] - dot) / sel_sum : dw[i]; }
+  // dp of expert e (0 when not selected).
+  __device__ float At(int64_t e) const {
+    float d = 0.f;
+    for (int64_t i = 0; i < top_k; ++i) {
+      if (idx[i] == e) d += Selected(i);
+    }
+    return d;
+  }
+};
 
 __global__ void __launch_bounds__(kThreads)
     RouterFwdKernel(const float* logits, int64_t tokens, int64_t experts, int64_t top_k, bool sigmoid, bool renormalize,
@@ -750,50 +838,21 @@ __global__ void __launch_bounds__(kThreads)
       s = WarpSum(s);
       for (int64_t e = lane; e < experts; e += kWarpSize) pr[e] = expf(lg[e] - m) / s;
     }
-    // Selection i is the best entry ranking after selection i - 1. Each lane
-    // re-reads only the probabilities it wrote itself.
-    float prev_v = INFINITY;
-    int prev_i = -1;
-    for (int64_t i = 0; i < top_k; ++i) {
-      float best_v = -INFINITY;
-      int best_i = INT_MAX;
-      for (int64_t e = lane; e < experts; e += kWarpSize) {
-        const float v = pr[e];
-        const int ei = static_cast<int>(e);
-        if (RanksBefore(prev_v, prev_i, v, ei) && RanksBefore(v, ei, best_v, best_i)) {
-          best_v = v;
-          best_i = ei;
-        }
-      }
-#pragma unroll
-      for (int o = kWarpSize / 2; o > 0; o /= 2) {
-        const float ov = __shfl_xor_sync(kFullMask, best_v, o);
-        const int oi = __shfl_xor_sync(kFullMask, best_i, o);
-        if (RanksBefore(ov, oi, best_v, best_i)) {
-          best_v = ov;
-          best_i = oi;
-        }
-      }
-      if (lane == 0) {
-        topk_idx[t * top_k + i] = best_i;
-        topk_weights[t * top_k + i] = best_v;
-      }
-      prev_v = best_v;
-      prev_i = best_i;
-    }
-    if (renormalize && lane == 0) {
-      float* w = topk_weights + t * top_k;
-      float s = 0.f;
-      for (int64_t i = 0; i < top_k; ++i) s += w[i];
-      for (int64_t i = 0; i < top_k; ++i) w[i] /= s;
-    }
+    WarpTopK(pr, experts, top_k, renormalize, topk_idx + t * top_k, topk_weights + t * top_k);
   }
 }
 
-// With S = sum of the selected probabilities and w = p / S (renormalize):
-// dp_i = (dw_i - sum_j dw_j w_j) / S, else dp_i = dw_i. Softmax:
-// dlogit_e = p_e (dp_e - sum_i p_i dp_i); sigmoid: dlogit_e = dp_e p_e (1 - p_e).
-// Every lane recomputes the k-term sums (same order, same values).
+__global__ void __launch_bounds__(kThreads)
+    TopKFwdKernel(const float* probs, int64_t tokens, int64_t experts, int64_t top_k, bool renormalize, int32_t* idx,
+                  float* weights) {
+  const int64_t warp_stride = static_cast<int64_t>(gridDim.x) * kWarps;
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / kWarpSize; t < tokens; t += warp_stride) {
+    WarpTopK(probs + t * experts, experts, top_k, renormalize, idx + t * top_k, weights + t * top_k);
+  }
+}
+
+// dp from TopKGrad, then softmax: dlogit_e = p_e (dp_e - sum_i p_i dp_i);
+// sigmoid: dlogit_e = dp_e p_e (1 - p_e).
 __global__ void __launch_bounds__(kThreads)
     RouterBwdKernel(const float* probs, const int32_t* topk_idx, const float* topk_weights, const float* d_topk_weights,
                     int64_t tokens, int64_t experts, int64_t top_k, bool sigmoid, bool renormalize, float* dlogits) {
@@ -802,30 +861,28 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / kWarpSize; t < tokens; t += warp_stride) {
     const float* pr = probs + t * experts;
     const int32_t* idx = topk_idx + t * top_k;
-    const float* w = topk_weights + t * top_k;
-    const float* dw = d_topk_weights + t * top_k;
-    float sel_sum = 1.f, dot = 0.f;
-    if (renormalize) {
-      sel_sum = 0.f;
-      for (int64_t i = 0; i < top_k; ++i) {
-        sel_sum += pr[idx[i]];
-        dot += dw[i] * w[i];
-      }
-    }
-    // dp_i computed on the fly: renormalize ? (dw_i - dot) / S : dw_i.
-    auto dp = [&](int64_t i) { return renormalize ? (dw[i] - dot) / sel_sum : dw[i]; };
+    const TopKGrad grad(pr, idx, topk_weights + t * top_k, d_topk_weights + t * top_k, top_k, renormalize);
     float inner = 0.f;
     if (!sigmoid) {
-      for (int64_t i = 0; i < top_k; ++i) inner += pr[idx[i]] * dp(i);
+      for (int64_t i = 0; i < top_k; ++i) inner += pr[idx[i]] * grad.Selected(i);
     }
     for (int64_t e = lane; e < experts; e += kWarpSize) {
-      float dpe = 0.f;
-      for (int64_t i = 0; i < top_k; ++i) {
-        if (idx[i] == e) dpe += dp(i);
-      }
+      const float dpe = grad.At(e);
       const float p = pr[e];
       dlogits[t * experts + e] = sigmoid ? dpe * p * (1.f - p) : p * (dpe - inner);
     }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads)
+    TopKBwdKernel(const float* probs, const int32_t* idx, const float* weights, const float* d_weights, int64_t tokens,
+                  int64_t experts, int64_t top_k, bool renormalize, float* dprobs) {
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  const int64_t warp_stride = static_cast<int64_t>(gridDim.x) * kWarps;
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / kWarpSize; t < tokens; t += warp_stride) {
+    const TopKGrad grad(probs + t * experts, idx + t * top_k, weights + t * top_k, d_weights + t * top_k, top_k,
+                        renormalize);
+    for (int64_t e = lane; e < experts; e += kWarpSize) dprobs[t * experts + e] = grad.At(e);
   }
 }
 
@@ -1315,6 +1372,340 @@ cudaError_t AttnResBwd(const LaunchContext& ctx, const float* sources, const flo
   return cudaGetLastError();
 }
 
+// ---------------------------------------------------------------------------
+// Strided batched GEMM with k == 0: C_i = beta * C_i (C not read when beta is
+// 0), over the m x n entries of each [m, ldc] matrix.
+
+__global__ void __launch_bounds__(kThreads)
+    ScaleMatricesKernel(int64_t m, int64_t n, float beta, float* c, int64_t ldc, int64_t stride_c, int64_t batch) {
+  const int64_t total = batch * m * n;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < total; e += stride) {
+    const int64_t bi = e / (m * n);
+    const int64_t r = (e - bi * m * n) / n;
+    const int64_t col = e - bi * m * n - r * n;
+    float* p = c + bi * stride_c + r * ldc + col;
+    *p = beta == 0.f ? 0.f : beta * *p;
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Softmax, one block per row. v = scale * x is rounded before the max is
+// subtracted (__fmul_rn: no fused multiply-add), as in the reference.
+
+template <int W>
+__global__ void __launch_bounds__(kThreads) SoftmaxFwdKernel(const float* x, int64_t rows, int64_t cols, float scale,
+                                                             int64_t causal_seq, float* y) {
+  __shared__ float red[kWarps];
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const float* xr = x + row * cols;
+    float* yr = y + row * cols;
+    const int64_t visible = causal_seq > 0 ? MinI64(cols, row % causal_seq + 1) : cols;
+    float m = -INFINITY;
+    ForEachInRow<W>(cols, [&](int64_t c) {
+      float v[W];
+      LoadRo<W>(xr + c, v);
+#pragma unroll
+      for (int j = 0; j < W; ++j) {
+        if (c + j < visible) m = fmaxf(m, __fmul_rn(scale, v[j]));
+      }
+    });
+    m = BlockMax(m, red);
+    float s = 0.f;
+    ForEachInRow<W>(cols, [&](int64_t c) {
+      float v[W];
+      LoadRo<W>(xr + c, v);
+#pragma unroll
+      for (int j = 0; j < W; ++j) {
+        if (c + j < visible) s += expf(__fmul_rn(scale, v[j]) - m);
+      }
+    });
+    s = BlockSum1(s, red);
+    ForEachInRow<W>(cols, [&](int64_t c) {
+      float v[W];
+      LoadRo<W>(xr + c, v);
+#pragma unroll
+      for (int j = 0; j < W; ++j) v[j] = c + j < visible ? expf(__fmul_rn(scale, v[j]) - m) / s : 0.f;
+      Store<W>(yr + c, v);
+    });
+  }
+}
+
+// dx = scale * (y * (dy - sum_j dy_j y_j)).
+template <int W>
+__global__ void __launch_bounds__(kThreads)
+    SoftmaxBwdKernel(const float* y, const float* dy, int64_t rows, int64_t cols, float scale, float* dx) {
+  __shared__ float red[kWarps];
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const float* yr = y + row * cols;
+    const float* dyr = dy + row * cols;
+    float* dxr = dx + row * cols;
+    float dot = 0.f;
+    ForEachInRow<W>(cols, [&](int64_t c) {
+      float a[W], b[W];
+      LoadRo<W>(yr + c, a);
+      LoadRo<W>(dyr + c, b);
+#pragma unroll
+      for (int j = 0; j < W; ++j) dot += a[j] * b[j];
+    });
+    dot = BlockSum1(dot, red);
+    ForEachInRow<W>(cols, [&](int64_t c) {
+      float a[W], b[W];
+      LoadRo<W>(yr + c, a);
+      LoadRo<W>(dyr + c, b);
+#pragma unroll
+      for (int j = 0; j < W; ++j) a[j] = scale * (a[j] * (b[j] - dot));
+      Store<W>(dxr + c, a);
+    });
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Sigmoid, accumulate.
+
+template <int W>
+__global__ void __launch_bounds__(kThreads) SigmoidFwdKernel(const float* x, int64_t n, float* y) {
+  ForEachFlat<W>(n, [&](int64_t i, auto width) {
+    constexpr int kW = decltype(width)::value;
+    float v[kW];
+    LoadRo<kW>(x + i, v);
+#pragma unroll
+    for (int j = 0; j < kW; ++j) v[j] = Sigmoid(v[j]);
+    Store<kW>(y + i, v);
+  });
+}
+
+// dx = dy * (y * (1 - y)), as the reference (no fused multiply-add).
+template <int W>
+__global__ void __launch_bounds__(kThreads) SigmoidBwdKernel(const float* y, const float* dy, int64_t n, float* dx) {
+  ForEachFlat<W>(n, [&](int64_t i, auto width) {
+    constexpr int kW = decltype(width)::value;
+    float v[kW], d[kW];
+    LoadRo<kW>(y + i, v);
+    LoadRo<kW>(dy + i, d);
+#pragma unroll
+    for (int j = 0; j < kW; ++j) v[j] = __fmul_rn(d[j], __fmul_rn(v[j], __fsub_rn(1.f, v[j])));
+    Store<kW>(dx + i, v);
+  });
+}
+
+template <int W>
+__global__ void __launch_bounds__(kThreads) AccumulateKernel(float* y, const float* x, int64_t n) {
+  ForEachFlat<W>(n, [&](int64_t i, auto width) {
+    constexpr int kW = decltype(width)::value;
+    float u[kW], v[kW];
+    Load<kW>(y + i, u);
+    LoadRo<kW>(x + i, v);
+#pragma unroll
+    for (int j = 0; j < kW; ++j) u[j] += v[j];
+    Store<kW>(y + i, u);
+  });
+}
+
+// ---------------------------------------------------------------------------
+// Embedding.
+
+// y[t] = table[tokens[t]], one block per token row.
+template <int W>
+__global__ void __launch_bounds__(kThreads)
+    EmbeddingFwdKernel(const int32_t* tokens, const float* table, int64_t n, int64_t d, float* y) {
+  for (int64_t t = blockIdx.x; t < n; t += gridDim.x) {
+    const float* src = table + static_cast<int64_t>(tokens[t]) * d;
+    float* dst = y + t * d;
+    ForEachInRow<W>(d, [&](int64_t c) {
+      float v[W];
+      LoadRo<W>(src + c, v);
+      Store<W>(dst + c, v);
+    });
+  }
+}
+
+// dtable[tokens[t], c] += dy[t, c]: one thread per column c, looping over
+// the tokens in order, so each element receives its terms in token order
+// (the reference's order) with no atomics.
+__global__ void __launch_bounds__(kThreads) EmbeddingBwdKernel(const int32_t* __restrict__ tokens,
+                                                               const float* __restrict__ dy, int64_t n, int64_t d,
+                                                               float* __restrict__ dtable) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < d; c += stride) {
+    for (int64_t t = 0; t < n; ++t) {
+      float* p = dtable + static_cast<int64_t>(__ldg(tokens + t)) * d + c;
+      *p = __fadd_rn(*p, __ldg(dy + t * d + c));
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Split heads (+ RoPE). Work item (row, slot, i): row = b * s + pos of qkv,
+// slot < heads + 2 kv_heads the head in qkv's columns, and i < head_dim
+// (no rope) or i < head_dim / 2 (rope: the pair i, i + half).
+
+struct SplitArgs {
+  int64_t b, s, heads, kv_heads, head_dim;
+  bool rope;
+  float rope_theta;
+};
+
+// cos/sin in double, rounded to float once (the reference's definition).
+__device__ __forceinline__ void RopeCosSin(int64_t pos, int64_t i, const SplitArgs& a, float* c, float* s) {
+  const double angle = static_cast<double>(pos) *
+                       pow(static_cast<double>(a.rope_theta), -static_cast<double>(2 * i) / static_cast<double>(a.head_dim));
+  *c = __double2float_rn(cos(angle));
+  *s = __double2float_rn(sin(angle));
+}
+
+// kBwd = false: qkv -> q, k, v (rotate); true: dq, dk, dv -> dqkv (rotate
+// back). `heads_ptr[0..2]` are q, k, v (or their gradients).
+template <bool kBwd>
+__global__ void __launch_bounds__(kThreads)
+    SplitHeadsKernel(SplitArgs a, const float* qkv_in, float* qkv_out, const float* h0_in, const float* h1_in,
+                     const float* h2_in, float* h0_out, float* h1_out, float* h2_out) {
+  const int64_t slots = a.heads + 2 * a.kv_heads;
+  const int64_t width = slots * a.head_dim;
+  const int64_t per_head = a.rope ? a.head_dim / 2 : a.head_dim;
+  const int64_t half = a.head_dim / 2;
+  const int64_t total = a.b * a.s * slots * per_head;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t item = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; item < total; item += stride) {
+    const int64_t i = item % per_head;
+    const int64_t rest = item / per_head;
+    const int64_t slot = rest % slots;
+    const int64_t row = rest / slots;
+    const int64_t bb = row / a.s;
+    const int64_t pos = row - bb * a.s;
+    const int64_t q_off = row * width + slot * a.head_dim;
+    int64_t h_off;
+    int which;
+    if (slot < a.heads) {
+      which = 0;
+      h_off = ((bb * a.heads + slot) * a.s + pos) * a.head_dim;
+    } else if (slot < a.heads + a.kv_heads) {
+      which = 1;
+      h_off = ((bb * a.kv_heads + (slot - a.heads)) * a.s + pos) * a.head_dim;
+    } else {
+      which = 2;
+      h_off = ((bb * a.kv_heads + (slot - a.heads - a.kv_heads)) * a.s + pos) * a.head_dim;
+    }
+    const float* src;
+    float* dst;
+    if constexpr (kBwd) {
+      src = (which == 0 ? h0_in : which == 1 ? h1_in : h2_in) + h_off;
+      dst = qkv_out + q_off;
+    } else {
+      src = qkv_in + q_off;
+      dst = (which == 0 ? h0_out : which == 1 ? h1_out : h2_out) + h_off;
+    }
+    if (!a.rope) {
+      dst[i] = src[i];
+    } else if (which == 2) {
+      dst[i] = src[i];
+      dst[i + half] = src[i + half];
+    } else {
+      float c, s;
+      RopeCosSin(pos, i, a, &c, &s);
+      const float x0 = src[i];
+      const float x1 = src[i + half];
+      if constexpr (kBwd) {
+        dst[i] = __fadd_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
+        dst[i + half] = __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x0, s));
+      } else {
+        dst[i] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
+        dst[i + half] = __fadd_rn(__fmul_rn(x1, c), __fmul_rn(x0, s));
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// AdamW: the order of operations of ops.h, each one IEEE fp32 rounding
+// (explicit __f*_rn intrinsics, so nvcc cannot fuse a multiply-add), hence
+// the reference's bits.
+
+struct AdamArgs {
+  float beta1, beta2, one_minus_beta1, one_minus_beta2, bc1, bc2, lr, eps, weight_decay;
+};
+
+template <int W>
+__global__ void __launch_bounds__(kThreads)
+    AdamKernel(float* master, const float* grad, float* m, float* v, int64_t n, AdamArgs a) {
+  ForEachFlat<W>(n, [&](int64_t i, auto width) {
+    constexpr int kW = decltype(width)::value;
+    float p[kW], g[kW], mi[kW], vi[kW];
+    Load<kW>(master + i, p);
+    LoadRo<kW>(grad + i, g);
+    Load<kW>(m + i, mi);
+    Load<kW>(v + i, vi);
+#pragma unroll
+    for (int j = 0; j < kW; ++j) {
+      mi[j] = __fadd_rn(__fmul_rn(a.beta1, mi[j]), __fmul_rn(a.one_minus_beta1, g[j]));
+      vi[j] = __fadd_rn(__fmul_rn(a.beta2, vi[j]), __fmul_rn(__fmul_rn(a.one_minus_beta2, g[j]), g[j]));
+      const float mhat = __fdiv_rn(mi[j], a.bc1);
+      const float vhat = __fdiv_rn(vi[j], a.bc2);
+      const float u = __fadd_rn(__fdiv_rn(mhat, __fadd_rn(__fsqrt_rn(vhat), a.eps)), __fmul_rn(a.weight_decay, p[j]));
+      p[j] = __fsub_rn(p[j], __fmul_rn(a.lr, u));
+    }
+    Store<kW>(master + i, p);
+    Store<kW>(m + i, mi);
+    Store<kW>(v + i, vi);
+  });
+}
+
+// ---------------------------------------------------------------------------
+// Squared norm in double, a fixed two-level reduction: kSquaredNormPartials
+// blocks, thread g summing x[g], x[g + G], x[g + 2G], ... (G the fixed grid
+// size) in that order, a fixed block tree, then one block summing the
+// partials with the same tree. Nothing depends on the device or timing.
+
+constexpr int64_t kNormGridThreads = kSquaredNormPartials * kThreads;
+
+__device__ __forceinline__ double WarpSumD(double v) {
+#pragma unroll
+  for (int o = kWarpSize / 2; o > 0; o /= 2) v += __shfl_xor_sync(kFullMask, v, o);
+  return v;
+}
+
+// `red` is __shared__ double[kWarps]. Block-uniform call; every thread
+// gets the same total.
+__device__ __forceinline__ double BlockSumD(double v, double* red) {
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
+  v = WarpSumD(v);
+  __syncthreads();
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  return WarpSumD(lane < kWarps ? red[lane] : 0.0);
+}
+
+__global__ void __launch_bounds__(kThreads) SquaredNormPartialKernel(const float* x, int64_t n, double* partials) {
+  __shared__ double red[kWarps];
+  constexpr int64_t kStride = kNormGridThreads;
+  int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  double acc = 0.0;
+  // Four loads in flight, added in the same order as the plain loop.
+  for (; i + 3 * kStride < n; i += 4 * kStride) {
+    const double a0 = __ldg(x + i), a1 = __ldg(x + i + kStride), a2 = __ldg(x + i + 2 * kStride),
+                 a3 = __ldg(x + i + 3 * kStride);
+    acc += a0 * a0;
+    acc += a1 * a1;
+    acc += a2 * a2;
+    acc += a3 * a3;
+  }
+  for (; i < n; i += kStride) {
+    const double a = __ldg(x + i);
+    acc += a * a;
+  }
+  acc = BlockSumD(acc, red);
+  if (threadIdx.x == 0) partials[blockIdx.x] = acc;
+}
+
+__global__ void __launch_bounds__(kThreads) SquaredNormFinalKernel(const double* partials, double* out) {
+  __shared__ double red[kWarps];
+  double acc = 0.0;
+  for (int64_t i = threadIdx.x; i < kSquaredNormPartials; i += kThreads) acc += partials[i];
+  acc = BlockSumD(acc, red);
+  if (threadIdx.x == 0) *out = acc;
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------
@@ -1559,6 +1950,158 @@ cudaError_t LaunchAttnResBwd(const LaunchContext& ctx, const float* sources, con
   return d % 4 == 0 && AllAligned16(sources, w, gamma, dh, dsources, dw, dgamma)
              ? AttnResBwd<4>(ctx, sources, w, gamma, dh, n, tokens, d, eps, dsources, dw, dgamma)
              : AttnResBwd<1>(ctx, sources, w, gamma, dh, n, tokens, d, eps, dsources, dw, dgamma);
+}
+
+cudaError_t LaunchScaleMatrices(const LaunchContext& ctx, int64_t m, int64_t n, float beta, float* c, int64_t ldc,
+                                int64_t stride_c, int64_t batch) {
+  if (m <= 0 || n <= 0 || batch <= 0 || beta == 1.f) return cudaSuccess;
+  ScaleMatricesKernel<<<FlatGrid(ctx, batch * m * n), kThreads, 0, ctx.stream>>>(m, n, beta, c, ldc, stride_c, batch);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchAccumulate(const LaunchContext& ctx, float* y, const float* x, int64_t n) {
+  if (n <= 0) return cudaSuccess;
+  if (AllAligned16(y, x)) {
+    AccumulateKernel<4><<<FlatGrid(ctx, n / 4 + 1), kThreads, 0, ctx.stream>>>(y, x, n);
+  } else {
+    AccumulateKernel<1><<<FlatGrid(ctx, n), kThreads, 0, ctx.stream>>>(y, x, n);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchSoftmaxFwd(const LaunchContext& ctx, const float* x, int64_t rows, int64_t cols, float scale,
+                             int64_t causal_seq, float* y) {
+  if (rows <= 0 || cols <= 0) return cudaSuccess;
+  if (cols % 4 == 0 && AllAligned16(x, y)) {
+    SoftmaxFwdKernel<4><<<RowGrid(ctx, rows), kThreads, 0, ctx.stream>>>(x, rows, cols, scale, causal_seq, y);
+  } else {
+    SoftmaxFwdKernel<1><<<RowGrid(ctx, rows), kThreads, 0, ctx.stream>>>(x, rows, cols, scale, causal_seq, y);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchSoftmaxBwd(const LaunchContext& ctx, const float* y, const float* dy, int64_t rows, int64_t cols,
+                             float scale, float* dx) {
+  if (rows <= 0 || cols <= 0) return cudaSuccess;
+  if (cols % 4 == 0 && AllAligned16(y, dy, dx)) {
+    SoftmaxBwdKernel<4><<<RowGrid(ctx, rows), kThreads, 0, ctx.stream>>>(y, dy, rows, cols, scale, dx);
+  } else {
+    SoftmaxBwdKernel<1><<<RowGrid(ctx, rows), kThreads, 0, ctx.stream>>>(y, dy, rows, cols, scale, dx);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchSigmoidFwd(const LaunchContext& ctx, const float* x, int64_t n, float* y) {
+  if (n <= 0) return cudaSuccess;
+  if (AllAligned16(x, y)) {
+    SigmoidFwdKernel<4><<<FlatGrid(ctx, n / 4 + 1), kThreads, 0, ctx.stream>>>(x, n, y);
+  } else {
+    SigmoidFwdKernel<1><<<FlatGrid(ctx, n), kThreads, 0, ctx.stream>>>(x, n, y);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchSigmoidBwd(const LaunchContext& ctx, const float* y, const float* dy, int64_t n, float* dx) {
+  if (n <= 0) return cudaSuccess;
+  if (AllAligned16(y, dy, dx)) {
+    SigmoidBwdKernel<4><<<FlatGrid(ctx, n / 4 + 1), kThreads, 0, ctx.stream>>>(y, dy, n, dx);
+  } else {
+    SigmoidBwdKernel<1><<<FlatGrid(ctx, n), kThreads, 0, ctx.stream>>>(y, dy, n, dx);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchTopKFwd(const LaunchContext& ctx, const float* probs, int64_t tokens, int64_t experts, int64_t top_k,
+                          bool renormalize, int32_t* idx, float* weights) {
+  if (tokens <= 0 || experts <= 0) return cudaSuccess;
+  const unsigned grid = RowGrid(ctx, (tokens + kWarps - 1) / kWarps);
+  TopKFwdKernel<<<grid, kThreads, 0, ctx.stream>>>(probs, tokens, experts, top_k, renormalize, idx, weights);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchTopKBwd(const LaunchContext& ctx, const float* probs, const int32_t* idx, const float* weights,
+                          const float* d_weights, int64_t tokens, int64_t experts, int64_t top_k, bool renormalize,
+                          float* dprobs) {
+  if (tokens <= 0 || experts <= 0) return cudaSuccess;
+  const unsigned grid = RowGrid(ctx, (tokens + kWarps - 1) / kWarps);
+  TopKBwdKernel<<<grid, kThreads, 0, ctx.stream>>>(probs, idx, weights, d_weights, tokens, experts, top_k,
+                                                   renormalize, dprobs);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchEmbeddingFwd(const LaunchContext& ctx, const int32_t* tokens, const float* table, int64_t n,
+                               int64_t d, float* y) {
+  if (n <= 0 || d <= 0) return cudaSuccess;
+  if (d % 4 == 0 && AllAligned16(table, y)) {
+    EmbeddingFwdKernel<4><<<RowGrid(ctx, n), kThreads, 0, ctx.stream>>>(tokens, table, n, d, y);
+  } else {
+    EmbeddingFwdKernel<1><<<RowGrid(ctx, n), kThreads, 0, ctx.stream>>>(tokens, table, n, d, y);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchEmbeddingBwd(const LaunchContext& ctx, const int32_t* tokens, const float* dy, int64_t n, int64_t d,
+                               float* dtable) {
+  if (n <= 0 || d <= 0) return cudaSuccess;
+  EmbeddingBwdKernel<<<FlatGrid(ctx, d), kThreads, 0, ctx.stream>>>(tokens, dy, n, d, dtable);
+  return cudaGetLastError();
+}
+
+namespace {
+
+SplitArgs MakeSplitArgs(int64_t b, int64_t s, int64_t heads, int64_t kv_heads, int64_t head_dim, bool rope,
+                        float rope_theta) {
+  return SplitArgs{b, s, heads, kv_heads, head_dim, rope, rope_theta};
+}
+
+int64_t SplitItems(const SplitArgs& a) {
+  return a.b * a.s * (a.heads + 2 * a.kv_heads) * (a.rope ? a.head_dim / 2 : a.head_dim);
+}
+
+}  // namespace
+
+cudaError_t LaunchSplitHeadsFwd(const LaunchContext& ctx, const float* qkv, int64_t b, int64_t s, int64_t heads,
+                                int64_t kv_heads, int64_t head_dim, bool rope, float rope_theta, float* q, float* k,
+                                float* v) {
+  const SplitArgs a = MakeSplitArgs(b, s, heads, kv_heads, head_dim, rope, rope_theta);
+  const int64_t items = SplitItems(a);
+  if (items <= 0) return cudaSuccess;
+  if (rope && head_dim % 2 != 0) return cudaErrorInvalidValue;
+  SplitHeadsKernel<false><<<FlatGrid(ctx, items), kThreads, 0, ctx.stream>>>(a, qkv, nullptr, nullptr, nullptr,
+                                                                             nullptr, q, k, v);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchSplitHeadsBwd(const LaunchContext& ctx, const float* dq, const float* dk, const float* dv, int64_t b,
+                                int64_t s, int64_t heads, int64_t kv_heads, int64_t head_dim, bool rope,
+                                float rope_theta, float* dqkv) {
+  const SplitArgs a = MakeSplitArgs(b, s, heads, kv_heads, head_dim, rope, rope_theta);
+  const int64_t items = SplitItems(a);
+  if (items <= 0) return cudaSuccess;
+  if (rope && head_dim % 2 != 0) return cudaErrorInvalidValue;
+  SplitHeadsKernel<true><<<FlatGrid(ctx, items), kThreads, 0, ctx.stream>>>(a, nullptr, dqkv, dq, dk, dv, nullptr,
+                                                                            nullptr, nullptr);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchAdamStep(const LaunchContext& ctx, float* master, const float* grad, float* m, float* v, int64_t n,
+                           float lr, float beta1, float beta2, float eps, float weight_decay, float bc1, float bc2) {
+  if (n <= 0) return cudaSuccess;
+  const AdamArgs a{beta1, beta2, 1.f - beta1, 1.f - beta2, bc1, bc2, lr, eps, weight_decay};
+  if (AllAligned16(master, grad, m, v)) {
+    AdamKernel<4><<<FlatGrid(ctx, n / 4 + 1), kThreads, 0, ctx.stream>>>(master, grad, m, v, n, a);
+  } else {
+    AdamKernel<1><<<FlatGrid(ctx, n), kThreads, 0, ctx.stream>>>(master, grad, m, v, n, a);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchSquaredNorm(const LaunchContext& ctx, const float* x, int64_t n, double* partials, double* out) {
+  SquaredNormPartialKernel<<<static_cast<unsigned>(kSquaredNormPartials), kThreads, 0, ctx.stream>>>(
+      x, n > 0 ? n : 0, partials);
+  if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+  SquaredNormFinalKernel<<<1, kThreads, 0, ctx.stream>>>(partials, out);
+  return cudaGetLastError();
 }
 
 }  // namespace memplan::kernels::cuda

@@ -50,6 +50,58 @@ cudaError_t LaunchDropoutFwd(const LaunchContext& ctx, const float* x, int64_t n
 cudaError_t LaunchDropoutBwd(const LaunchContext& ctx, const float* dy, const uint8_t* mask, int64_t n, float p,
                              float* dx);
 cudaError_t LaunchAdd(const LaunchContext& ctx, const float* a, const float* b, int64_t n, float* y);
+cudaError_t LaunchAccumulate(const LaunchContext& ctx, float* y, const float* x, int64_t n);
+
+// GemmStridedBatched with k == 0 (cuBLAS is not asked): C_i = beta * C_i on
+// the m x n entries of each [m, ldc] matrix; beta == 0 writes zeros without
+// reading C; beta == 1 launches nothing.
+cudaError_t LaunchScaleMatrices(const LaunchContext& ctx, int64_t m, int64_t n, float beta, float* c, int64_t ldc,
+                                int64_t stride_c, int64_t batch);
+
+// Softmax: one block per row; scale * x is rounded before the max is
+// subtracted, as in the reference.
+cudaError_t LaunchSoftmaxFwd(const LaunchContext& ctx, const float* x, int64_t rows, int64_t cols, float scale,
+                             int64_t causal_seq, float* y);
+cudaError_t LaunchSoftmaxBwd(const LaunchContext& ctx, const float* y, const float* dy, int64_t rows, int64_t cols,
+                             float scale, float* dx);
+cudaError_t LaunchSigmoidFwd(const LaunchContext& ctx, const float* x, int64_t n, float* y);
+cudaError_t LaunchSigmoidBwd(const LaunchContext& ctx, const float* y, const float* dy, int64_t n, float* dx);
+
+// One warp per token; the selection code is RouterFwd's (WarpTopK) and the
+// gradient RouterBwd's (TopKGrad).
+cudaError_t LaunchTopKFwd(const LaunchContext& ctx, const float* probs, int64_t tokens, int64_t experts, int64_t top_k,
+                          bool renormalize, int32_t* idx, float* weights);
+cudaError_t LaunchTopKBwd(const LaunchContext& ctx, const float* probs, const int32_t* idx, const float* weights,
+                          const float* d_weights, int64_t tokens, int64_t experts, int64_t top_k, bool renormalize,
+                          float* dprobs);
+
+// EmbeddingBwd runs one thread per column looping over the tokens in order:
+// no atomics, the reference's order, so the reference's bits.
+cudaError_t LaunchEmbeddingFwd(const LaunchContext& ctx, const int32_t* tokens, const float* table, int64_t n,
+                               int64_t d, float* y);
+cudaError_t LaunchEmbeddingBwd(const LaunchContext& ctx, const int32_t* tokens, const float* dy, int64_t n, int64_t d,
+                               float* dtable);
+
+// SplitShape's fields spelled out (this header does not include ops.h).
+// cudaErrorInvalidValue for rope with an odd head_dim.
+cudaError_t LaunchSplitHeadsFwd(const LaunchContext& ctx, const float* qkv, int64_t b, int64_t s, int64_t heads,
+                                int64_t kv_heads, int64_t head_dim, bool rope, float rope_theta, float* q, float* k,
+                                float* v);
+cudaError_t LaunchSplitHeadsBwd(const LaunchContext& ctx, const float* dq, const float* dk, const float* dv, int64_t b,
+                                int64_t s, int64_t heads, int64_t kv_heads, int64_t head_dim, bool rope,
+                                float rope_theta, float* dqkv);
+
+// AdamW with the bias corrections bc1, bc2 computed by the caller
+// (AdamBiasCorrection); bit-identical to the reference.
+cudaError_t LaunchAdamStep(const LaunchContext& ctx, float* master, const float* grad, float* m, float* v, int64_t n,
+                           float lr, float beta1, float beta2, float eps, float weight_decay, float bc1, float bc2);
+
+// Squared norm in double: kSquaredNormPartials blocks write their partial
+// sums to `partials` (device, kSquaredNormPartials doubles, owned by the
+// caller), then one block sums them into *out (device). Fixed grid, fixed
+// per-thread ranges and trees: bit-identical run to run for a given n.
+inline constexpr int64_t kSquaredNormPartials = 1024;
+cudaError_t LaunchSquaredNorm(const LaunchContext& ctx, const float* x, int64_t n, double* partials, double* out);
 
 cudaError_t LaunchRouterFwd(const LaunchContext& ctx, const float* logits, int64_t tokens, int64_t experts,
                             int64_t top_k, bool sigmoid, bool renormalize, float* probs, int32_t* topk_idx,

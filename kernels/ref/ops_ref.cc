@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <memory>
 
@@ -36,6 +37,14 @@ int64_t FlashAttentionBwdWorkspaceBytes(int64_t b, int64_t heads, int64_t s) {
 }
 
 int64_t GemmWorkspaceBytes() { return workspace::GemmBytes(); }
+
+int64_t MoeRoutingWorkspaceBytes(int64_t tokens, int64_t top_k, int64_t experts) {
+  return workspace::MoeRoutingBytes(tokens, top_k, experts);
+}
+
+float AdamBiasCorrection(float beta, int64_t step) {
+  return static_cast<float>(1.0 - std::pow(static_cast<double>(beta), static_cast<double>(step)));
+}
 
 namespace ref {
 namespace {
@@ -126,8 +135,12 @@ void AttnResStats(const T* sources, const T* w, const T* gamma, int64_t n, int64
 template <typename T>
 void RefMath<T>::Gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha, const T* a, const T* b,
                       T beta, T* c) {
-  const int64_t lda = trans_a ? m : k;
-  const int64_t ldb = trans_b ? k : n;
+  GemmLd(trans_a, trans_b, m, n, k, alpha, a, trans_a ? m : k, b, trans_b ? k : n, beta, c, n);
+}
+
+template <typename T>
+void RefMath<T>::GemmLd(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha, const T* a,
+                        int64_t lda, const T* b, int64_t ldb, T beta, T* c, int64_t ldc) {
   for (int64_t i0 = 0; i0 < m; i0 += kGemmTile) {
     const int64_t mi = std::min(kGemmTile, m - i0);
     for (int64_t j0 = 0; j0 < n; j0 += kGemmTile) {
@@ -146,12 +159,22 @@ void RefMath<T>::Gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t 
         }
       }
       for (int64_t i = 0; i < mi; ++i) {
-        T* crow = c + (i0 + i) * n + j0;
+        T* crow = c + (i0 + i) * ldc + j0;
         for (int64_t j = 0; j < nj; ++j) {
           crow[j] = beta == T(0) ? alpha * acc[i][j] : alpha * acc[i][j] + beta * crow[j];
         }
       }
     }
+  }
+}
+
+template <typename T>
+void RefMath<T>::GemmStridedBatched(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha, const T* a,
+                                    int64_t lda, int64_t stride_a, const T* b, int64_t ldb, int64_t stride_b, T beta,
+                                    T* c, int64_t ldc, int64_t stride_c, int64_t batch) {
+  for (int64_t i = 0; i < batch; ++i) {
+    GemmLd(trans_a, trans_b, m, n, k, alpha, a + i * stride_a, lda, b + i * stride_b, ldb, beta, c + i * stride_c,
+           ldc);
   }
 }
 
@@ -322,24 +345,58 @@ void RefMath<T>::Add(const T* a, const T* b, int64_t n, T* y) {
   for (int64_t i = 0; i < n; ++i) y[i] = a[i] + b[i];
 }
 
+template <typename T>
+void RefMath<T>::Accumulate(T* y, const T* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += x[i];
+}
+
+// --- Softmax, sigmoid ---------------------------------------------------------
+
+template <typename T>
+void RefMath<T>::SoftmaxFwd(const T* x, int64_t rows, int64_t cols, T scale, int64_t causal_seq, T* y) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * cols;
+    T* yr = y + r * cols;
+    const int64_t visible = causal_seq > 0 ? std::min(cols, r % causal_seq + 1) : cols;
+    for (int64_t j = 0; j < visible; ++j) yr[j] = scale * xr[j];
+    T mx;
+    if (visible > 0) SoftmaxRow(yr, visible, yr, &mx);
+    std::fill(yr + visible, yr + cols, T(0));
+  }
+}
+
+template <typename T>
+void RefMath<T>::SoftmaxBwd(const T* y, const T* dy, int64_t rows, int64_t cols, T scale, T* dx) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* yr = y + r * cols;
+    const T* dyr = dy + r * cols;
+    T* dxr = dx + r * cols;
+    const T dot = DotN(dyr, yr, cols);
+    for (int64_t j = 0; j < cols; ++j) dxr[j] = scale * (yr[j] * (dyr[j] - dot));
+  }
+}
+
+template <typename T>
+void RefMath<T>::SigmoidFwd(const T* x, int64_t n, T* y) {
+  for (int64_t i = 0; i < n; ++i) y[i] = Sigmoid(x[i]);
+}
+
+template <typename T>
+void RefMath<T>::SigmoidBwd(const T* y, const T* dy, int64_t n, T* dx) {
+  for (int64_t i = 0; i < n; ++i) dx[i] = dy[i] * (y[i] * (T(1) - y[i]));
+}
+
 // --- Router, dispatch, combine ------------------------------------------
 
 template <typename T>
-void RefMath<T>::RouterFwd(const T* logits, int64_t tokens, int64_t experts, int64_t top_k, bool sigmoid,
-                           bool renormalize, T* probs, int32_t* topk_idx, T* topk_weights) {
+void RefMath<T>::TopKFwd(const T* probs, int64_t tokens, int64_t experts, int64_t top_k, bool renormalize,
+                         int32_t* idx_out, T* weights) {
   for (int64_t t = 0; t < tokens; ++t) {
-    const T* l = logits + t * experts;
-    T* p = probs + t * experts;
-    if (sigmoid) {
-      for (int64_t e = 0; e < experts; ++e) p[e] = Sigmoid(l[e]);
-    } else {
-      T mx;
-      SoftmaxRow(l, experts, p, &mx);
-    }
+    const T* p = probs + t * experts;
     // Pass i picks the best expert that comes after pass i-1's pick in the
     // total order (p descending, index ascending): no "taken" flags needed.
-    int32_t* idx = topk_idx + t * top_k;
-    T* wt = topk_weights + t * top_k;
+    int32_t* idx = idx_out + t * top_k;
+    T* wt = weights + t * top_k;
     int64_t prev = -1;
     for (int64_t i = 0; i < top_k; ++i) {
       int64_t best = -1;
@@ -360,18 +417,15 @@ void RefMath<T>::RouterFwd(const T* logits, int64_t tokens, int64_t experts, int
 }
 
 template <typename T>
-void RefMath<T>::RouterBwd(const T* probs, const int32_t* topk_idx, const T* topk_weights, const T* d_topk_weights,
-                           int64_t tokens, int64_t experts, int64_t top_k, bool sigmoid, bool renormalize,
-                           T* dlogits) {
+void RefMath<T>::TopKBwd(const T* probs, const int32_t* idx_in, const T* weights, const T* d_weights, int64_t tokens,
+                         int64_t experts, int64_t top_k, bool renormalize, T* dprobs) {
   for (int64_t t = 0; t < tokens; ++t) {
     const T* p = probs + t * experts;
-    const int32_t* idx = topk_idx + t * top_k;
-    const T* wt = topk_weights + t * top_k;
-    const T* dwt = d_topk_weights + t * top_k;
-    T* dl = dlogits + t * experts;
-    // dl first holds dL/dprobs (zero off the selection), then is mapped
-    // through the softmax / sigmoid in place.
-    for (int64_t e = 0; e < experts; ++e) dl[e] = 0;
+    const int32_t* idx = idx_in + t * top_k;
+    const T* wt = weights + t * top_k;
+    const T* dwt = d_weights + t * top_k;
+    T* dp = dprobs + t * experts;
+    std::fill(dp, dp + experts, T(0));
     if (renormalize) {
       // w_i = p_i / S: dL/dp_i = (dw_i - sum_j dw_j w_j) / S.
       T sum_p = 0, dot = 0;
@@ -379,16 +433,35 @@ void RefMath<T>::RouterBwd(const T* probs, const int32_t* topk_idx, const T* top
         sum_p += p[idx[i]];
         dot += dwt[i] * wt[i];
       }
-      for (int64_t i = 0; i < top_k; ++i) dl[idx[i]] = (dwt[i] - dot) / sum_p;
+      for (int64_t i = 0; i < top_k; ++i) dp[idx[i]] = (dwt[i] - dot) / sum_p;
     } else {
-      for (int64_t i = 0; i < top_k; ++i) dl[idx[i]] = dwt[i];
+      for (int64_t i = 0; i < top_k; ++i) dp[idx[i]] = dwt[i];
     }
-    if (sigmoid) {
-      for (int64_t e = 0; e < experts; ++e) dl[e] *= p[e] * (T(1) - p[e]);
-    } else {
-      const T dot = DotN(dl, p, experts);
-      for (int64_t e = 0; e < experts; ++e) dl[e] = p[e] * (dl[e] - dot);
-    }
+  }
+}
+
+template <typename T>
+void RefMath<T>::RouterFwd(const T* logits, int64_t tokens, int64_t experts, int64_t top_k, bool sigmoid,
+                           bool renormalize, T* probs, int32_t* topk_idx, T* topk_weights) {
+  if (sigmoid) {
+    SigmoidFwd(logits, tokens * experts, probs);
+  } else {
+    SoftmaxFwd(logits, tokens, experts, T(1), 0, probs);
+  }
+  TopKFwd(probs, tokens, experts, top_k, renormalize, topk_idx, topk_weights);
+}
+
+template <typename T>
+void RefMath<T>::RouterBwd(const T* probs, const int32_t* topk_idx, const T* topk_weights, const T* d_topk_weights,
+                           int64_t tokens, int64_t experts, int64_t top_k, bool sigmoid, bool renormalize,
+                           T* dlogits) {
+  // dlogits first holds dL/dprobs, then is mapped through the softmax /
+  // sigmoid in place.
+  TopKBwd(probs, topk_idx, topk_weights, d_topk_weights, tokens, experts, top_k, renormalize, dlogits);
+  if (sigmoid) {
+    SigmoidBwd(probs, dlogits, tokens * experts, dlogits);
+  } else {
+    SoftmaxBwd(probs, dlogits, tokens, experts, T(1), dlogits);
   }
 }
 
@@ -441,6 +514,122 @@ void RefMath<T>::RouterGradRewrite(const T* da_unweighted, const T* act, const i
   for (int64_t j = 0; j < tokens * top_k; ++j) {
     d_topk_weights[slot_of[j]] = DotN(da_unweighted + j * f, act + j * f, f);
   }
+}
+
+// --- Embedding, split heads ----------------------------------------------------
+
+template <typename T>
+void RefMath<T>::EmbeddingFwd(const int32_t* tokens, const T* table, int64_t n, int64_t d, T* y) {
+  for (int64_t t = 0; t < n; ++t) {
+    const T* src = table + static_cast<int64_t>(tokens[t]) * d;
+    std::copy(src, src + d, y + t * d);
+  }
+}
+
+template <typename T>
+void RefMath<T>::EmbeddingBwd(const int32_t* tokens, const T* dy, int64_t n, int64_t d, T* dtable) {
+  for (int64_t t = 0; t < n; ++t) {
+    T* dst = dtable + static_cast<int64_t>(tokens[t]) * d;
+    for (int64_t c = 0; c < d; ++c) dst[c] += dy[t * d + c];
+  }
+}
+
+namespace {
+
+// One head row of head_dim values from `x` to `y`: a copy, or the RoPE
+// rotation at position pos (inverse: the transposed rotation).
+template <typename T>
+void RopeRow(const T* x, T* y, int64_t pos, const SplitShape& sh, bool rotate, bool inverse) {
+  if (!rotate) {
+    std::copy(x, x + sh.head_dim, y);
+    return;
+  }
+  const int64_t half = sh.head_dim / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const double angle = static_cast<double>(pos) * std::pow(static_cast<double>(sh.rope_theta),
+                                                             -static_cast<double>(2 * i) /
+                                                                 static_cast<double>(sh.head_dim));
+    const T c = static_cast<T>(std::cos(angle));
+    const T s = static_cast<T>(std::sin(angle));
+    const T a = x[i];
+    const T b = x[i + half];
+    if (inverse) {
+      y[i] = a * c + b * s;
+      y[i + half] = b * c - a * s;
+    } else {
+      y[i] = a * c - b * s;
+      y[i + half] = b * c + a * s;
+    }
+  }
+}
+
+// Calls f(src_offset, dst tensor 0/1/2, dst_offset, rotate) for every head
+// row of every token: src in qkv, dst in q / k / v.
+template <typename F>
+void ForEachHeadRow(const SplitShape& sh, F&& f) {
+  const int64_t width = (sh.heads + 2 * sh.kv_heads) * sh.head_dim;
+  for (int64_t bb = 0; bb < sh.b; ++bb) {
+    for (int64_t pos = 0; pos < sh.s; ++pos) {
+      const int64_t row = (bb * sh.s + pos) * width;
+      for (int64_t h = 0; h < sh.heads; ++h) {
+        f(row + h * sh.head_dim, 0, ((bb * sh.heads + h) * sh.s + pos) * sh.head_dim, pos, sh.rope);
+      }
+      for (int64_t g = 0; g < sh.kv_heads; ++g) {
+        const int64_t kv = ((bb * sh.kv_heads + g) * sh.s + pos) * sh.head_dim;
+        f(row + (sh.heads + g) * sh.head_dim, 1, kv, pos, sh.rope);
+        f(row + (sh.heads + sh.kv_heads + g) * sh.head_dim, 2, kv, pos, false);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+template <typename T>
+void RefMath<T>::SplitHeadsFwd(const T* qkv, const SplitShape& sh, T* q, T* k, T* v) {
+  T* const out[3] = {q, k, v};
+  ForEachHeadRow(sh, [&](int64_t src, int which, int64_t dst, int64_t pos, bool rotate) {
+    RopeRow(qkv + src, out[which] + dst, pos, sh, rotate, false);
+  });
+}
+
+template <typename T>
+void RefMath<T>::SplitHeadsBwd(const T* dq, const T* dk, const T* dv, const SplitShape& sh, T* dqkv) {
+  const T* const in[3] = {dq, dk, dv};
+  ForEachHeadRow(sh, [&](int64_t src, int which, int64_t dst, int64_t pos, bool rotate) {
+    RopeRow(in[which] + dst, dqkv + src, pos, sh, rotate, true);
+  });
+}
+
+// --- Optimizer -------------------------------------------------------------------
+
+template <typename T>
+void RefMath<T>::AdamStep(T* master, const T* grad, T* m, T* v, int64_t n, const AdamConfig& c, int64_t step) {
+  const T beta1 = T(c.beta1), beta2 = T(c.beta2);
+  const T one_minus_beta1 = T(1) - beta1, one_minus_beta2 = T(1) - beta2;
+  const T bc1 = T(AdamBiasCorrection(c.beta1, step)), bc2 = T(AdamBiasCorrection(c.beta2, step));
+  const T lr = T(c.lr), eps = T(c.eps), wd = T(c.weight_decay);
+  for (int64_t i = 0; i < n; ++i) {
+    const T g = grad[i];
+    const T mi = beta1 * m[i] + one_minus_beta1 * g;
+    const T vi = beta2 * v[i] + (one_minus_beta2 * g) * g;
+    m[i] = mi;
+    v[i] = vi;
+    const T mhat = mi / bc1;
+    const T vhat = vi / bc2;
+    const T u = mhat / (std::sqrt(vhat) + eps) + wd * master[i];
+    master[i] = master[i] - lr * u;
+  }
+}
+
+template <typename T>
+double RefMath<T>::SquaredNorm(const T* x, int64_t n) {
+  double sum = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double xi = static_cast<double>(x[i]);
+    sum += xi * xi;
+  }
+  return sum;
 }
 
 void DispatchPlan(const int32_t* topk_idx, int64_t tokens, int64_t top_k, int64_t experts, int32_t* slot_of,
@@ -553,6 +742,12 @@ class RefOps final : public Ops {
             float beta, float* c, void* /*workspace*/) override {
     M::Gemm(trans_a, trans_b, m, n, k, alpha, a, b, beta, c);
   }
+  void GemmStridedBatched(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+                          int64_t lda, int64_t stride_a, const float* b, int64_t ldb, int64_t stride_b, float beta,
+                          float* c, int64_t ldc, int64_t stride_c, int64_t batch, void* /*workspace*/) override {
+    M::GemmStridedBatched(trans_a, trans_b, m, n, k, alpha, a, lda, stride_a, b, ldb, stride_b, beta, c, ldc, stride_c,
+                          batch);
+  }
   void GroupedGemm(const int64_t* offsets, int64_t experts, int64_t k, int64_t n, const float* x, const float* w,
                    float* y, void* /*workspace*/) override {
     M::GroupedGemm(offsets, experts, k, n, x, w, y);
@@ -590,6 +785,47 @@ class RefOps final : public Ops {
     M::DropoutBwd(dy, mask, n, p, dx);
   }
   void Add(const float* a, const float* b, int64_t n, float* y) override { M::Add(a, b, n, y); }
+  void Accumulate(float* y, const float* x, int64_t n) override { M::Accumulate(y, x, n); }
+
+  void SoftmaxFwd(const float* x, int64_t rows, int64_t cols, float scale, int64_t causal_seq, float* y) override {
+    M::SoftmaxFwd(x, rows, cols, scale, causal_seq, y);
+  }
+  void SoftmaxBwd(const float* y, const float* dy, int64_t rows, int64_t cols, float scale, float* dx) override {
+    M::SoftmaxBwd(y, dy, rows, cols, scale, dx);
+  }
+  void SigmoidFwd(const float* x, int64_t n, float* y) override { M::SigmoidFwd(x, n, y); }
+  void SigmoidBwd(const float* y, const float* dy, int64_t n, float* dx) override { M::SigmoidBwd(y, dy, n, dx); }
+  void TopKFwd(const float* probs, int64_t tokens, int64_t experts, int64_t top_k, bool renormalize, int32_t* idx,
+               float* weights) override {
+    M::TopKFwd(probs, tokens, experts, top_k, renormalize, idx, weights);
+  }
+  void TopKBwd(const float* probs, const int32_t* idx, const float* weights, const float* d_weights, int64_t tokens,
+               int64_t experts, int64_t top_k, bool renormalize, float* dprobs) override {
+    M::TopKBwd(probs, idx, weights, d_weights, tokens, experts, top_k, renormalize, dprobs);
+  }
+  void EmbeddingFwd(const int32_t* tokens, const float* table, int64_t n, int64_t d, float* y) override {
+    M::EmbeddingFwd(tokens, table, n, d, y);
+  }
+  void EmbeddingBwd(const int32_t* tokens, const float* dy, int64_t n, int64_t d, float* dtable) override {
+    M::EmbeddingBwd(tokens, dy, n, d, dtable);
+  }
+  void SplitHeadsFwd(const float* qkv, const SplitShape& sh, float* q, float* k, float* v) override {
+    M::SplitHeadsFwd(qkv, sh, q, k, v);
+  }
+  void SplitHeadsBwd(const float* dq, const float* dk, const float* dv, const SplitShape& sh, float* dqkv) override {
+    M::SplitHeadsBwd(dq, dk, dv, sh, dqkv);
+  }
+  void AdamStep(float* master, const float* grad, float* m, float* v, int64_t n, const AdamConfig& c,
+                int64_t step) override {
+    M::AdamStep(master, grad, m, v, n, c, step);
+  }
+  void SquaredNorm(const float* x, int64_t n, double* out) override { *out = M::SquaredNorm(x, n); }
+  void Copy(void* dst, const void* src, int64_t bytes) override {
+    if (bytes > 0) std::memcpy(dst, src, static_cast<size_t>(bytes));
+  }
+  void Zero(void* dst, int64_t bytes) override {
+    if (bytes > 0) std::memset(dst, 0, static_cast<size_t>(bytes));
+  }
 
   void AttentionFwd(const AttentionShape& sh, const float* q, const float* k, const float* v, float* probs,
                     float* o) override {

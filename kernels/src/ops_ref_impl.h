@@ -36,6 +36,14 @@ struct RefMath {
   // C = alpha * acc + beta * C (beta == 0: C is not read, NaNs in it vanish).
   static void Gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha, const T* a, const T* b,
                    T beta, T* c);
+  // Gemm with explicit row strides (lda, ldb, ldc elements between stored
+  // rows); same tiles and order. Gemm is GemmLd with the tight strides.
+  static void GemmLd(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda,
+                     const T* b, int64_t ldb, T beta, T* c, int64_t ldc);
+  // One GemmLd per batch entry, in batch order.
+  static void GemmStridedBatched(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha, const T* a,
+                                 int64_t lda, int64_t stride_a, const T* b, int64_t ldb, int64_t stride_b, T beta,
+                                 T* c, int64_t ldc, int64_t stride_c, int64_t batch);
   // One Gemm per expert (expert order); experts with no rows are skipped
   // (their dw is left as is).
   static void GroupedGemm(const int64_t* offsets, int64_t experts, int64_t k, int64_t n, const T* x, const T* w,
@@ -62,11 +70,43 @@ struct RefMath {
   static void DropoutFwd(const T* x, int64_t n, T p, uint64_t seed, uint64_t offset, T* y, uint8_t* mask);
   static void DropoutBwd(const T* dy, const uint8_t* mask, int64_t n, T p, T* dx);
   static void Add(const T* a, const T* b, int64_t n, T* y);
+  static void Accumulate(T* y, const T* x, int64_t n);
 
-  // Softmax subtracts the row max; top-k is k passes of a selection in the
-  // order (probability descending, expert index ascending), so topk_idx[t]
-  // lists the experts best first. Preconditions: 1 <= top_k <= experts,
-  // finite logits.
+  // SoftmaxFwd scales the visible entries into y, then runs the shared
+  // SoftmaxRow on them in place (the router's and cross-entropy's softmax).
+  // SoftmaxBwd's dot is summed in column order. Both may run in place
+  // (y == x, dx == dy), which RouterFwd/RouterBwd use.
+  static void SoftmaxFwd(const T* x, int64_t rows, int64_t cols, T scale, int64_t causal_seq, T* y);
+  static void SoftmaxBwd(const T* y, const T* dy, int64_t rows, int64_t cols, T scale, T* dx);
+  static void SigmoidFwd(const T* x, int64_t n, T* y);
+  static void SigmoidBwd(const T* y, const T* dy, int64_t n, T* dx);
+
+  // Top-k is k passes of a selection in the order (probability descending,
+  // expert index ascending), so idx[t] lists the experts best first; the
+  // renormalization sums the k weights best first. TopKBwd's sum_j dw_j w_j
+  // and S are summed best first too.
+  static void TopKFwd(const T* probs, int64_t tokens, int64_t experts, int64_t top_k, bool renormalize,
+                      int32_t* idx, T* weights);
+  static void TopKBwd(const T* probs, const int32_t* idx, const T* weights, const T* d_weights, int64_t tokens,
+                      int64_t experts, int64_t top_k, bool renormalize, T* dprobs);
+
+  // dtable receives dy row by row in token order.
+  static void EmbeddingFwd(const int32_t* tokens, const T* table, int64_t n, int64_t d, T* y);
+  static void EmbeddingBwd(const int32_t* tokens, const T* dy, int64_t n, int64_t d, T* dtable);
+
+  // cos/sin as stated on SplitShape (double, rounded to T once).
+  static void SplitHeadsFwd(const T* qkv, const SplitShape& sh, T* q, T* k, T* v);
+  static void SplitHeadsBwd(const T* dq, const T* dk, const T* dv, const SplitShape& sh, T* dqkv);
+
+  // The order of ops.h's AdamStep, in T (the library is built with
+  // -ffp-contract=off, so nothing is fused).
+  static void AdamStep(T* master, const T* grad, T* m, T* v, int64_t n, const AdamConfig& c, int64_t step);
+  // sum of double(x_i)^2, i ascending, in double.
+  static double SquaredNorm(const T* x, int64_t n);
+
+  // SoftmaxFwd (scale 1, no mask) or SigmoidFwd, then TopKFwd; backward
+  // TopKBwd, then SoftmaxBwd (scale 1) or SigmoidBwd in place. Preconditions:
+  // 1 <= top_k <= experts, finite logits.
   static void RouterFwd(const T* logits, int64_t tokens, int64_t experts, int64_t top_k, bool sigmoid,
                         bool renormalize, T* probs, int32_t* topk_idx, T* topk_weights);
   static void RouterBwd(const T* probs, const int32_t* topk_idx, const T* topk_weights, const T* d_topk_weights,

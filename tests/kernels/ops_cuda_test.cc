@@ -62,9 +62,14 @@ Env& GetEnv() {
 template <typename T>
 class DeviceArray {
  public:
+  // Both constructors end with a device synchronization: cudaMemcpy from
+  // pageable memory may return before its DMA lands and cudaMemset is
+  // asynchronous, both on the legacy stream, which the ops' non-blocking
+  // stream does not wait for.
   explicit DeviceArray(const std::vector<T>& host, bool misalign = false) : DeviceArray(host.size(), misalign) {
     if (!host.empty()) {
       REQUIRE(cudaMemcpy(data_, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice) == cudaSuccess);
+      REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
     }
   }
   // Filled with 0xFF bytes (NaN for floats), so unwritten outputs show.
@@ -72,6 +77,7 @@ class DeviceArray {
     const size_t pad = misalign ? 4 : 0;
     REQUIRE(cudaMalloc(&base_, count * sizeof(T) + pad + 16) == cudaSuccess);
     REQUIRE(cudaMemset(base_, 0xFF, count * sizeof(T) + pad + 16) == cudaSuccess);
+    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
     data_ = reinterpret_cast<T*>(static_cast<char*>(base_) + pad);
   }
   ~DeviceArray() { cudaFree(base_); }
@@ -618,6 +624,365 @@ TEST_CASE("Attention through CudaOps") {
     ExpectNear(d_dq.ToHost(), gq, kReductionTol, "flash attention dq");
     ExpectNear(d_dk.ToHost(), gk, kReductionTol, "flash attention dk");
     ExpectNear(d_dv.ToHost(), gv, kReductionTol, "flash attention dv");
+  }
+}
+
+// --- Executor ops -------------------------------------------------------------
+
+TEST_CASE("GemmStridedBatched: transposes, padded rows, batch strides, broadcast, beta, k == 0") {
+  Env& env = GetEnv();
+  DeviceArray<char> workspace(static_cast<size_t>(mk::GemmWorkspaceBytes()));
+  struct Dims {
+    int64_t m, n, k, batch;
+  };
+  uint32_t seed = 900;
+  for (const Dims dims : {Dims{37, 53, 29, 3}, Dims{128, 64, 96, 8}, Dims{1, 7, 1, 2}, Dims{16, 8, 0, 3}}) {
+    for (int trans = 0; trans < 4; ++trans) {
+      for (const float beta : {0.f, 0.5f}) {
+        for (const bool broadcast_b : {false, true}) {
+          const bool ta = trans & 1, tb = trans & 2;
+          const int64_t rows_a = ta ? dims.k : dims.m, cols_a = ta ? dims.m : dims.k;
+          const int64_t rows_b = tb ? dims.n : dims.k, cols_b = tb ? dims.k : dims.n;
+          const int64_t lda = cols_a + 3, ldb = cols_b + 1, ldc = dims.n + 2;
+          const int64_t stride_a = rows_a * lda + 5, stride_b = broadcast_b ? 0 : rows_b * ldb + 3;
+          const int64_t stride_c = dims.m * ldc + 1;
+          const auto a = Random(static_cast<size_t>(dims.batch * stride_a + 1), ++seed);
+          const auto b = Random(static_cast<size_t>(rows_b * ldb + dims.batch * stride_b + 1), ++seed);
+          auto c = Random(static_cast<size_t>(dims.batch * stride_c), ++seed);
+          if (beta == 0.f) {  // C must not be read: NaN in every m x n entry
+            for (int64_t i = 0; i < dims.batch; ++i) {
+              for (int64_t r = 0; r < dims.m; ++r) {
+                std::fill_n(c.begin() + i * stride_c + r * ldc, dims.n, std::numeric_limits<float>::quiet_NaN());
+              }
+            }
+          }
+          const bool use_ws = broadcast_b;
+          DevF da(a), db(b), dc(c);
+          env.cuda->GemmStridedBatched(ta, tb, dims.m, dims.n, dims.k, 0.75f, da.get(), lda, stride_a, db.get(), ldb,
+                                       stride_b, beta, dc.get(), ldc, stride_c, dims.batch,
+                                       use_ws ? workspace.get() : nullptr);
+          env.ref->GemmStridedBatched(ta, tb, dims.m, dims.n, dims.k, 0.75f, a.data(), lda, stride_a, b.data(), ldb,
+                                      stride_b, beta, c.data(), ldc, stride_c, dims.batch, nullptr);
+          ExpectNear(dc.ToHost(), c, kReductionTol,
+                     "strided batched gemm m" + std::to_string(dims.m) + " n" + std::to_string(dims.n) + " k" +
+                         std::to_string(dims.k) + " ta" + std::to_string(ta) + " tb" + std::to_string(tb) + " beta" +
+                         std::to_string(beta) + (broadcast_b ? " broadcast" : ""));
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("Softmax and sigmoid forward and backward") {
+  Env& env = GetEnv();
+  struct Case {
+    int64_t rows, cols, causal_seq;
+    bool misalign;
+  };
+  uint32_t seed = 1000;
+  for (const Case cs : {Case{64, 1024, 0, false}, Case{130, 130, 130, false}, Case{37, 7, 0, false},
+                        Case{6, 50257, 0, false}, Case{33, 64, 11, false}, Case{40, 256, 20, true},
+                        Case{3, 1, 1, false}}) {
+    const std::string what = "softmax " + Shape(cs.rows, cs.cols) + " causal_seq=" + std::to_string(cs.causal_seq) +
+                              (cs.misalign ? " misaligned" : "");
+    const size_t n = static_cast<size_t>(cs.rows * cs.cols);
+    const auto x = Normal(n, ++seed, 3.f);
+    const auto dy = Random(n, ++seed);
+    const float scale = 0.125f;
+    DevF d_x(x, cs.misalign), d_dy(dy, cs.misalign), d_y(n, cs.misalign), d_dx(n, cs.misalign);
+    std::vector<float> y(n), dx(n);
+    env.cuda->SoftmaxFwd(d_x.get(), cs.rows, cs.cols, scale, cs.causal_seq, d_y.get());
+    env.ref->SoftmaxFwd(x.data(), cs.rows, cs.cols, scale, cs.causal_seq, y.data());
+    const auto got = d_y.ToHost();
+    ExpectNear(got, y, kElementwiseTol, what + " y");
+    size_t masked_nonzero = 0;
+    for (int64_t r = 0; r < cs.rows; ++r) {
+      for (int64_t j = 0; j < cs.cols; ++j) {
+        if (cs.causal_seq > 0 && j > r % cs.causal_seq && got[r * cs.cols + j] != 0.f) ++masked_nonzero;
+      }
+    }
+    CHECK_MESSAGE(masked_nonzero == 0, what << ": masked entries not exactly 0");
+    // Backward from the reference's y.
+    DevF r_y(y, cs.misalign);
+    env.cuda->SoftmaxBwd(r_y.get(), d_dy.get(), cs.rows, cs.cols, scale, d_dx.get());
+    env.ref->SoftmaxBwd(y.data(), dy.data(), cs.rows, cs.cols, scale, dx.data());
+    ExpectNear(d_dx.ToHost(), dx, kReductionTol, what + " dx");
+  }
+
+  for (const bool misalign : {false, true}) {
+    for (const int64_t n : {int64_t{1}, int64_t{3}, int64_t{1000003}}) {
+      const std::string what = "sigmoid n=" + std::to_string(n) + (misalign ? " misaligned" : "");
+      const size_t un = static_cast<size_t>(n);
+      const auto x = Normal(un, 1100, 4.f);
+      const auto dy = Random(un, 1101);
+      DevF d_x(x, misalign), d_dy(dy, misalign), d_y(un, misalign), d_dx(un, misalign);
+      std::vector<float> y(un), dx(un);
+      env.cuda->SigmoidFwd(d_x.get(), n, d_y.get());
+      env.ref->SigmoidFwd(x.data(), n, y.data());
+      ExpectNear(d_y.ToHost(), y, kElementwiseTol, what + " fwd");
+      // Backward from the reference's y: the same three roundings.
+      DevF r_y(y, misalign);
+      env.cuda->SigmoidBwd(r_y.get(), d_dy.get(), n, d_dx.get());
+      env.ref->SigmoidBwd(y.data(), dy.data(), n, dx.data());
+      ExpectEqual(d_dx.ToHost(), dx, what + " bwd");
+    }
+  }
+}
+
+TEST_CASE("TopK forward and backward; Router equals Softmax/Sigmoid + TopK on the device") {
+  Env& env = GetEnv();
+  struct Case {
+    int64_t tokens, experts, top_k;
+  };
+  uint32_t seed = 1200;
+  for (const Case cs : {Case{77, 64, 6}, Case{40, 256, 8}, Case{9, 5, 5}, Case{3, 1, 1}}) {
+    const size_t n = static_cast<size_t>(cs.tokens * cs.experts);
+    const size_t nk = static_cast<size_t>(cs.tokens * cs.top_k);
+    auto logits = Normal(n, ++seed, 2.f);
+    std::fill(logits.begin(), logits.begin() + cs.experts, 0.25f);  // token 0: all tied
+    const auto d_w = Random(nk, ++seed);
+    DevF d_logits(logits), d_dw(d_w);
+    for (const bool sigmoid : {false, true}) {
+      for (const bool renormalize : {false, true}) {
+        const std::string what = "topk E=" + std::to_string(cs.experts) + " k=" + std::to_string(cs.top_k) +
+                                 (sigmoid ? " sigmoid" : " softmax") + (renormalize ? " renorm" : "");
+        // Reference probabilities, then top-k on both backends from them.
+        std::vector<float> probs(n), weights(nk), dprobs(n);
+        std::vector<int32_t> idx(nk);
+        if (sigmoid) {
+          env.ref->SigmoidFwd(logits.data(), static_cast<int64_t>(n), probs.data());
+        } else {
+          env.ref->SoftmaxFwd(logits.data(), cs.tokens, cs.experts, 1.f, 0, probs.data());
+        }
+        env.ref->TopKFwd(probs.data(), cs.tokens, cs.experts, cs.top_k, renormalize, idx.data(), weights.data());
+        DevF r_probs(probs), d_weights(nk), d_dprobs(n);
+        DevI d_idx(nk);
+        env.cuda->TopKFwd(r_probs.get(), cs.tokens, cs.experts, cs.top_k, renormalize, d_idx.get(), d_weights.get());
+        ExpectEqual(d_idx.ToHost(), idx, what + " idx");
+        ExpectEqual(d_weights.ToHost(), weights, what + " weights");  // same sums in the same order
+        DevI r_idx(idx);
+        DevF r_weights(weights);
+        env.cuda->TopKBwd(r_probs.get(), r_idx.get(), r_weights.get(), d_dw.get(), cs.tokens, cs.experts, cs.top_k,
+                          renormalize, d_dprobs.get());
+        env.ref->TopKBwd(probs.data(), idx.data(), weights.data(), d_w.data(), cs.tokens, cs.experts, cs.top_k,
+                         renormalize, dprobs.data());
+        ExpectNear(d_dprobs.ToHost(), dprobs, kReductionTol, what + " dprobs");
+
+        // Device composition vs the device router.
+        DevF c_probs(n), c_weights(nk), c_dp(n), c_dl(n), r2_probs(n), r2_weights(nk), r2_dl(n);
+        DevI c_idx(nk), r2_idx(nk);
+        if (sigmoid) {
+          env.cuda->SigmoidFwd(d_logits.get(), static_cast<int64_t>(n), c_probs.get());
+        } else {
+          env.cuda->SoftmaxFwd(d_logits.get(), cs.tokens, cs.experts, 1.f, 0, c_probs.get());
+        }
+        env.cuda->TopKFwd(c_probs.get(), cs.tokens, cs.experts, cs.top_k, renormalize, c_idx.get(), c_weights.get());
+        env.cuda->TopKBwd(c_probs.get(), c_idx.get(), c_weights.get(), d_dw.get(), cs.tokens, cs.experts, cs.top_k,
+                          renormalize, c_dp.get());
+        if (sigmoid) {
+          env.cuda->SigmoidBwd(c_probs.get(), c_dp.get(), static_cast<int64_t>(n), c_dl.get());
+        } else {
+          env.cuda->SoftmaxBwd(c_probs.get(), c_dp.get(), cs.tokens, cs.experts, 1.f, c_dl.get());
+        }
+        env.cuda->RouterFwd(d_logits.get(), cs.tokens, cs.experts, cs.top_k, sigmoid, renormalize, r2_probs.get(),
+                            r2_idx.get(), r2_weights.get());
+        env.cuda->RouterBwd(r2_probs.get(), r2_idx.get(), r2_weights.get(), d_dw.get(), cs.tokens, cs.experts,
+                            cs.top_k, sigmoid, renormalize, r2_dl.get());
+        ExpectNear(c_probs.ToHost(), r2_probs.ToHost(), kElementwiseTol, what + " composed probs");
+        ExpectEqual(c_idx.ToHost(), r2_idx.ToHost(), what + " composed idx");
+        ExpectNear(c_weights.ToHost(), r2_weights.ToHost(), kElementwiseTol, what + " composed weights");
+        ExpectNear(c_dl.ToHost(), r2_dl.ToHost(), kReductionTol, what + " composed dlogits");
+      }
+    }
+  }
+}
+
+TEST_CASE("Embedding forward and backward: the reference's bits, run to run") {
+  Env& env = GetEnv();
+  struct Case {
+    int64_t vocab, n, d;
+    bool misalign;
+  };
+  uint32_t seed = 1300;
+  for (const Case cs : {Case{50, 1000, 64, false}, Case{7, 300, 130, false}, Case{1000, 17, 1, false},
+                        Case{50, 257, 128, true}}) {
+    const std::string what = "embedding V=" + std::to_string(cs.vocab) + " n=" + std::to_string(cs.n) +
+                             " d=" + std::to_string(cs.d) + (cs.misalign ? " misaligned" : "");
+    std::mt19937 rng(++seed);
+    std::vector<int32_t> tokens(static_cast<size_t>(cs.n));
+    for (auto& t : tokens) t = static_cast<int32_t>(rng() % static_cast<uint32_t>(cs.vocab));
+    const auto table = Random(static_cast<size_t>(cs.vocab * cs.d), ++seed);
+    const auto dy = Random(static_cast<size_t>(cs.n * cs.d), ++seed);
+    auto dtable = Random(table.size(), ++seed);
+    DevI d_tokens(tokens);
+    DevF d_table(table, cs.misalign), d_dy(dy, cs.misalign), d_y(dy.size(), cs.misalign);
+    DevF d_dtable(dtable, cs.misalign), d_dtable2(dtable, cs.misalign);
+    std::vector<float> y(dy.size());
+    env.cuda->EmbeddingFwd(d_tokens.get(), d_table.get(), cs.n, cs.d, d_y.get());
+    env.ref->EmbeddingFwd(tokens.data(), table.data(), cs.n, cs.d, y.data());
+    ExpectEqual(d_y.ToHost(), y, what + " fwd");
+    env.cuda->EmbeddingBwd(d_tokens.get(), d_dy.get(), cs.n, cs.d, d_dtable.get());
+    env.cuda->EmbeddingBwd(d_tokens.get(), d_dy.get(), cs.n, cs.d, d_dtable2.get());
+    env.ref->EmbeddingBwd(tokens.data(), dy.data(), cs.n, cs.d, dtable.data());
+    const auto got = d_dtable.ToHost();
+    ExpectEqual(got, dtable, what + " bwd");
+    ExpectEqual(d_dtable2.ToHost(), got, what + " bwd rerun");
+  }
+}
+
+TEST_CASE("SplitHeads forward and backward, with and without RoPE") {
+  Env& env = GetEnv();
+  uint32_t seed = 1400;
+  const mk::SplitShape shapes[] = {
+      {.b = 2, .s = 33, .heads = 8, .kv_heads = 2, .head_dim = 64, .rope = true, .rope_theta = 10000.f},
+      {.b = 1, .s = 4096, .heads = 4, .kv_heads = 4, .head_dim = 128, .rope = true, .rope_theta = 500000.f},
+      {.b = 3, .s = 7, .heads = 2, .kv_heads = 1, .head_dim = 17, .rope = false},
+      {.b = 2, .s = 5, .heads = 4, .kv_heads = 2, .head_dim = 6, .rope = false},
+  };
+  for (const mk::SplitShape& sh : shapes) {
+    const std::string what = "split heads s=" + std::to_string(sh.s) + " hd=" + std::to_string(sh.head_dim) +
+                             (sh.rope ? " rope" : "");
+    const size_t nqkv = static_cast<size_t>(sh.b * sh.s * (sh.heads + 2 * sh.kv_heads) * sh.head_dim);
+    const size_t nq = static_cast<size_t>(sh.b * sh.heads * sh.s * sh.head_dim);
+    const size_t nkv = static_cast<size_t>(sh.b * sh.kv_heads * sh.s * sh.head_dim);
+    const auto qkv = Random(nqkv, ++seed);
+    const auto gq = Random(nq, ++seed), gk = Random(nkv, ++seed), gv = Random(nkv, ++seed);
+    DevF d_qkv(qkv), d_q(nq), d_k(nkv), d_v(nkv), d_gq(gq), d_gk(gk), d_gv(gv), d_dqkv(nqkv);
+    std::vector<float> q(nq), k(nkv), v(nkv), dqkv(nqkv);
+    env.cuda->SplitHeadsFwd(d_qkv.get(), sh, d_q.get(), d_k.get(), d_v.get());
+    env.ref->SplitHeadsFwd(qkv.data(), sh, q.data(), k.data(), v.data());
+    env.cuda->SplitHeadsBwd(d_gq.get(), d_gk.get(), d_gv.get(), sh, d_dqkv.get());
+    env.ref->SplitHeadsBwd(gq.data(), gk.data(), gv.data(), sh, dqkv.data());
+    ExpectEqual(d_v.ToHost(), v, what + " v");
+    if (sh.rope) {  // cos/sin from the device's double math: equal but for rare last-bit cases
+      ExpectNear(d_q.ToHost(), q, kElementwiseTol, what + " q");
+      ExpectNear(d_k.ToHost(), k, kElementwiseTol, what + " k");
+      ExpectNear(d_dqkv.ToHost(), dqkv, kElementwiseTol, what + " dqkv");
+    } else {
+      ExpectEqual(d_q.ToHost(), q, what + " q");
+      ExpectEqual(d_k.ToHost(), k, what + " k");
+      ExpectEqual(d_dqkv.ToHost(), dqkv, what + " dqkv");
+    }
+  }
+}
+
+TEST_CASE("AdamStep: bit-identical to the reference over several steps") {
+  Env& env = GetEnv();
+  for (const bool misalign : {false, true}) {
+    for (const int64_t n : {int64_t{3}, int64_t{1000003}}) {
+      const std::string what = "adam n=" + std::to_string(n) + (misalign ? " misaligned" : "");
+      const size_t un = static_cast<size_t>(n);
+      auto p = Random(un, 1500), m = Random(un, 1501, 0.f, 0.1f), v = Random(un, 1502, 0.f, 0.01f);
+      for (float& x : v) x = std::fabs(x);
+      DevF d_p(p, misalign), d_m(m, misalign), d_v(v, misalign);
+      const mk::AdamConfig cfg{.lr = 3e-4f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f, .weight_decay = 0.1f};
+      for (int64_t step = 1; step <= 3; ++step) {
+        const auto g = Normal(un, 1510 + static_cast<uint32_t>(step), 1e-2f);
+        DevF d_g(g, misalign);
+        env.cuda->AdamStep(d_p.get(), d_g.get(), d_m.get(), d_v.get(), n, cfg, step);
+        env.ref->AdamStep(p.data(), g.data(), m.data(), v.data(), n, cfg, step);
+        GetEnv().Sync();  // d_g goes out of scope
+      }
+      ExpectEqual(d_p.ToHost(), p, what + " master");
+      ExpectEqual(d_m.ToHost(), m, what + " m");
+      ExpectEqual(d_v.ToHost(), v, what + " v");
+    }
+  }
+}
+
+TEST_CASE("SquaredNorm: bit-identical run to run, 1e-12 of the reference") {
+  Env& env = GetEnv();
+  DeviceArray<double> out(2);
+  for (const int64_t n : {int64_t{0}, int64_t{1}, int64_t{1000}, int64_t{262145}, int64_t{4000037}}) {
+    const std::string what = "squared norm n=" + std::to_string(n);
+    const auto x = Normal(static_cast<size_t>(n), 1600, 3.f);
+    DevF d_x(x);
+    env.cuda->SquaredNorm(d_x.get(), n, out.get());
+    env.cuda->SquaredNorm(d_x.get(), n, out.get() + 1);
+    double want = -1;
+    env.ref->SquaredNorm(x.data(), n, &want);
+    const auto got = out.ToHost();
+    CHECK_MESSAGE(std::memcmp(&got[0], &got[1], sizeof(double)) == 0, what << ": runs differ");
+    if (n == 0) {
+      CHECK(got[0] == 0.0);
+    } else {
+      CHECK_MESSAGE(std::fabs(got[0] - want) <= 1e-12 * want, what << ": got " << got[0] << " want " << want);
+    }
+  }
+}
+
+TEST_CASE("Copy, Zero and Accumulate") {
+  Env& env = GetEnv();
+  for (const bool misalign : {false, true}) {
+    const size_t n = 100003;
+    const auto x = Random(n, 1700), y0 = Random(n, 1701);
+    DevF d_x(x, misalign), d_y(y0, misalign), d_c(n, misalign), d_z(n, misalign);
+    env.cuda->Copy(d_c.get(), d_x.get(), static_cast<int64_t>(n * sizeof(float)));
+    ExpectEqual(d_c.ToHost(), x, "copy");
+    env.cuda->Zero(d_z.get(), static_cast<int64_t>(n * sizeof(float)));
+    ExpectEqual(d_z.ToHost(), std::vector<float>(n, 0.f), "zero");
+    std::vector<float> y = y0;
+    env.cuda->Accumulate(d_y.get(), d_x.get(), static_cast<int64_t>(n));
+    env.ref->Accumulate(y.data(), x.data(), static_cast<int64_t>(n));
+    ExpectEqual(d_y.ToHost(), y, std::string("accumulate") + (misalign ? " misaligned" : ""));
+  }
+}
+
+TEST_CASE("Attention through CudaOps with o_token_major") {
+  Env& env = GetEnv();
+  for (const bool causal : {true, false}) {
+    mk::AttentionShape sh;
+    sh.b = 2;
+    sh.heads = 4;
+    sh.kv_heads = 2;
+    sh.s = 45;
+    sh.dqk = 16;
+    sh.dv = 8;
+    sh.scale = 0.25f;
+    sh.causal = causal;
+    sh.o_token_major = true;
+    const std::string what = std::string("token-major attention") + (causal ? " causal" : "");
+    const size_t nq = static_cast<size_t>(sh.b * sh.heads * sh.s * sh.dqk);
+    const size_t nk = static_cast<size_t>(sh.b * sh.kv_heads * sh.s * sh.dqk);
+    const size_t nv = static_cast<size_t>(sh.b * sh.kv_heads * sh.s * sh.dv);
+    const size_t no = static_cast<size_t>(sh.b * sh.heads * sh.s * sh.dv);
+    const size_t np = static_cast<size_t>(sh.b * sh.heads * sh.s * sh.s);
+    const size_t nl = static_cast<size_t>(sh.b * sh.heads * sh.s);
+    const auto q = Random(nq, 1801), k = Random(nk, 1802), v = Random(nv, 1803), d_o = Random(no, 1804);
+    DevF dq_(q), dk_(k), dv_(v), ddo(d_o);
+    {
+      DevF d_probs(np), d_out(no), d_dq(nq), d_dk(nk), d_dv(nv);
+      DeviceArray<char> ws(static_cast<size_t>(mk::AttentionBwdWorkspaceBytes(sh.b, sh.heads, sh.s)));
+      std::vector<float> probs(np), out(no), gq(nq), gk(nk), gv(nv), ref_ws(np);
+      env.cuda->AttentionFwd(sh, dq_.get(), dk_.get(), dv_.get(), d_probs.get(), d_out.get());
+      env.ref->AttentionFwd(sh, q.data(), k.data(), v.data(), probs.data(), out.data());
+      ExpectNear(d_out.ToHost(), out, kReductionTol, what + " o");
+      DevF r_probs(probs);
+      env.cuda->AttentionBwd(sh, dq_.get(), dk_.get(), dv_.get(), r_probs.get(), ddo.get(), d_dq.get(), d_dk.get(),
+                             d_dv.get(), ws.get());
+      env.ref->AttentionBwd(sh, q.data(), k.data(), v.data(), probs.data(), d_o.data(), gq.data(), gk.data(),
+                            gv.data(), ref_ws.data());
+      ExpectNear(d_dq.ToHost(), gq, kReductionTol, what + " dq");
+      ExpectNear(d_dk.ToHost(), gk, kReductionTol, what + " dk");
+      ExpectNear(d_dv.ToHost(), gv, kReductionTol, what + " dv");
+    }
+    {
+      DevF d_out(no), d_lse(nl), d_dq(nq), d_dk(nk), d_dv(nv);
+      DeviceArray<char> ws(static_cast<size_t>(mk::FlashAttentionBwdWorkspaceBytes(sh.b, sh.heads, sh.s)));
+      std::vector<float> out(no), lse(nl), gq(nq), gk(nk), gv(nv), ref_ws(nl);
+      env.cuda->FlashAttentionFwd(sh, dq_.get(), dk_.get(), dv_.get(), d_out.get(), d_lse.get());
+      env.ref->FlashAttentionFwd(sh, q.data(), k.data(), v.data(), out.data(), lse.data());
+      ExpectNear(d_out.ToHost(), out, kReductionTol, what + " flash o");
+      ExpectNear(d_lse.ToHost(), lse, kReductionTol, what + " flash lse");
+      DevF r_out(out), r_lse(lse);
+      env.cuda->FlashAttentionBwd(sh, dq_.get(), dk_.get(), dv_.get(), r_out.get(), r_lse.get(), ddo.get(),
+                                  d_dq.get(), d_dk.get(), d_dv.get(), ws.get());
+      env.ref->FlashAttentionBwd(sh, q.data(), k.data(), v.data(), out.data(), lse.data(), d_o.data(), gq.data(),
+                                 gk.data(), gv.data(), ref_ws.data());
+      ExpectNear(d_dq.ToHost(), gq, kReductionTol, what + " flash dq");
+      ExpectNear(d_dk.ToHost(), gk, kReductionTol, what + " flash dk");
+      ExpectNear(d_dv.ToHost(), gv, kReductionTol, what + " flash dv");
+    }
   }
 }
 

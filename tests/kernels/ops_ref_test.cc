@@ -145,6 +145,10 @@ TEST_CASE("Workspace formulas") {
   CHECK(mk::GemmWorkspaceBytes() == 32 * 1024 * 1024);
   CHECK(mk::AttentionBwdWorkspaceBytes(2, 3, 5) == 2 * 3 * 5 * 5 * 4);
   CHECK(mk::FlashAttentionBwdWorkspaceBytes(2, 3, 5) == 2 * 3 * 5 * 4);
+  // slot_of (T*k int32) rounded up to 256 bytes, then (E+1) int64.
+  CHECK(mk::MoeRoutingWorkspaceBytes(100, 2, 8) == 1024 + 256);
+  CHECK(mk::MoeRoutingWorkspaceBytes(64, 4, 63) == 1024 + 512);
+  CHECK(mk::MoeRoutingWorkspaceBytes(0, 2, 0) == 0 + 256);
 }
 
 // --- GEMM -------------------------------------------------------------------
@@ -203,6 +207,71 @@ TEST_CASE("Gemm backward (all transposes) matches finite differences") {
       ExpectClose(db, NumGrad(b, loss), kFdTol, "gemm dB");
       ExpectClose(dc, NumGrad(c0, loss), kFdTol, "gemm dC");
     }
+  }
+}
+
+TEST_CASE("GemmStridedBatched: row strides, batch strides, broadcast operands, beta and k == 0") {
+  auto ops = mk::MakeRefOps();
+  const int64_t m = 67, n = 5, k = 70, batch = 3;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (bool ta : {false, true}) {
+    for (bool tb : {false, true}) {
+      for (float beta : {0.f, 0.5f}) {
+        CAPTURE(Name(ta, tb));
+        CAPTURE(beta);
+        // Stored shapes and padded row strides; B is broadcast (stride 0) when tb.
+        const int64_t rows_a = ta ? k : m, cols_a = ta ? m : k, lda = cols_a + 3, stride_a = rows_a * lda + 7;
+        const int64_t rows_b = tb ? n : k, cols_b = tb ? k : n, ldb = cols_b + 2;
+        const int64_t stride_b = tb ? 0 : rows_b * ldb + 1;
+        const int64_t ldc = n + 4, stride_c = m * ldc + 5;
+        const VecF a = Rand(batch * stride_a, 15), b = Rand(rows_b * ldb + 2 * stride_b, 16);
+        VecF c0 = Rand(batch * stride_c, 17);
+        VecF c = c0;
+        if (beta == 0.f) {
+          for (int64_t i = 0; i < batch; ++i) {
+            for (int64_t r = 0; r < m; ++r) std::fill_n(c.begin() + i * stride_c + r * ldc, n, nan);
+          }
+        }
+        ops->GemmStridedBatched(ta, tb, m, n, k, 1.5f, a.data(), lda, stride_a, b.data(), ldb, stride_b, beta,
+                                c.data(), ldc, stride_c, batch, nullptr);
+        for (int64_t i = 0; i < batch; ++i) {
+          // Tight copies of the batch entry through the plain Gemm: the same bits.
+          VecF at(static_cast<size_t>(rows_a * cols_a)), bt(static_cast<size_t>(rows_b * cols_b));
+          VecF ct(static_cast<size_t>(m * n));
+          for (int64_t r = 0; r < rows_a; ++r) {
+            std::copy_n(a.begin() + i * stride_a + r * lda, cols_a, at.begin() + r * cols_a);
+          }
+          for (int64_t r = 0; r < rows_b; ++r) {
+            std::copy_n(b.begin() + i * stride_b + r * ldb, cols_b, bt.begin() + r * cols_b);
+          }
+          for (int64_t r = 0; r < m; ++r) std::copy_n(c0.begin() + i * stride_c + r * ldc, n, ct.begin() + r * n);
+          const VecD want = NaiveGemm(ta, tb, m, n, k, 1.5, ToD(at), ToD(bt), beta, ToD(ct));
+          ops->Gemm(ta, tb, m, n, k, 1.5f, at.data(), bt.data(), beta, ct.data(), nullptr);
+          VecF got(ct.size());
+          for (int64_t r = 0; r < m; ++r) std::copy_n(c.begin() + i * stride_c + r * ldc, n, got.begin() + r * n);
+          CHECK(Bytes(got) == Bytes(ct));
+          ExpectClose(got, want, kF32Tol, "strided batched gemm");
+        }
+        // Nothing outside the m x n entries of each C_i is touched.
+        for (int64_t e = 0; e < batch * stride_c; ++e) {
+          const int64_t i = e / stride_c, r = (e % stride_c) / ldc, col = (e % stride_c) % ldc;
+          if (i >= batch || r >= m || col >= n) CHECK(c[e] == c0[e]);
+        }
+      }
+    }
+  }
+  // k == 0: C = beta * C; beta == 0 writes zeros over NaN.
+  const int64_t ldc = 9, stride_c = 4 * ldc + 1;
+  const VecF c0 = Rand(2 * stride_c, 18);
+  VecF c = c0, z(c0.size(), nan);
+  ops->GemmStridedBatched(false, false, 4, 7, 0, 1.f, nullptr, 1, 0, nullptr, 7, 0, 2.f, c.data(), ldc, stride_c, 2,
+                          nullptr);
+  ops->GemmStridedBatched(false, false, 4, 7, 0, 1.f, nullptr, 1, 0, nullptr, 7, 0, 0.f, z.data(), ldc, stride_c, 2,
+                          nullptr);
+  for (int64_t e = 0; e < 2 * stride_c; ++e) {
+    const bool inside = (e % stride_c) / ldc < 4 && (e % stride_c) % ldc < 7;
+    CHECK(c[e] == (inside ? 2.f * c0[e] : c0[e]));
+    if (inside) CHECK(z[e] == 0.f);
   }
 }
 
@@ -1007,6 +1076,318 @@ TEST_CASE("AttnRes forward (naive formula) and backward") {
   ExpectClose(dgf, dg, kF32Tol, "attn_res dgamma (float)");
 }
 
+// --- Executor ops: softmax, sigmoid, top-k, embedding, split heads, optimizer ------
+
+TEST_CASE("Softmax forward (scale, causal mask) and backward") {
+  auto ops = mk::MakeRefOps();
+  const int64_t rows = 10, cols = 7;
+  const float scale = 0.7f;
+  // causal_seq 5: rows 0-4 and 5-9 are queries 0-4 of two sequences; with
+  // cols 7 > 5 the last query still sees only 5 columns.
+  for (int64_t causal_seq : {int64_t{0}, int64_t{5}, int64_t{10}}) {
+    CAPTURE(causal_seq);
+    const VecF xf = Rand(rows * cols, 241, -3.f, 3.f), rf = Rand(rows * cols, 242);
+    VecF y(xf.size(), std::numeric_limits<float>::quiet_NaN());
+    ops->SoftmaxFwd(xf.data(), rows, cols, scale, causal_seq, y.data());
+    VecD want(y.size());
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t visible = causal_seq > 0 ? std::min(cols, r % causal_seq + 1) : cols;
+      double sum = 0;
+      for (int64_t j = 0; j < visible; ++j) sum += std::exp(double(scale) * xf[r * cols + j]);
+      for (int64_t j = 0; j < cols; ++j) {
+        want[r * cols + j] = j < visible ? std::exp(double(scale) * xf[r * cols + j]) / sum : 0;
+        if (j >= visible) CHECK(y[r * cols + j] == 0.f);
+      }
+    }
+    ExpectClose(y, want, kF32Tol, "softmax");
+
+    VecD x = ToD(xf);
+    const VecD r = ToD(rf);
+    auto loss = [&] {
+      VecD yd(x.size());
+      MD::SoftmaxFwd(x.data(), rows, cols, scale, causal_seq, yd.data());
+      return Dot(r, yd);
+    };
+    VecD yd(x.size()), dx(x.size());
+    MD::SoftmaxFwd(x.data(), rows, cols, scale, causal_seq, yd.data());
+    MD::SoftmaxBwd(yd.data(), r.data(), rows, cols, scale, dx.data());
+    ExpectClose(dx, NumGrad(x, loss), kFdTol, "softmax dx");
+    VecF dxf(x.size(), std::numeric_limits<float>::quiet_NaN());
+    ops->SoftmaxBwd(y.data(), rf.data(), rows, cols, scale, dxf.data());
+    ExpectClose(dxf, dx, kF32Tol, "softmax dx (float)");
+  }
+}
+
+TEST_CASE("Sigmoid forward and backward") {
+  auto ops = mk::MakeRefOps();
+  const int64_t n = 101;
+  const VecF xf = Rand(n, 251, -6.f, 6.f), rf = Rand(n, 252);
+  VecF y(xf.size());
+  ops->SigmoidFwd(xf.data(), n, y.data());
+  VecD want(y.size());
+  for (int64_t i = 0; i < n; ++i) want[i] = 1 / (1 + std::exp(-double(xf[i])));
+  ExpectClose(y, want, kF32Tol, "sigmoid");
+
+  VecD x = ToD(xf);
+  const VecD r = ToD(rf);
+  auto loss = [&] {
+    VecD yd(x.size());
+    MD::SigmoidFwd(x.data(), n, yd.data());
+    return Dot(r, yd);
+  };
+  VecD yd(x.size()), dx(x.size());
+  MD::SigmoidFwd(x.data(), n, yd.data());
+  MD::SigmoidBwd(yd.data(), r.data(), n, dx.data());
+  ExpectClose(dx, NumGrad(x, loss), kFdTol, "sigmoid dx");
+  VecF dxf(x.size());
+  ops->SigmoidBwd(y.data(), rf.data(), n, dxf.data());
+  ExpectClose(dxf, dx, kF32Tol, "sigmoid dx (float)");
+}
+
+TEST_CASE("TopK backward matches finite differences; Router == Softmax/Sigmoid + TopK, bit for bit") {
+  auto ops = mk::MakeRefOps();
+  const int64_t tokens = 5, experts = 9, top_k = 3;
+  // Well separated probabilities (0.05-spaced levels plus a little noise).
+  VecF pf(static_cast<size_t>(tokens * experts));
+  const VecF noise = Rand(tokens * experts, 261, 0.f, 0.005f);
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t e = 0; e < experts; ++e) {
+      pf[t * experts + e] = 0.05f * static_cast<float>((e * 4 + t) % experts + 1) + noise[t * experts + e];
+    }
+  }
+  const VecF rf = Rand(tokens * top_k, 262);
+  for (bool renorm : {false, true}) {
+    CAPTURE(renorm);
+    VecD probs = ToD(pf);
+    const VecD r = ToD(rf);
+    VecD w(r.size());
+    std::vector<int32_t> idx(r.size()), idx_fd(r.size());
+    MD::TopKFwd(probs.data(), tokens, experts, top_k, renorm, idx.data(), w.data());
+    auto loss = [&] {
+      VecD wd(r.size());
+      MD::TopKFwd(probs.data(), tokens, experts, top_k, renorm, idx_fd.data(), wd.data());
+      CHECK(idx_fd == idx);
+      return Dot(r, wd);
+    };
+    VecD dp(probs.size());
+    MD::TopKBwd(probs.data(), idx.data(), w.data(), r.data(), tokens, experts, top_k, renorm, dp.data());
+    ExpectClose(dp, NumGrad(probs, loss), kFdTol, "topk dprobs");
+
+    VecF wf(rf.size()), dpf(pf.size(), std::numeric_limits<float>::quiet_NaN());
+    std::vector<int32_t> idxf(rf.size());
+    ops->TopKFwd(pf.data(), tokens, experts, top_k, renorm, idxf.data(), wf.data());
+    CHECK(idxf == idx);
+    ops->TopKBwd(pf.data(), idxf.data(), wf.data(), rf.data(), tokens, experts, top_k, renorm, dpf.data());
+    ExpectClose(dpf, dp, kF32Tol, "topk dprobs (float)");
+  }
+
+  // Composition, including exact ties (token 0: all logits equal).
+  VecF logits = Rand(tokens * experts, 263, -3.f, 3.f);
+  std::fill_n(logits.begin(), experts, 0.5f);
+  const VecF dwts = Rand(tokens * top_k, 264);
+  for (bool sigmoid : {false, true}) {
+    for (bool renorm : {false, true}) {
+      CAPTURE(sigmoid);
+      CAPTURE(renorm);
+      VecF probs(logits.size()), wts(dwts.size()), dl(logits.size());
+      std::vector<int32_t> idx(dwts.size());
+      ops->RouterFwd(logits.data(), tokens, experts, top_k, sigmoid, renorm, probs.data(), idx.data(), wts.data());
+      ops->RouterBwd(probs.data(), idx.data(), wts.data(), dwts.data(), tokens, experts, top_k, sigmoid, renorm,
+                     dl.data());
+      VecF probs2(logits.size()), wts2(dwts.size()), dp2(logits.size()), dl2(logits.size());
+      std::vector<int32_t> idx2(dwts.size());
+      if (sigmoid) {
+        ops->SigmoidFwd(logits.data(), tokens * experts, probs2.data());
+      } else {
+        ops->SoftmaxFwd(logits.data(), tokens, experts, 1.f, 0, probs2.data());
+      }
+      ops->TopKFwd(probs2.data(), tokens, experts, top_k, renorm, idx2.data(), wts2.data());
+      ops->TopKBwd(probs2.data(), idx2.data(), wts2.data(), dwts.data(), tokens, experts, top_k, renorm, dp2.data());
+      if (sigmoid) {
+        ops->SigmoidBwd(probs2.data(), dp2.data(), tokens * experts, dl2.data());
+      } else {
+        ops->SoftmaxBwd(probs2.data(), dp2.data(), tokens, experts, 1.f, dl2.data());
+      }
+      CHECK(Bytes(probs, idx, wts, dl) == Bytes(probs2, idx2, wts2, dl2));
+      CHECK(idx[0] == 0);  // the tie: lower expert index first
+      CHECK(idx[1] == 1);
+    }
+  }
+}
+
+TEST_CASE("Embedding forward and backward (accumulates in token order)") {
+  auto ops = mk::MakeRefOps();
+  const int64_t vocab = 7, n = 23, d = 5;
+  std::vector<int32_t> tokens(static_cast<size_t>(n));
+  for (int64_t t = 0; t < n; ++t) tokens[t] = static_cast<int32_t>((t * 5 + t / 3) % vocab);
+  const VecF tf = Rand(vocab * d, 271), rf = Rand(n * d, 272), dt0 = Rand(vocab * d, 273);
+  VecF y(rf.size());
+  ops->EmbeddingFwd(tokens.data(), tf.data(), n, d, y.data());
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t c = 0; c < d; ++c) CHECK(y[t * d + c] == tf[tokens[t] * d + c]);
+  }
+
+  VecD table = ToD(tf);
+  const VecD r = ToD(rf);
+  auto loss = [&] {
+    VecD yd(r.size());
+    MD::EmbeddingFwd(tokens.data(), table.data(), n, d, yd.data());
+    return Dot(r, yd);
+  };
+  VecD dt = ToD(dt0);
+  MD::EmbeddingBwd(tokens.data(), r.data(), n, d, dt.data());
+  for (size_t i = 0; i < dt.size(); ++i) dt[i] -= dt0[i];
+  ExpectClose(dt, NumGrad(table, loss), kFdTol, "embedding dtable");
+
+  // Float: exactly the token-order sum on top of the old value.
+  VecF dtf = dt0, want = dt0;
+  ops->EmbeddingBwd(tokens.data(), rf.data(), n, d, dtf.data());
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t c = 0; c < d; ++c) want[tokens[t] * d + c] += rf[t * d + c];
+  }
+  CHECK(Bytes(dtf) == Bytes(want));
+}
+
+TEST_CASE("SplitHeads: layout, RoPE, backward (adjoint and inverse)") {
+  auto ops = mk::MakeRefOps();
+  for (bool rope : {false, true}) {
+    CAPTURE(rope);
+    const mk::SplitShape sh{.b = 2, .s = 5, .heads = 4, .kv_heads = 2, .head_dim = 6, .rope = rope,
+                            .rope_theta = 100.f};
+    const int64_t width = (sh.heads + 2 * sh.kv_heads) * sh.head_dim, rows = sh.b * sh.s;
+    const size_t nq = static_cast<size_t>(sh.b * sh.heads * sh.s * sh.head_dim);
+    const size_t nkv = static_cast<size_t>(sh.b * sh.kv_heads * sh.s * sh.head_dim);
+    const VecF xf = Rand(rows * width, 281);
+    VecF q(nq), k(nkv), v(nkv);
+    ops->SplitHeadsFwd(xf.data(), sh, q.data(), k.data(), v.data());
+
+    // Naive: element (bb, pos, head slot, e) of qkv, rotated in double.
+    VecD want_q(nq), want_k(nkv), want_v(nkv);
+    const int64_t half = sh.head_dim / 2;
+    for (int64_t bb = 0; bb < sh.b; ++bb) {
+      for (int64_t pos = 0; pos < sh.s; ++pos) {
+        const float* row = xf.data() + (bb * sh.s + pos) * width;
+        auto put = [&](VecD& dst, int64_t heads, int64_t h, const float* src, bool rot) {
+          double* out = dst.data() + ((bb * heads + h) * sh.s + pos) * sh.head_dim;
+          for (int64_t e = 0; e < sh.head_dim; ++e) out[e] = src[e];
+          if (!rot) return;
+          for (int64_t i = 0; i < half; ++i) {
+            const double ang = pos * std::pow(100.0, -2.0 * i / sh.head_dim);
+            out[i] = src[i] * std::cos(ang) - src[i + half] * std::sin(ang);
+            out[i + half] = src[i + half] * std::cos(ang) + src[i] * std::sin(ang);
+          }
+        };
+        for (int64_t h = 0; h < sh.heads; ++h) put(want_q, sh.heads, h, row + h * sh.head_dim, rope);
+        for (int64_t g = 0; g < sh.kv_heads; ++g) {
+          put(want_k, sh.kv_heads, g, row + (sh.heads + g) * sh.head_dim, rope);
+          put(want_v, sh.kv_heads, g, row + (sh.heads + sh.kv_heads + g) * sh.head_dim, false);
+        }
+      }
+    }
+    if (rope) {
+      ExpectClose(q, want_q, kF32Tol, "split q");
+      ExpectClose(k, want_k, kF32Tol, "split k");
+    } else {
+      CHECK(ToD(q) == want_q);
+      CHECK(ToD(k) == want_k);
+    }
+    CHECK(ToD(v) == want_v);
+
+    // Backward: the gradient of L = <rq, q> + <rk, k> + <rv, v>.
+    VecD x = ToD(xf);
+    const VecD rq = ToD(Rand(static_cast<int64_t>(nq), 282)), rk = ToD(Rand(static_cast<int64_t>(nkv), 283));
+    const VecD rv = ToD(Rand(static_cast<int64_t>(nkv), 284));
+    auto loss = [&] {
+      VecD qd(nq), kd(nkv), vd(nkv);
+      MD::SplitHeadsFwd(x.data(), sh, qd.data(), kd.data(), vd.data());
+      return Dot(rq, qd) + Dot(rk, kd) + Dot(rv, vd);
+    };
+    VecD dx(x.size());
+    MD::SplitHeadsBwd(rq.data(), rk.data(), rv.data(), sh, dx.data());
+    ExpectClose(dx, NumGrad(x, loss), kFdTol, "split dqkv");
+    const VecF rqf(rq.begin(), rq.end()), rkf(rk.begin(), rk.end()), rvf(rv.begin(), rv.end());
+    VecF dxf(x.size(), std::numeric_limits<float>::quiet_NaN());
+    ops->SplitHeadsBwd(rqf.data(), rkf.data(), rvf.data(), sh, dxf.data());
+    ExpectClose(dxf, dx, kF32Tol, "split dqkv (float)");
+
+    // The rotation is orthogonal: its backward undoes the forward.
+    VecF back(xf.size());
+    ops->SplitHeadsBwd(q.data(), k.data(), v.data(), sh, back.data());
+    ExpectClose(back, ToD(xf), 1e-5, "split bwd(fwd(x))");
+  }
+}
+
+TEST_CASE("AdamStep: the contract's order of float operations, and AdamW in double") {
+  auto ops = mk::MakeRefOps();
+  const int64_t n = 257;
+  const mk::AdamConfig cfg{.lr = 1e-2f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f, .weight_decay = 0.1f};
+  const VecF p0 = Rand(n, 291), m0 = Rand(n, 292, -0.1f, 0.1f), v0 = Rand(n, 293, 0.f, 0.01f);
+  VecF p = p0, m = m0, v = v0;
+  VecD pd = ToD(p0), md = ToD(m0), vd = ToD(v0);
+  VecF pw = p0, mw = m0, vw = v0;  // the contract, spelled out in float
+  for (int64_t step = 1; step <= 3; ++step) {
+    const VecF g = Rand(n, 300 + static_cast<uint64_t>(step));
+    ops->AdamStep(p.data(), g.data(), m.data(), v.data(), n, cfg, step);
+    const float bc1 = mk::AdamBiasCorrection(cfg.beta1, step), bc2 = mk::AdamBiasCorrection(cfg.beta2, step);
+    CHECK(bc1 == static_cast<float>(1.0 - std::pow(double(cfg.beta1), double(step))));
+    for (int64_t i = 0; i < n; ++i) {
+      mw[i] = cfg.beta1 * mw[i] + (1.f - cfg.beta1) * g[i];
+      vw[i] = cfg.beta2 * vw[i] + ((1.f - cfg.beta2) * g[i]) * g[i];
+      const float mhat = mw[i] / bc1, vhat = vw[i] / bc2;
+      const float u = mhat / (std::sqrt(vhat) + cfg.eps) + cfg.weight_decay * pw[i];
+      pw[i] = pw[i] - cfg.lr * u;
+
+      const double b1 = cfg.beta1, b2 = cfg.beta2;
+      md[i] = b1 * md[i] + (1 - b1) * g[i];
+      vd[i] = b2 * vd[i] + (1 - b2) * double(g[i]) * g[i];
+      const double ud = (md[i] / (1 - std::pow(b1, double(step)))) /
+                            (std::sqrt(vd[i] / (1 - std::pow(b2, double(step)))) + double(cfg.eps)) +
+                        double(cfg.weight_decay) * pd[i];
+      pd[i] -= double(cfg.lr) * ud;
+    }
+    CHECK(Bytes(p, m, v) == Bytes(pw, mw, vw));
+  }
+  ExpectClose(p, pd, 1e-5, "adam master vs double");
+  ExpectClose(m, md, 1e-5, "adam m vs double");
+  ExpectClose(v, vd, 1e-5, "adam v vs double");
+
+  // Step 1 from zero moments, no decay: the update is lr * g / (|g| + eps).
+  const mk::AdamConfig plain{.lr = 0.5f};
+  const float g1[] = {2.f, -3.f, 0.f};
+  float w[] = {1.f, 1.f, 1.f}, m1[3] = {}, v1[3] = {};
+  ops->AdamStep(w, g1, m1, v1, 3, plain, 1);
+  CHECK(w[0] == doctest::Approx(0.5).epsilon(1e-6));
+  CHECK(w[1] == doctest::Approx(1.5).epsilon(1e-6));
+  CHECK(w[2] == 1.f);
+}
+
+TEST_CASE("SquaredNorm sums double squares in order; Copy, Zero, Accumulate") {
+  auto ops = mk::MakeRefOps();
+  const float small[] = {3.f, -4.f};
+  double out = -1;
+  ops->SquaredNorm(small, 2, &out);
+  CHECK(out == 25.0);
+  ops->SquaredNorm(small, 0, &out);
+  CHECK(out == 0.0);
+  const VecF x = Rand(10007, 301, -10.f, 10.f);
+  double want = 0;
+  for (float xi : x) want += double(xi) * double(xi);
+  ops->SquaredNorm(x.data(), static_cast<int64_t>(x.size()), &out);
+  CHECK(out == want);
+
+  VecF y(x.size(), 1.f);
+  ops->Copy(y.data(), x.data(), static_cast<int64_t>(x.size() * sizeof(float)));
+  CHECK(y == x);
+  ops->Zero(y.data(), 8);
+  CHECK(y[0] == 0.f);
+  CHECK(y[1] == 0.f);
+  CHECK(y[2] == x[2]);
+  const VecF a = Rand(37, 302), b = Rand(37, 303);
+  VecF acc = a;
+  ops->Accumulate(acc.data(), b.data(), 37);
+  for (size_t i = 0; i < acc.size(); ++i) CHECK(acc[i] == a[i] + b[i]);
+}
+
 // --- Bit reproducibility -----------------------------------------------------------
 
 TEST_CASE("Every op gives identical bytes when run twice") {
@@ -1109,6 +1490,33 @@ TEST_CASE("Every op gives identical bytes when run twice") {
       return Bytes(probs, idx, wts, dl, slot_of, offs, xs, dx, out, dys, dw_native, dw_rewrite);
     });
   }
+
+  twice("softmax, sigmoid, top-k", [&](float fill) {
+    VecF sm(logits.size(), fill), smc(logits.size(), fill), dsm(logits.size(), fill), sg(logits.size(), fill);
+    VecF dsg(logits.size(), fill), wts(dwts.size(), fill), dp(logits.size(), fill);
+    std::vector<int32_t> idx(dwts.size(), fill == 0.f ? 0 : -5);
+    ops->SoftmaxFwd(logits.data(), tokens, experts, 0.5f, 0, sm.data());
+    ops->SoftmaxFwd(logits.data(), tokens, experts, 0.5f, 6, smc.data());
+    ops->SoftmaxBwd(sm.data(), logits.data(), tokens, experts, 0.5f, dsm.data());
+    ops->SigmoidFwd(logits.data(), tokens * experts, sg.data());
+    ops->SigmoidBwd(sg.data(), logits.data(), tokens * experts, dsg.data());
+    ops->TopKFwd(sm.data(), tokens, experts, top_k, true, idx.data(), wts.data());
+    ops->TopKBwd(sm.data(), idx.data(), wts.data(), dwts.data(), tokens, experts, top_k, true, dp.data());
+    return Bytes(sm, smc, dsm, sg, dsg, idx, wts, dp);
+  });
+
+  twice("embedding, split heads", [&](float fill) {
+    const std::vector<int32_t> tok = {0, 3, 7, 1, 2, 5, 4, 6, 0, 1, 2, 3, 4, 5, 6, 7, 0};
+    VecF y(x.size(), fill), dt = ys;
+    ops->EmbeddingFwd(tok.data(), ys.data(), tokens, d, y.data());
+    ops->EmbeddingBwd(tok.data(), x.data(), tokens, d, dt.data());
+    const mk::SplitShape sh{.b = 1, .s = tokens, .heads = 2, .kv_heads = 1, .head_dim = 4, .rope = true};
+    const int64_t nh = tokens * 4;  // one head
+    VecF q(2 * nh, fill), kk(nh, fill), vv(nh, fill), dqkv(4 * nh, fill);
+    ops->SplitHeadsFwd(ys.data(), sh, q.data(), kk.data(), vv.data());
+    ops->SplitHeadsBwd(q.data(), kk.data(), vv.data(), sh, dqkv.data());
+    return Bytes(y, dt, q, kk, vv, dqkv);
+  });
 
   twice("cross entropy", [&](float fill) {
     const std::vector<int32_t> tgt = {0, 3, 7, 1, 2, 5, 4, 6, 0, 1, 2, 3, 4, 5, 6, 7, 0};

@@ -39,6 +39,10 @@ float Uniform01(uint64_t seed, uint64_t offset, uint64_t index);
 int64_t AttentionBwdWorkspaceBytes(int64_t b, int64_t heads, int64_t s);       // standard
 int64_t FlashAttentionBwdWorkspaceBytes(int64_t b, int64_t heads, int64_t s);  // D = rowsum(dO * O)
 int64_t GemmWorkspaceBytes();                                                  // cuBLAS workspace
+// MoE routing buffer: DispatchPlan's slot_of (int32 [tokens * top_k]) at
+// offset 0, then room for the E+1 int64 offsets, each part rounded up to 256
+// bytes. The executor passes this buffer where slot_of lives.
+int64_t MoeRoutingWorkspaceBytes(int64_t tokens, int64_t top_k, int64_t experts);
 
 // Attention shapes: q [b, heads, s, dqk], k [b, kv_heads, s, dqk],
 // v [b, kv_heads, s, dv], o [b, heads, s, dv]; head h reads kv head
@@ -54,6 +58,35 @@ struct AttentionShape {
   bool o_token_major = false;
 };
 
+// The fused QKV projection's output and the heads attention reads.
+// qkv is [b*s, (heads + 2*kv_heads) * head_dim], row = batch * s + position,
+// columns [q heads | k heads | v heads], each head head_dim wide.
+// q is [b, heads, s, head_dim]; k and v are [b, kv_heads, s, head_dim].
+// With `rope`, q and k are rotated (rotate-half / GPT-NeoX form): for
+// i < half = head_dim / 2, at position pos,
+//   angle = pos * rope_theta^(-2i / head_dim)
+//   (x_i, x_{i+half}) -> (x_i cos - x_{i+half} sin, x_{i+half} cos + x_i sin).
+// cos and sin are evaluated in double and rounded to float once:
+//   angle = double(pos) * std::pow(double(rope_theta), -double(2 i) / double(head_dim)).
+// Then, in float without fused multiply-adds: out_i = x_i*c - x_{i+half}*s,
+// out_{i+half} = x_{i+half}*c + x_i*s (each product rounded, then the sum).
+// Preconditions: heads, kv_heads, head_dim >= 1 (b or s 0: nothing to do);
+// head_dim even when rope.
+struct SplitShape {
+  int64_t b = 1, s = 1, heads = 1, kv_heads = 1, head_dim = 1;
+  bool rope = false;
+  float rope_theta = 10000.f;
+};
+
+// AdamW hyperparameters (AdamStep).
+struct AdamConfig {
+  float lr = 1e-3f, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0.f;
+};
+
+// The bias corrections of AdamStep, computed on the host by both backends:
+// 1 - beta^step evaluated in double, rounded to float once.
+float AdamBiasCorrection(float beta, int64_t step);
+
 class Ops {
  public:
   virtual ~Ops() = default;
@@ -62,6 +95,18 @@ class Ops {
   // A is [m,k] (or [k,m] when trans_a), B is [k,n] (or [n,k] when trans_b).
   virtual void Gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
                     const float* b, float beta, float* c, void* workspace) = 0;
+
+  // For i in [0, batch): C_i = alpha * op(A_i) * op(B_i) + beta * C_i, the
+  // Gemm above on sub-matrices: A_i starts at a + i * stride_a and has row
+  // stride lda (elements between consecutive stored rows; lda >= k, or >= m
+  // when trans_a), likewise B_i (ldb >= n, or >= k when trans_b) and C_i
+  // (ldc >= n). Strides may be 0 for A and B (one operand for every entry);
+  // the C_i must not overlap. beta == 0: C is not read; k == 0: C = beta * C.
+  // Elements of C between rows (columns n..ldc-1) are left as they are.
+  virtual void GemmStridedBatched(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+                                  const float* a, int64_t lda, int64_t stride_a, const float* b, int64_t ldb,
+                                  int64_t stride_b, float beta, float* c, int64_t ldc, int64_t stride_c,
+                                  int64_t batch, void* workspace) = 0;
 
   // Experts: rows [offsets[e], offsets[e+1]) of x [T, k] (tokens sorted by
   // expert) times w[e] ([E, k, n]) into y [T, n]. offsets has E+1 entries
@@ -98,6 +143,72 @@ class Ops {
 
   // y = a + b (residual add; its backward is the identity on both inputs).
   virtual void Add(const float* a, const float* b, int64_t n, float* y) = 0;
+  // y += x (gradient accumulation; y and x may not overlap unless equal).
+  virtual void Accumulate(float* y, const float* x, int64_t n) = 0;
+
+  // Row softmax of x [rows, cols]: y = softmax(scale * x) per row, as
+  // v_j = scale * x_j (rounded), m = max_j v_j, e_j = exp(v_j - m),
+  // y_j = e_j / sum_j e_j. When causal_seq > 0, row r is query position
+  // i = r % causal_seq and columns j > i are masked: left out of the max and
+  // the sum, and y_j = 0 exactly (scores [b, heads, s, s] use causal_seq = s).
+  virtual void SoftmaxFwd(const float* x, int64_t rows, int64_t cols, float scale, int64_t causal_seq,
+                          float* y) = 0;
+  // dx = scale * (y * (dy - dot)), dot = sum_j dy_j * y_j per row
+  // (overwrite). Masked entries have y = 0, so their dx is 0.
+  virtual void SoftmaxBwd(const float* y, const float* dy, int64_t rows, int64_t cols, float scale, float* dx) = 0;
+  // y = 1 / (1 + exp(-x)); backward dx = dy * (y * (1 - y)) from the output.
+  virtual void SigmoidFwd(const float* x, int64_t n, float* y) = 0;
+  virtual void SigmoidBwd(const float* y, const float* dy, int64_t n, float* dx) = 0;
+
+  // The router's selection on probs [T, E] (RouterFwd without the softmax /
+  // sigmoid): idx [T, k] = the k experts with the largest probability, best
+  // first, ties to the lower expert index; weights [T, k] = the selected
+  // probabilities, divided by their sum (summed best first) when
+  // `renormalize`. Preconditions: 1 <= top_k <= experts, no NaN.
+  virtual void TopKFwd(const float* probs, int64_t tokens, int64_t experts, int64_t top_k, bool renormalize,
+                       int32_t* idx, float* weights) = 0;
+  // dprobs [T, E] (overwrite): 0 off the selection; on expert idx[t,i]
+  // d_weights[t,i], or with renormalization (w_i = p_i / S, S = sum_sel p)
+  // (d_weights_i - sum_j d_weights_j w_j) / S.
+  virtual void TopKBwd(const float* probs, const int32_t* idx, const float* weights, const float* d_weights,
+                       int64_t tokens, int64_t experts, int64_t top_k, bool renormalize, float* dprobs) = 0;
+
+  // Token embedding: y[t] = table[tokens[t]] (n tokens, rows of d).
+  virtual void EmbeddingFwd(const int32_t* tokens, const float* table, int64_t n, int64_t d, float* y) = 0;
+  // dtable[tokens[t]] += dy[t] (accumulate). Deterministic: every element of
+  // dtable receives its tokens' terms one by one in increasing t, so both
+  // backends give the same bits. Preconditions: tokens index table's rows.
+  virtual void EmbeddingBwd(const int32_t* tokens, const float* dy, int64_t n, int64_t d, float* dtable) = 0;
+
+  // qkv -> q, k, v (with RoPE on q and k when sh.rope); see SplitShape.
+  virtual void SplitHeadsFwd(const float* qkv, const SplitShape& sh, float* q, float* k, float* v) = 0;
+  // The adjoint: dqkv (overwrite) from dq, dk, dv; with rope, dq and dk are
+  // rotated back: dx_i = dy_i*c + dy_{i+half}*s, dx_{i+half} =
+  // dy_{i+half}*c - dy_i*s (same float evaluation rules as the forward).
+  virtual void SplitHeadsBwd(const float* dq, const float* dk, const float* dv, const SplitShape& sh,
+                             float* dqkv) = 0;
+
+  // One AdamW step (step >= 1) on n fp32 parameters, in place on master, m
+  // and v. With bc1 = AdamBiasCorrection(beta1, step), bc2 likewise, every
+  // element is, in this order, each operation one IEEE fp32 rounding (no
+  // fused multiply-add), so both backends give the same bits:
+  //   m      = beta1 * m + (1 - beta1) * g             (1 - beta1 rounded first)
+  //   v      = beta2 * v + ((1 - beta2) * g) * g
+  //   mhat   = m / bc1
+  //   vhat   = v / bc2
+  //   u      = mhat / (sqrt(vhat) + eps) + weight_decay * master
+  //   master = master - lr * u
+  virtual void AdamStep(float* master, const float* grad, float* m, float* v, int64_t n, const AdamConfig& c,
+                        int64_t step) = 0;
+  // *out = sum_i double(x_i)^2. out is host memory for the reference
+  // (summed sequentially in double) and device memory for CUDA (a fixed
+  // two-level reduction in double: bit-identical run to run, equal to the
+  // reference up to summation order).
+  virtual void SquaredNorm(const float* x, int64_t n, double* out) = 0;
+  // Copy bytes from src to dst (no overlap; device to device for CUDA);
+  // Zero sets bytes to 0.
+  virtual void Copy(void* dst, const void* src, int64_t bytes) = 0;
+  virtual void Zero(void* dst, int64_t bytes) = 0;
 
   // Standard attention: saves probs [b, heads, s, s] (softmax of the masked,
   // scaled scores) and writes o. Backward uses probs; `workspace` holds the
@@ -120,7 +231,9 @@ class Ops {
 
   // Router over logits [T, E]: softmax (row-wise) or sigmoid, then top-k by
   // probability (ties: lower expert index first), weights = the selected
-  // probabilities, renormalized to sum to 1 when `renormalize`.
+  // probabilities, renormalized to sum to 1 when `renormalize`. Equal to
+  // SoftmaxFwd (scale 1, no mask) or SigmoidFwd, then TopKFwd; RouterBwd to
+  // TopKBwd, then SoftmaxBwd (scale 1) or SigmoidBwd.
   virtual void RouterFwd(const float* logits, int64_t tokens, int64_t experts, int64_t top_k, bool sigmoid,
                          bool renormalize, float* probs, int32_t* topk_idx, float* topk_weights) = 0;
   // From the gradient of the top-k weights to the logits (through the
