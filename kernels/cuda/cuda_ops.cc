@@ -284,10 +284,10 @@ class CudaOps final : public Ops {
     MEMPLAN_CUDA_CHECK(cuda::LaunchCombineBwd(ctx_, dout, slot_of, topk_weights, y_sorted, tokens, top_k, d, dy_sorted,
                                               d_topk_weights));
   }
-  void RouterGradRewrite(const float* da_unweighted, const float* act, const int32_t* slot_of, int64_t tokens,
-                         int64_t top_k, int64_t f, float* d_topk_weights) override {
+  void RouterGradRewrite(const float* da, const float* act, const int32_t* slot_of, const float* topk_weights,
+                         int64_t tokens, int64_t top_k, int64_t f, float* d_topk_weights) override {
     MEMPLAN_CUDA_CHECK(
-        cuda::LaunchRouterGradRewrite(ctx_, da_unweighted, act, slot_of, tokens, top_k, f, d_topk_weights));
+        cuda::LaunchRouterGradRewrite(ctx_, da, act, slot_of, topk_weights, tokens, top_k, f, d_topk_weights));
   }
 
   void CrossEntropyFwd(const float* logits, const int32_t* targets, int64_t tokens, int64_t vocab, float* probs,

@@ -1077,7 +1077,8 @@ __global__ void __launch_bounds__(kThreads)
 // d_topk_weights[slot_of[j]] = <a[j], b[j]>, one block per sorted row.
 template <int W>
 __global__ void __launch_bounds__(kThreads)
-    RowDotKernel(const float* a, const float* b, const int32_t* slot_of, int64_t n_rows, int64_t f, float* out) {
+    RowDotKernel(const float* a, const float* b, const int32_t* slot_of, const float* divisor, int64_t n_rows, int64_t f,
+                 float* out) {
   __shared__ float red[kWarps];
   for (int64_t j = blockIdx.x; j < n_rows; j += gridDim.x) {
     float dot = 0.f;
@@ -1089,7 +1090,11 @@ __global__ void __launch_bounds__(kThreads)
       for (int k = 0; k < W; ++k) dot += u[k] * v[k];
     });
     dot = BlockSum1(dot, red);
-    if (threadIdx.x == 0) out[slot_of[j]] = dot;
+    if (threadIdx.x == 0) {
+      int32_t slot = slot_of[j];
+      if (divisor != nullptr) dot = divisor[slot] == 0.f ? 0.f : __fdiv_rn(dot, divisor[slot]);
+      out[slot] = dot;
+    }
   }
 }
 
@@ -1881,17 +1886,17 @@ cudaError_t LaunchCombineBwd(const LaunchContext& ctx, const float* dout, const 
   return cudaGetLastError();
 }
 
-cudaError_t LaunchRouterGradRewrite(const LaunchContext& ctx, const float* da_unweighted, const float* act,
-                                    const int32_t* slot_of, int64_t tokens, int64_t top_k, int64_t f,
-                                    float* d_topk_weights) {
+cudaError_t LaunchRouterGradRewrite(const LaunchContext& ctx, const float* da, const float* act,
+                                    const int32_t* slot_of, const float* topk_weights, int64_t tokens, int64_t top_k,
+                                    int64_t f, float* d_topk_weights) {
   const int64_t n_rows = tokens * top_k;
   if (n_rows <= 0) return cudaSuccess;
-  if (f % 4 == 0 && AllAligned16(da_unweighted, act)) {
-    RowDotKernel<4>
-        <<<RowGrid(ctx, n_rows), kThreads, 0, ctx.stream>>>(da_unweighted, act, slot_of, n_rows, f, d_topk_weights);
+  if (f % 4 == 0 && AllAligned16(da, act)) {
+    RowDotKernel<4><<<RowGrid(ctx, n_rows), kThreads, 0, ctx.stream>>>(da, act, slot_of, topk_weights, n_rows, f,
+                                                                        d_topk_weights);
   } else {
-    RowDotKernel<1>
-        <<<RowGrid(ctx, n_rows), kThreads, 0, ctx.stream>>>(da_unweighted, act, slot_of, n_rows, f, d_topk_weights);
+    RowDotKernel<1><<<RowGrid(ctx, n_rows), kThreads, 0, ctx.stream>>>(da, act, slot_of, topk_weights, n_rows, f,
+                                                                        d_topk_weights);
   }
   return cudaGetLastError();
 }

@@ -132,9 +132,9 @@ cudaError_t LaunchCombineFwd(const LaunchContext& ctx, const float* y_sorted, co
 cudaError_t LaunchCombineBwd(const LaunchContext& ctx, const float* dout, const int32_t* slot_of,
                              const float* topk_weights, const float* y_sorted, int64_t tokens, int64_t top_k, int64_t d,
                              float* dy_sorted, float* d_topk_weights);
-cudaError_t LaunchRouterGradRewrite(const LaunchContext& ctx, const float* da_unweighted, const float* act,
-                                    const int32_t* slot_of, int64_t tokens, int64_t top_k, int64_t f,
-                                    float* d_topk_weights);
+cudaError_t LaunchRouterGradRewrite(const LaunchContext& ctx, const float* da, const float* act,
+                                    const int32_t* slot_of, const float* topk_weights, int64_t tokens, int64_t top_k,
+                                    int64_t f, float* d_topk_weights);
 
 cudaError_t LaunchCrossEntropyFwd(const LaunchContext& ctx, const float* logits, const int32_t* targets, int64_t tokens,
                                   int64_t vocab, float* probs, float* loss);

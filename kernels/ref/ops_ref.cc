@@ -509,10 +509,15 @@ void RefMath<T>::CombineBwd(const T* dout, const int32_t* slot_of, const T* topk
 }
 
 template <typename T>
-void RefMath<T>::RouterGradRewrite(const T* da_unweighted, const T* act, const int32_t* slot_of, int64_t tokens,
-                                   int64_t top_k, int64_t f, T* d_topk_weights) {
+void RefMath<T>::RouterGradRewrite(const T* da, const T* act, const int32_t* slot_of, const T* topk_weights,
+                                   int64_t tokens, int64_t top_k, int64_t f, T* d_topk_weights) {
   for (int64_t j = 0; j < tokens * top_k; ++j) {
-    d_topk_weights[slot_of[j]] = DotN(da_unweighted + j * f, act + j * f, f);
+    T dot = DotN(da + j * f, act + j * f, f);
+    if (topk_weights != nullptr) {
+      T w = topk_weights[slot_of[j]];
+      dot = w == T(0) ? T(0) : dot / w;
+    }
+    d_topk_weights[slot_of[j]] = dot;
   }
 }
 
@@ -875,9 +880,9 @@ class RefOps final : public Ops {
                   int64_t tokens, int64_t top_k, int64_t d, float* dy_sorted, float* d_topk_weights) override {
     M::CombineBwd(dout, slot_of, topk_weights, y_sorted, tokens, top_k, d, dy_sorted, d_topk_weights);
   }
-  void RouterGradRewrite(const float* da_unweighted, const float* act, const int32_t* slot_of, int64_t tokens,
-                         int64_t top_k, int64_t f, float* d_topk_weights) override {
-    M::RouterGradRewrite(da_unweighted, act, slot_of, tokens, top_k, f, d_topk_weights);
+  void RouterGradRewrite(const float* da, const float* act, const int32_t* slot_of, const float* topk_weights,
+                         int64_t tokens, int64_t top_k, int64_t f, float* d_topk_weights) override {
+    M::RouterGradRewrite(da, act, slot_of, topk_weights, tokens, top_k, f, d_topk_weights);
   }
 
   void CrossEntropyFwd(const float* logits, const int32_t* targets, int64_t tokens, int64_t vocab, float* probs,

@@ -123,8 +123,8 @@ struct RefMath {
   // d_topk_weights is written only when y_sorted is non-null.
   static void CombineBwd(const T* dout, const int32_t* slot_of, const T* topk_weights, const T* y_sorted,
                          int64_t tokens, int64_t top_k, int64_t d, T* dy_sorted, T* d_topk_weights);
-  static void RouterGradRewrite(const T* da_unweighted, const T* act, const int32_t* slot_of, int64_t tokens,
-                                int64_t top_k, int64_t f, T* d_topk_weights);
+  static void RouterGradRewrite(const T* da, const T* act, const int32_t* slot_of, const T* topk_weights,
+                                int64_t tokens, int64_t top_k, int64_t f, T* d_topk_weights);
 
   // loss[t] = log(sum_v exp(l_v - max)) - (l_target - max), which equals
   // -log probs[t, target] without underflowing to log(0).

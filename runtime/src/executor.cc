@@ -135,6 +135,7 @@ class Executor {
   void InitParams(Rank& r);
   void Step(Rank& r);
   bool Runnable(const Rank& r) const;
+  void SyncTied();
   void Optimize(double* grad_norm);
   void MakeBatch();
   Expected<std::monostate> Dump(bool grads);
@@ -436,12 +437,12 @@ void Executor::InitParams(Rank& r) {
         if (spec.kind == planner::ParamKind::kEmbedding || ps.tied_head) fan_in = model_.arch.hidden;
         float a = 1.f / std::sqrt(static_cast<float>(fan_in));
         // A tied head starts as the embedding it shares.
-        std::string key = ps.tied_head ? G(0).params.front().name : name;
-        uint64_t id = Fnv1a(key);
+        uint64_t id = Fnv1a(ps.tied_head ? G(0).params.front().name : name);
         for (int64_t i = 0; i < n; ++i) {
           w[static_cast<size_t>(i)] = (2.f * kernels::Uniform01(options_.seed, id, static_cast<uint64_t>(i)) - 1.f) * a;
         }
       }
+      if (options_.init_hook) options_.init_hook(ps.tied_head ? G(0).params.front().name : name, &w);
       backend_->FromHost(*r.stat, ps.weight.ptr, w.data(), bytes);
       std::vector<float> zero(static_cast<size_t>(n), 0.f);
       backend_->FromHost(*r.stat, ps.grad.ptr, zero.data(), bytes);
@@ -678,7 +679,9 @@ void Executor::Forward(Rank& r, size_t bi, int32_t pos, const std::function<Buff
     const ParamState& w = Param(r, op);
     Dims2 x = RowsCols(spec(op.inputs[0]));
     Dims2 y = RowsCols(spec(op.outputs[0]));
-    k.Gemm(false, w.tied_head, x.rows, y.cols, x.cols, 1.f, in(0).as<float>(), w.weight.as<float>(), 0.f,
+    // A tied head reads the embedding matrix E [vocab, hidden]: logits = x E^T.
+    bool tied = w.tied_head || w.spec->kind == planner::ParamKind::kEmbedding;
+    k.Gemm(false, tied, x.rows, y.cols, x.cols, 1.f, in(0).as<float>(), w.weight.as<float>(), 0.f,
            out(0).as<float>(), nullptr);
   } else if (kind == "split_rope") {
     kernels::SplitShape sh{model_.train.micro_batch, model_.train.seq_len, a.heads, a.kv_heads, a.head_dim,
@@ -838,9 +841,10 @@ void Executor::Backward(Rank& r, size_t bi, int32_t pos) {
     Buffer dy = dout(0);
     Buffer xv = val(op.inputs[0]);
     // dx = dy W^T; dW += x^T dy (a tied head stores E = W^T: dE += dy^T x).
-    k.Gemm(false, !w.tied_head, x.rows, x.cols, y.cols, 1.f, dy.as<float>(), w.weight.as<float>(), 0.f,
+    bool tied = w.tied_head || w.spec->kind == planner::ParamKind::kEmbedding;
+    k.Gemm(false, !tied, x.rows, x.cols, y.cols, 1.f, dy.as<float>(), w.weight.as<float>(), 0.f,
            din(0).as<float>(), nullptr);
-    if (w.tied_head) {
+    if (tied) {
       k.Gemm(true, false, y.cols, x.cols, x.rows, 1.f, dy.as<float>(), xv.as<float>(), 1.f, w.grad.as<float>(), nullptr);
     } else {
       k.Gemm(true, false, x.cols, y.cols, x.rows, 1.f, xv.as<float>(), dy.as<float>(), 1.f, w.grad.as<float>(), nullptr);
@@ -944,8 +948,10 @@ void Executor::Backward(Rank& r, size_t bi, int32_t pos) {
       int32_t slot = idx(comb->inputs[2]);
       Dims2 o = RowsCols(spec(comb->outputs[0]));
       Dims2 act = RowsCols(spec(op.inputs[0]));
+      // dS = <dA, A> / w: dA is the weighted rows' gradient (dW2 needs it).
       k.RouterGradRewrite(din(0).as<float>(), val(op.inputs[0]).as<float>(), Value(r, bi, slot).as<int32_t>(),
-                          o.rows, a.moe->top_k, act.cols, Grad(r, bi, gates).as<float>());
+                          Value(r, bi, gates).as<float>(), o.rows, a.moe->top_k, act.cols,
+                          Grad(r, bi, gates).as<float>());
     }
   } else if (kind == "combine") {
     Dims2 o = RowsCols(spec(op.outputs[0]));
@@ -1233,7 +1239,7 @@ void Executor::RetireCopies(Rank& r, bool all) {
   cs.erase(cs.begin(), cs.begin() + static_cast<std::ptrdiff_t>(k));
 }
 
-void Executor::Optimize(double* grad_norm) {
+void Executor::SyncTied() {
   // A tied head on another rank holds a copy of the embedding: the two
   // gradients are summed into both (Megatron's embedding all-reduce).
   ParamState* emb = nullptr;
@@ -1257,12 +1263,15 @@ void Executor::Optimize(double* grad_norm) {
     backend_->FromHost(*r0.stat, emb->grad.ptr, a.data(), emb->elements * 4);
     backend_->FromHost(*head_rank->stat, head->grad.ptr, a.data(), head->elements * 4);
   }
+}
+
+void Executor::Optimize(double* grad_norm) {
   double sum = 0;
   for (auto& r : ranks_) {
     auto scratch = r->dev->Allocate(8);
     MEMPLAN_CHECK(scratch.ok(), "no room for the gradient norm");
     for (auto& ps : r->params) {
-      if (&ps == head) continue;  // counted once, with the embedding
+      if (ps.tied_head && r.get() != ranks_.front().get()) continue;  // counted once, with the embedding
       r->ops->SquaredNorm(ps.grad.as<float>(), ps.elements, scratch->as<double>());
       double v = 0;
       backend_->ToHost(*r->dev, &v, scratch->ptr, 8);
@@ -1400,6 +1409,7 @@ Expected<RunResult> Executor::Run() {
       RetireCopies(*r, true);
       MEMPLAN_CHECK(r->dev->allocated_bytes() == 0, "activation memory left allocated after the step");
     }
+    SyncTied();
     if (!options_.dump_dir.empty()) {
       if (auto d = Dump(true); !d.ok()) return d.error();
     }

@@ -486,9 +486,15 @@ TEST_CASE("Dispatch, combine and the router-gradient rewrite") {
 
     DevF d_dtopk(nk);
     std::vector<float> dtopk(nk);
-    env.cuda->RouterGradRewrite(d_rows.get(), d_act.get(), d_slot.get(), cs.tokens, cs.top_k, cs.d, d_dtopk.get());
-    env.ref->RouterGradRewrite(rows.data(), act.data(), slot.data(), cs.tokens, cs.top_k, cs.d, dtopk.data());
+    env.cuda->RouterGradRewrite(d_rows.get(), d_act.get(), d_slot.get(), nullptr, cs.tokens, cs.top_k, cs.d,
+                                d_dtopk.get());
+    env.ref->RouterGradRewrite(rows.data(), act.data(), slot.data(), nullptr, cs.tokens, cs.top_k, cs.d, dtopk.data());
     ExpectNear(d_dtopk.ToHost(), dtopk, kReductionTol, "router grad rewrite " + what);
+    env.cuda->RouterGradRewrite(d_rows.get(), d_act.get(), d_slot.get(), d_weights.get(), cs.tokens, cs.top_k, cs.d,
+                                d_dtopk.get());
+    env.ref->RouterGradRewrite(rows.data(), act.data(), slot.data(), weights.data(), cs.tokens, cs.top_k, cs.d,
+                               dtopk.data());
+    ExpectNear(d_dtopk.ToHost(), dtopk, kReductionTol, "weighted router grad rewrite " + what);
   }
 }
 

@@ -959,11 +959,18 @@ TEST_CASE("SonicMoE router-gradient rewrite equals the native combine gradient")
   MD::DispatchFwd(dout.data(), slot_of.data(), tokens, top_k, d, dout_sorted.data());
   MD::GroupedGemmBwd(offsets.data(), experts, f, d, act.data(), w2.data(), dout_sorted.data(), da.data(),
                      dw2.data());
-  MD::RouterGradRewrite(da.data(), act.data(), slot_of.data(), tokens, top_k, f, rewrite.data());
+  MD::RouterGradRewrite(da.data(), act.data(), slot_of.data(), nullptr, tokens, top_k, f, rewrite.data());
   ExpectClose(rewrite, native, 1e-12, "rewrite vs native (double)");
+  // The weighted form: da = w * dA_unweighted, as the fc2 backward of the
+  // weighted rows gives it; dividing by w recovers the same gradient.
+  VecD dy_w(y.size()), da_w(act.size()), dw2_w(w2.size()), rewrite_w(native.size()), unused(native.size());
+  MD::CombineBwd(dout.data(), slot_of.data(), wts.data(), nullptr, tokens, top_k, d, dy_w.data(), unused.data());
+  MD::GroupedGemmBwd(offsets.data(), experts, f, d, act.data(), w2.data(), dy_w.data(), da_w.data(), dw2_w.data());
+  MD::RouterGradRewrite(da_w.data(), act.data(), slot_of.data(), wts.data(), tokens, top_k, f, rewrite_w.data());
+  ExpectClose(rewrite_w, native, 1e-12, "weighted rewrite vs native (double)");
 
   VecF daf(da.begin(), da.end()), rewrite_f(native.size());
-  ops->RouterGradRewrite(daf.data(), actf.data(), slot_of.data(), tokens, top_k, f, rewrite_f.data());
+  ops->RouterGradRewrite(daf.data(), actf.data(), slot_of.data(), nullptr, tokens, top_k, f, rewrite_f.data());
   ExpectClose(rewrite_f, native, 1e-5, "rewrite (float)");
 }
 
@@ -1486,7 +1493,7 @@ TEST_CASE("Every op gives identical bytes when run twice") {
       ops->CombineFwd(ys.data(), slot_of.data(), wts.data(), tokens, top_k, d, out.data());
       ops->CombineBwd(dout.data(), slot_of.data(), wts.data(), ys.data(), tokens, top_k, d, dys.data(),
                       dw_native.data());
-      ops->RouterGradRewrite(ys.data(), xs.data(), slot_of.data(), tokens, top_k, d, dw_rewrite.data());
+      ops->RouterGradRewrite(ys.data(), xs.data(), slot_of.data(), wts.data(), tokens, top_k, d, dw_rewrite.data());
       return Bytes(probs, idx, wts, dl, slot_of, offs, xs, dx, out, dys, dw_native, dw_rewrite);
     });
   }

@@ -264,8 +264,13 @@ class Ops {
   // SonicMoE rewrite: d_topk_weights[t,i] = <dA_unweighted[row], act[row]>,
   // where dA_unweighted[row] = dout[t] * W2_e^T (the fc2 backward before the
   // router weight) and act = A, the expert activation. No expert output needed.
-  virtual void RouterGradRewrite(const float* da_unweighted, const float* act, const int32_t* slot_of,
-                                 int64_t tokens, int64_t top_k, int64_t f, float* d_topk_weights) = 0;
+  // With `topk_weights` (else nullptr), `da` is instead the weighted
+  // gradient w[t,i] * dA_unweighted[row] (the fc2 backward of the weighted
+  // rows, which the weight gradients need anyway) and each dot product is
+  // divided by its weight (0 where the weight is 0).
+  virtual void RouterGradRewrite(const float* da, const float* act, const int32_t* slot_of,
+                                 const float* topk_weights, int64_t tokens, int64_t top_k, int64_t f,
+                                 float* d_topk_weights) = 0;
 
   // Cross-entropy over logits [T, V] with int32 targets: probs = softmax
   // (saved), loss[t] = -log probs[t, target]. Backward: dlogits = (probs -

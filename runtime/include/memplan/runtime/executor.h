@@ -35,6 +35,7 @@
 #include <functional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "memplan/common/json_util.h"
 #include "memplan/common/status.h"
@@ -59,6 +60,9 @@ struct RunOptions {
   std::function<void(std::string_view line)> progress;
   // Host backend, tests: each copy first sleeps a pseudo-random 0..N us.
   int64_t copy_jitter_us = 0;
+  // Tests: may edit a parameter's initial values (e.g. to take finite
+  // differences), called once per parameter, in rank order.
+  std::function<void(const std::string& param, std::vector<float>* values)> init_hook;
 };
 
 struct RunResult {

@@ -1,0 +1,299 @@
+// The executor (memplan run) on the host backend: measured bytes equal the
+// plan's byte for byte under every storage mix, the step's numbers do not
+// depend on where saved tensors were kept, gradients match finite
+// differences, traces nest, dumps load, unsupported plans are refused.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "json_test_util.h"
+#include "memplan/planner/plan.h"
+#include "memplan/runtime/executor.h"
+#include "memplan/runtime/npy.h"
+#include "memplan/traces/check.h"
+#include "memplan/traces/chrome_trace.h"
+#include "test_util.h"
+
+namespace {
+
+using memplan::Json;
+using memplan::planner::BuildPlan;
+using memplan::planner::PlanToJson;
+using memplan::runtime::RunOptions;
+using memplan::runtime::RunPlan;
+using memplan::runtime::RunResult;
+
+Json LoadJson(const std::string& relative) {
+  auto j = memplan::ReadJsonFile(std::string(MEMPLAN_SOURCE_ROOT) + "/" + relative);
+  REQUIRE(j.ok());
+  return *j;
+}
+
+// The plan of `model` as `memplan plan -o` writes it.
+Json PlanOf(const Json& model) {
+  auto m = memplan::test::MustParse(model);
+  auto p = BuildPlan(m);
+  REQUIRE(p.ok());
+  return Json::parse(PlanToJson(*p).dump());
+}
+
+Json WithPolicy(Json model, const Json& policy, const std::string& match = "*") {
+  model["policies"] = Json::array({{{"match", match}, {"policy", policy}}});
+  return model;
+}
+
+RunResult MustRun(const Json& plan, RunOptions options = {}) {
+  auto r = RunPlan(plan, options);
+  if (!r.ok()) FAIL(r.error().message);
+  return *r;
+}
+
+// measured peak == plan peak and allocated_peak == lower_bound, every rank.
+void CheckExact(const Json& plan, const RunResult& r) {
+  const auto& ranks = plan["ranks"];
+  REQUIRE(r.measured.ranks.size() == ranks.size());
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    CAPTURE(i);
+    CHECK(r.measured.ranks[i].peak == ranks[i]["peak"].get<int64_t>());
+    CHECK(r.measured.ranks[i].allocated_peak == ranks[i]["lower_bound"].get<int64_t>());
+    CHECK(r.measured.ranks[i].static_bytes == ranks[i]["static"]["total"].get<int64_t>());
+  }
+  auto bounds = memplan::traces::ParsePlanBounds(plan, "plan");
+  REQUIRE(bounds.ok());
+  auto verdict = memplan::traces::Check(*bounds, r.measured, {std::nullopt, "plan", "measured"});
+  REQUIRE(verdict.ok());
+  CHECK(verdict->pass);
+}
+
+const char* kModels[] = {"examples/models/tiny-gpt.json", "examples/models/tiny-llama.json",
+                         "examples/models/tiny-deepseek.json"};
+
+}  // namespace
+
+TEST_CASE("host: measured bytes equal the plan's for every model and storage mix") {
+  const Json mixes[] = {
+      "keep", "recompute", "fp8", "offload_host", Json::array({"fp8", "offload_host"}), "offload_remote",
+      Json::array({"fp8", "offload_remote"}),
+  };
+  for (const char* file : kModels) {
+    Json model = LoadJson(file);
+    for (const Json& mix : mixes) {
+      CAPTURE(file);
+      CAPTURE(mix.dump());
+      Json plan = PlanOf(WithPolicy(model, mix));
+      CheckExact(plan, MustRun(plan));
+    }
+    // A mix per module, as a planner would choose it.
+    Json mixed = model;
+    mixed["policies"] = Json::array({{{"match", "*.mlp.*"}, {"policy", "recompute"}},
+                                     {{"match", "*.attn.*"}, {"policy", Json::array({"fp8", "offload_host"})}},
+                                     {{"match", "*.moe.*"}, {"policy", "offload_remote"}},
+                                     {{"match", "*_norm.*"}, {"policy", "fp8"}}});
+    Json plan = PlanOf(mixed);
+    CAPTURE(file);
+    CheckExact(plan, MustRun(plan));
+    // The planner's own choice under a budget between its bounds.
+    Json keep = PlanOf(model);
+    int64_t lo = 0, hi = 0;
+    for (const auto& b : keep["any_plan_lower_bound"]) lo = std::max(lo, b.get<int64_t>());
+    for (const auto& r : keep["ranks"]) hi = std::max(hi, r["peak"].get<int64_t>());
+    Json tight = model;
+    tight["budget"] = std::to_string(lo + (hi - lo) * 3 / 4) + "B";
+    Json tplan = PlanOf(tight);
+    CheckExact(tplan, MustRun(tplan));
+  }
+}
+
+TEST_CASE("host: exact under shaken copy engines") {
+  Json plan = PlanOf(WithPolicy(LoadJson("examples/models/tiny-llama.json"), Json::array({"fp8", "offload_remote"})));
+  RunOptions o;
+  o.copy_jitter_us = 200;
+  RunResult a = MustRun(plan, o);
+  CheckExact(plan, a);
+  RunResult b = MustRun(plan);
+  CHECK(a.measured.loss == b.measured.loss);
+  CHECK(a.measured.grad_norm == b.measured.grad_norm);
+}
+
+TEST_CASE("loss and grad_norm are bit-identical under keep, recompute and offload; FP8 moves grad_norm a little") {
+  for (const char* file : kModels) {
+    CAPTURE(file);
+    Json model = LoadJson(file);
+    RunResult keep = MustRun(PlanOf(WithPolicy(model, "keep")));
+    CHECK(std::isfinite(keep.measured.loss));
+    CHECK(keep.measured.grad_norm > 0);
+    for (const Json& mix : {Json("recompute"), Json("offload_host"), Json("offload_remote")}) {
+      CAPTURE(mix.dump());
+      RunResult r = MustRun(PlanOf(WithPolicy(model, mix)));
+      CHECK(r.measured.loss == keep.measured.loss);
+      CHECK(r.measured.grad_norm == keep.measured.grad_norm);
+    }
+    for (const Json& mix : {Json("fp8"), Json::array({"fp8", "offload_host"})}) {
+      CAPTURE(mix.dump());
+      RunResult r = MustRun(PlanOf(WithPolicy(model, mix)));
+      // The forward reads every activation before it is quantized: the
+      // step's loss is exact; the backward reads FP8 copies.
+      CHECK(r.measured.loss == keep.measured.loss);
+      CHECK(r.measured.grad_norm != keep.measured.grad_norm);
+      CHECK(std::abs(r.measured.grad_norm - keep.measured.grad_norm) < 0.05 * keep.measured.grad_norm);
+    }
+  }
+}
+
+TEST_CASE("gradients match central differences of the loss") {
+  namespace fs = std::filesystem;
+  // Top-k routing is piecewise: a perturbation that moves a token to
+  // another expert jumps the loss. The MoE model is checked with every
+  // expert selected (top_k = experts), where routing is smooth; the native
+  // router gradient and the K3 rewrite both.
+  std::vector<std::pair<std::string, Json>> models;
+  models.emplace_back("tiny-gpt", LoadJson(kModels[0]));
+  models.emplace_back("tiny-llama", LoadJson(kModels[1]));
+  Json moe = LoadJson(kModels[2]);
+  moe["arch"]["moe"]["top_k"] = moe["arch"]["moe"]["experts"];
+  models.emplace_back("tiny-deepseek-dense-routing", moe);
+  moe["options"] = {{"moe_grad_rewrite", false}, {"moe_recompute_dispatch", false}};
+  models.emplace_back("tiny-deepseek-native-router-gradient", moe);
+  for (const auto& [label, model] : models) {
+    CAPTURE(label);
+    Json plan = PlanOf(model);
+    fs::path dir = fs::temp_directory_path() / ("memplan_fd_" + label);
+    fs::remove_all(dir);
+    RunOptions o;
+    o.dump_dir = dir.string();
+    MustRun(plan, o);
+    int checked = 0;
+    for (const auto& entry : fs::directory_iterator(dir / "grads")) {
+      std::string name = entry.path().stem().string();
+      // A tied head is the embedding's copy: checked through the embedding.
+      if (model["arch"].value("tied_embeddings", false) && name.find(".head.weight") != std::string::npos) continue;
+      auto g = memplan::runtime::ReadNpy(entry.path().string());
+      REQUIRE(g.ok());
+      std::vector<float> grad(g->bytes.size() / 4);
+      std::memcpy(grad.data(), g->bytes.data(), g->bytes.size());
+      // The element with the largest gradient: its finite difference stands
+      // well above fp32 noise.
+      size_t at = static_cast<size_t>(std::max_element(grad.begin(), grad.end(), [](float a, float b) {
+                                        return std::abs(a) < std::abs(b);
+                                      }) - grad.begin());
+      if (std::abs(grad[at]) < 1e-3f) continue;
+      const float eps = 1e-2f;
+      double loss[2];
+      for (int side = 0; side < 2; ++side) {
+        RunOptions p;
+        p.init_hook = [&](const std::string& param, std::vector<float>* w) {
+          if (param == name) (*w)[at] += side == 0 ? eps : -eps;
+        };
+        loss[side] = MustRun(plan, p).measured.loss;
+      }
+      double fd = (loss[0] - loss[1]) / (2 * eps);
+      CAPTURE(name);
+      CAPTURE(grad[at]);
+      CAPTURE(fd);
+      CHECK(std::abs(fd - grad[at]) <= 0.05 * std::abs(grad[at]) + 2e-4);
+      ++checked;
+    }
+    CHECK(checked >= 6);
+    fs::remove_all(dir);
+  }
+}
+
+TEST_CASE("the dump holds weights, batch and gradients with their shapes") {
+  namespace fs = std::filesystem;
+  Json plan = PlanOf(LoadJson("examples/models/tiny-gpt.json"));
+  fs::path dir = fs::temp_directory_path() / "memplan_dump_test";
+  fs::remove_all(dir);
+  RunOptions o;
+  o.dump_dir = dir.string();
+  MustRun(plan, o);
+  auto w = memplan::runtime::ReadNpy((dir / "weights" / "layer1.attn.qkv.weight.npy").string());
+  REQUIRE(w.ok());
+  CHECK(w->descr == "<f4");
+  CHECK(w->shape == std::vector<int64_t>{64, 192});
+  CHECK(w->bytes.size() == 64 * 192 * 4);
+  auto g = memplan::runtime::ReadNpy((dir / "grads" / "layer1.attn.qkv.weight.npy").string());
+  REQUIRE(g.ok());
+  CHECK(g->shape == w->shape);
+  auto t = memplan::runtime::ReadNpy((dir / "batch" / "tokens_mb3.npy").string());
+  REQUIRE(t.ok());
+  CHECK(t->descr == "<i4");
+  CHECK(t->shape == std::vector<int64_t>{2, 64});
+  auto count = [&](const char* sub) {
+    size_t n = 0;
+    for (const auto& e : fs::directory_iterator(dir / sub)) n += e.is_regular_file();
+    return n;
+  };
+  // Every parameter of every rank (4 layers of 8, the embedding and the
+  // tied head's copy, the head norm's 2), and 4 microbatches x (tokens + targets).
+  CHECK(count("weights") == 4 * 8 + 2 + 2);
+  CHECK(count("grads") == count("weights"));
+  CHECK(count("batch") == 8);
+  fs::remove_all(dir);
+}
+
+TEST_CASE("MEASURED.json is schema-valid and the trace nests per thread") {
+  Json plan = PlanOf(WithPolicy(LoadJson("examples/models/tiny-gpt.json"), Json::array({"fp8", "offload_host"})));
+  RunOptions o;
+  o.trace = true;
+  RunResult r = MustRun(plan, o);
+  Json measured = Json::parse(memplan::traces::MeasuredToJson(r.measured).dump());
+#ifdef MEMPLAN_HAVE_VALIJSON
+  CHECK(memplan::test::SchemaErrors("schemas/measured.schema.json", measured) == "");
+#endif
+  CHECK(measured["plan_digest"] == plan["digest"]);
+  CHECK(measured["ranks"][0]["timeline"].size() > 100);
+  Json trace = Json::parse(r.trace.dump());
+  CHECK(memplan::traces::ValidateNesting(trace).empty());
+  std::map<std::string, int> kinds;
+  std::map<int64_t, int> pids;
+  for (const auto& e : trace["traceEvents"]) {
+    kinds[e["ph"].get<std::string>()]++;
+    if (e["ph"] == "X") pids[e["pid"].get<int64_t>()]++;
+  }
+  CHECK(kinds["X"] > 0);
+  CHECK(kinds["C"] > 0);
+  CHECK(kinds["M"] > 0);
+  CHECK(pids.size() == 2);  // one process per rank
+  bool copies = false;
+  for (const auto& e : trace["traceEvents"]) copies |= e["ph"] == "X" && e["cat"] == "memcpy";
+  CHECK(copies);
+}
+
+TEST_CASE("plans the runtime cannot execute are refused with a reason") {
+  Json base = LoadJson("examples/models/tiny-gpt.json");
+  struct Case {
+    const char* what;
+    std::function<void(Json&)> edit;
+    const char* says;
+  } cases[] = {
+      {"tp", [](Json& m) { m["parallel"]["tp"] = 2; }, "tp"},
+      {"dp", [](Json& m) { m["parallel"]["dp"] = 2; }, "dp"},
+      {"bf16", [](Json& m) { m["train"]["act_dtype"] = "bf16"; }, "fp32"},
+      {"muon", [](Json& m) { m["train"]["optimizer"] = "muon"; }, "Adam"},
+  };
+  for (const auto& c : cases) {
+    CAPTURE(c.what);
+    Json m = base;
+    c.edit(m);
+    auto r = RunPlan(PlanOf(m), {});
+    REQUIRE_FALSE(r.ok());
+    CHECK(r.error().code == memplan::ErrorCode::kBadInput);
+    CHECK(r.error().message.find(c.says) != std::string::npos);
+  }
+  auto attnres = RunPlan(PlanOf(LoadJson("examples/models/tiny-moe.json")), {});
+  REQUIRE_FALSE(attnres.ok());
+  CHECK(attnres.error().code == memplan::ErrorCode::kBadInput);
+  // A plan whose bytes were edited no longer matches this planner.
+  Json plan = PlanOf(base);
+  plan["ranks"][0]["peak"] = plan["ranks"][0]["peak"].get<int64_t>() + 1;
+  auto edited = RunPlan(plan, {});
+  REQUIRE_FALSE(edited.ok());
+  CHECK(edited.error().message.find("differ") != std::string::npos);
+}
