@@ -8,6 +8,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <thread>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -366,7 +367,12 @@ Expected<std::monostate> Executor::MakeRanks() {
     auto stat = backend_->MakeDevice(name + ".static", p_.statics[static_cast<size_t>(r)].total + 64 * kMiB);
     if (!stat.ok()) return stat.error();
     rank->stat = std::move(*stat);
-    auto host = backend_->MakeHostArena(name + ".host", 2 * act + 64 * kMiB);
+    // Host memory for host offloads: at most every payload at once.
+    int64_t host_bytes = kMiB;
+    for (const Interval& iv : eval_.intervals) {
+      if (iv.owner_rank == r && iv.rank == r && iv.part == IntervalPart::kMovedOut) host_bytes += iv.bytes + 256;
+    }
+    auto host = backend_->MakeHostArena(name + ".host", host_bytes);
     if (!host.ok()) return host.error();
     rank->host = std::move(*host);
     rank->ops = backend_->MakeOps(*rank->dev);
@@ -438,9 +444,17 @@ void Executor::InitParams(Rank& r) {
         float a = 1.f / std::sqrt(static_cast<float>(fan_in));
         // A tied head starts as the embedding it shares.
         uint64_t id = Fnv1a(ps.tied_head ? G(0).params.front().name : name);
-        for (int64_t i = 0; i < n; ++i) {
-          w[static_cast<size_t>(i)] = (2.f * kernels::Uniform01(options_.seed, id, static_cast<uint64_t>(i)) - 1.f) * a;
-        }
+        // Counter-based: any split over threads gives the same values.
+        auto fill = [&](int64_t lo, int64_t hi) {
+          for (int64_t i = lo; i < hi; ++i) {
+            w[static_cast<size_t>(i)] = (2.f * kernels::Uniform01(options_.seed, id, static_cast<uint64_t>(i)) - 1.f) * a;
+          }
+        };
+        int64_t threads = n < (int64_t{1} << 20) ? 1 : std::max<int64_t>(1, std::thread::hardware_concurrency());
+        std::vector<std::thread> pool;
+        for (int64_t t = 1; t < threads; ++t) pool.emplace_back(fill, n * t / threads, n * (t + 1) / threads);
+        fill(0, n / threads);
+        for (auto& th : pool) th.join();
       }
       if (options_.init_hook) options_.init_hook(ps.tied_head ? G(0).params.front().name : name, &w);
       backend_->FromHost(*r.stat, ps.weight.ptr, w.data(), bytes);
@@ -1370,7 +1384,9 @@ Expected<RunResult> Executor::Run() {
   if (auto s = Setup(); !s.ok()) return s.error();
   backend_ = options_.backend == BackendKind::kCuda ? internal::MakeCudaExecBackend()
                                                     : internal::MakeHostExecBackend(options_.copy_jitter_us);
-  if (!backend_) return Error{ErrorCode::kBadInput, "--backend cuda: this memplan was built without CUDA"};
+  if (!backend_) {
+    return Error{ErrorCode::kRuntime, "--backend cuda: no CUDA device is visible, or this memplan was built without CUDA"};
+  }
   try {
     if (auto s = MakeRanks(); !s.ok()) return s.error();
     MakeBatch();
