@@ -114,5 +114,35 @@ for f in measured-missing-rank measured-unknown-key measured-bad-value; do
 done
 expect_exit 2 "check swapped" "$memplan" check "$d/measured-pass.json" "$d/plan.json"
 
+# 10. memplan run: execute a plan, measure, check; refusals exit 2 and write nothing.
+expect_exit 0 "plan tiny-llama" "$memplan" plan "$root/examples/models/tiny-llama.json" -o "$tmp/llama.plan.json" -q
+expect_exit 0 "run host" "$memplan" run "$tmp/llama.plan.json" -o "$tmp/llama.measured.json" --trace "$tmp/llama.trace.json" --dump "$tmp/dump"
+grep -q "meas_peak(MiB)" "$tmp/out" && ok || bad "run table missing: $(cat "$tmp/out")"
+grep -q "run: .*steps (100%)\|run: .*steps" "$tmp/err" && ok || bad "no progress on stderr: $(cat "$tmp/err")"
+expect_exit 0 "check host run" "$memplan" check "$tmp/llama.plan.json" "$tmp/llama.measured.json"
+python3 - "$tmp/llama.trace.json" "$tmp/dump" <<'PY' && ok || bad "trace or dump malformed"
+import json, os, sys
+t = json.load(open(sys.argv[1]))
+assert any(e["ph"] == "C" for e in t["traceEvents"]) and any(e["ph"] == "X" for e in t["traceEvents"])
+assert os.path.exists(os.path.join(sys.argv[2], "grads", "layer0.attn.qkv.weight.npy"))
+assert open(os.path.join(sys.argv[2], "batch", "tokens_mb0.npy"), "rb").read(6) == b"\x93NUMPY"
+PY
+python3 - "$root/examples/models/tiny-llama.json" "$tmp/tp2.json" <<'PY'
+import json, sys
+m = json.load(open(sys.argv[1])); m["parallel"]["tp"] = 2
+json.dump(m, open(sys.argv[2], "w"))
+PY
+expect_exit 0 "plan tp2" "$memplan" plan "$tmp/tp2.json" -o "$tmp/tp2.plan.json" -q
+expect_exit 2 "run tp2 refused" "$memplan" run "$tmp/tp2.plan.json" -o "$tmp/tp2.measured.json"
+grep -q "tp" "$tmp/err" && [ "$(wc -l <"$tmp/err")" -eq 1 ] && ok || bad "tp refusal message: $(cat "$tmp/err")"
+[ ! -e "$tmp/tp2.measured.json" ] && ok || bad "refused run left a MEASURED.json"
+expect_exit 2 "run a model file" "$memplan" run "$root/examples/models/tiny-llama.json"
+expect_exit 2 "run bad backend" "$memplan" run "$tmp/llama.plan.json" --backend tpu
+if ! command -v nvidia-smi >/dev/null 2>&1; then
+  expect_exit 5 "run cuda without a GPU" "$memplan" run "$tmp/llama.plan.json" --backend cuda -o "$tmp/cuda.json"
+  [ ! -e "$tmp/cuda.json" ] && ok || bad "failed cuda run left a MEASURED.json"
+fi
+expect_exit 4 "check another model's measurement" "$memplan" check "$tmp/tp2.plan.json" "$tmp/llama.measured.json"
+
 echo "cli: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]
