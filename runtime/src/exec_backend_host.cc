@@ -13,7 +13,7 @@ class HostExecBackend final : public ExecBackend {
  public:
   explicit HostExecBackend(int64_t jitter_us) : jitter_us_(jitter_us) {}
 
-  std::string device_name() const override { return "host (CPU reference kernels)"; }
+  std::string device_name() const override { return "CPU reference kernels"; }
 
   Expected<std::unique_ptr<Device>> MakeDevice(const std::string& name, int64_t capacity_bytes) override {
     HostDevice::Options o;

@@ -1413,7 +1413,7 @@ Expected<RunResult> Executor::Run() {
       }
       MEMPLAN_CHECK(pick != nullptr, "pipeline deadlock: no rank can run");
       Step(*pick);
-      if (options_.progress && steps_done_ >= next_report) {
+      if (options_.progress && (steps_done_ >= next_report || steps_done_ == steps_total_)) {
         options_.progress("run: " + std::to_string(steps_done_) + "/" + std::to_string(steps_total_) + " steps (" +
                           std::to_string(100 * steps_done_ / steps_total_) + "%)");
         next_report = steps_done_ + std::max<int64_t>(1, steps_total_ / 10);
