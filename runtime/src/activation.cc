@@ -1,271 +1,305 @@
 #include "memplan/runtime/activation.h"
 
-#include <cstring>
+#include <algorithm>
 #include <utility>
 
 #include "memplan/common/check.h"
-#include "memplan/common/units.h"
-#include "storage_backends.h"
+#include "memplan/common/status.h"
 
 namespace memplan::runtime {
 
-using internal::Backend;
-using internal::Slot;
+using planner::Interval;
+using planner::IntervalPart;
+using planner::ProgramBuffer;
+using planner::Storage;
 
-struct ActivationManager::Impl {
-  Impl(Device& device, HostArena* host, Bindings b, Options o)
-      : bindings(std::move(b)), options(std::move(o)), ctx{device, host, options.fp8_scale_mode, options.defer_frees, {}} {}
-
-  Bindings bindings;
-  Options options;
-  internal::Context ctx;
-  // One chain per binding (and one for the default), built at Create.
-  std::map<std::string, std::unique_ptr<Backend>> chains;
-  std::unique_ptr<Backend> default_chain;
-  // Instances by (name, microbatch): ordered, so sweeps are deterministic.
-  std::map<std::pair<std::string, int32_t>, Slot> slots;
-
-  const StorageSpec& Spec(const std::string& name) const {
-    auto it = bindings.find(name);
-    return it == bindings.end() ? options.default_spec : it->second;
-  }
-  Backend& Chain(const std::string& name) {
-    auto it = chains.find(name);
-    return it == chains.end() ? *default_chain : *it->second;
-  }
-  Slot& Find(const std::string& name, int32_t mb) {
-    auto it = slots.find({name, mb});
-    if (it == slots.end()) {
-      ThrowError(ErrorCode::kRuntime, name + "@mb" + std::to_string(mb) + " was not saved (or was released)");
-    }
-    return it->second;
-  }
-  void Drop(const std::string& name, int32_t mb) {
-    auto it = slots.find({name, mb});
-    if (it == slots.end()) return;
-    Slot& slot = it->second;
-    ctx.Free(slot.loaded);
-    ctx.Free(slot.staged);
-    Chain(name).Discard(ctx, slot);
-    slots.erase(it);
-  }
-
-  // Stores a full tensor already on the device (owned by the manager from
-  // the first line on).
-  void Store(const std::string& name, int32_t mb, Buffer full, std::vector<int64_t> shape, int64_t bytes,
-             bool is_float, std::function<void(std::byte*)> recompute) {
-    // The entry points have checked that the instance is new.
-    Slot& slot = slots[{name, mb}];
-    slot.name = name;
-    slot.microbatch = mb;
-    slot.staged = full;  // owned by the slot until a backend takes it
-    slot.shape = std::move(shape);
-    slot.bytes = bytes;
-    slot.is_float = is_float;
-    slot.recompute = std::move(recompute);
-    const StorageSpec& spec = Spec(name);
-    if (spec.fp8() && !is_float) {
-      ThrowError(ErrorCode::kBadInput, slot.Label() + " is bound to " + DescribeStorageSpec(spec) +
-                                           " but holds raw bytes: FP8 applies to floating-point tensors only");
-    }
-    if (spec.recompute() && !slot.recompute) {
-      ThrowError(ErrorCode::kBadInput, slot.Label() + " is bound to recompute but was saved without a producer function");
-    }
-    Chain(name).Store(ctx, slot, std::exchange(slot.staged, Buffer{}));
-  }
-
-  // Runs `fn`; on an error, forgets the instance (freeing all it holds)
-  // when `drop_on_error`.
-  template <class Fn>
-  auto Guard(const std::string& name, int32_t mb, bool drop_on_error, Fn&& fn) -> Expected<decltype(fn())> {
-    try {
-      return fn();
-    } catch (const ErrorException& e) {
-      if (drop_on_error) Drop(name, mb);
-      return e.error();
-    }
-  }
-
-  Buffer LoadBuffer(const std::string& name, int32_t mb) {
-    Slot& slot = Find(name, mb);
-    if (slot.loaded.empty() && slot.bytes > 0) slot.loaded = Chain(name).Restore(ctx, slot);
-    return slot.loaded;
-  }
+// Where an instance's bytes are at each moment.
+struct ActivationManager::Instance {
+  Buffer full, compact, moved, fetched, restored, extra;  // on the owner rank
+  Buffer landed;                                          // on the remote target
+  Buffer host;                                            // in the owner's host arena
+  Event out_event, in_event;
+  std::vector<std::byte> wire;  // a remote payload between the ranks' buffers
+  bool on_wire = false;
+  bool landed_valid = false;
+  bool fetch_issued = false;
+  uint8_t parts = 0;  // bit per IntervalPart the owner holds
+  bool Has(IntervalPart p) const { return (parts >> static_cast<int>(p)) & 1; }
 };
 
-Expected<std::unique_ptr<ActivationManager>> ActivationManager::Create(Device& device, HostArena* host,
-                                                                       Bindings bindings, Options options) {
-  auto impl = std::make_unique<Impl>(device, host, std::move(bindings), std::move(options));
-  auto check = [&](const std::string& what, const StorageSpec& spec) -> std::optional<Error> {
-    if (auto e = ValidateStorageSpec(spec)) return Error{e->code, what + ": " + e->message};
-    if (spec.offload_remote() && spec.remote == &device) {
-      return Error{ErrorCode::kBadInput, what + ": offload_remote targets the manager's own device"};
+struct ActivationManager::Rank {
+  int32_t index = 0;
+  RankMemory mem;
+  std::vector<Instance> instances;
+  std::unique_ptr<planner::ProgramWalker> walker;
+  std::unordered_map<int64_t, Buffer> interval_buf;              // interval -> buffer
+  std::unordered_map<int64_t, std::vector<Buffer>> block_bufs;  // block -> per list entry
+  std::map<std::string, int64_t> events;
+  std::vector<CopyRecord> copies;
+};
+
+ActivationManager::ActivationManager(const planner::PlanningProblem& problem, const planner::Assignment& assignment,
+                                     const std::vector<planner::Interval>& intervals, std::vector<RankMemory> ranks,
+                                     Backend& backend)
+    : p_(problem), a_(assignment), ivs_(intervals), backend_(backend) {
+  MEMPLAN_CHECK(ranks.size() == p_.instances.size(), "one RankMemory per pipeline rank");
+  std::vector<std::vector<size_t>> mine(ranks.size());
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    auto rank = std::make_unique<Rank>();
+    rank->index = static_cast<int32_t>(r);
+    rank->mem = ranks[r];
+    rank->instances.resize(p_.instances[r].size());
+    ranks_.push_back(std::move(rank));
+  }
+  for (size_t k = 0; k < ivs_.size(); ++k) {
+    const Interval& iv = ivs_[k];
+    mine[static_cast<size_t>(iv.rank)].push_back(k);
+    if (iv.rank == iv.owner_rank) {
+      Inst(iv.owner_rank, iv.instance).parts |= static_cast<uint8_t>(1u << static_cast<int>(iv.part));
     }
-    if (spec.offload_host() && host == nullptr) {
-      return Error{ErrorCode::kBadInput, what + ": offload_host needs a host arena"};
+  }
+  for (auto& r : ranks_) {
+    r->walker = std::make_unique<planner::ProgramWalker>(p_, r->index, ivs_, std::move(mine[static_cast<size_t>(r->index)]));
+  }
+}
+
+ActivationManager::~ActivationManager() = default;
+
+ActivationManager::Instance& ActivationManager::Inst(int32_t rank, int32_t instance) {
+  return ranks_[static_cast<size_t>(rank)]->instances[static_cast<size_t>(instance)];
+}
+const ActivationManager::Instance& ActivationManager::Inst(int32_t rank, int32_t instance) const {
+  return ranks_[static_cast<size_t>(rank)]->instances[static_cast<size_t>(instance)];
+}
+
+void ActivationManager::BeginStep(int32_t rank) {
+  Rank& r = *ranks_[static_cast<size_t>(rank)];
+  MEMPLAN_CHECK(r.walker->Next(), "memory program ran past its last step");
+  for (const auto& b : r.walker->allocations()) Allocate(r, b);
+}
+
+void ActivationManager::EndStep(int32_t rank) {
+  Rank& r = *ranks_[static_cast<size_t>(rank)];
+  for (const auto& b : r.walker->frees()) Free(r, b);
+}
+
+int64_t ActivationManager::step(int32_t rank) const { return ranks_[static_cast<size_t>(rank)]->walker->step(); }
+
+const std::vector<ProgramBuffer>& ActivationManager::allocations(int32_t rank) const {
+  return ranks_[static_cast<size_t>(rank)]->walker->allocations();
+}
+
+void ActivationManager::Allocate(Rank& r, const ProgramBuffer& b) {
+  auto buf = r.mem.device->Allocate(b.bytes);
+  if (!buf.ok()) ThrowError(buf.error().code, buf.error().message);
+  ++r.events["allocations"];
+  if (b.interval < 0) {
+    auto& v = r.block_bufs[b.block];
+    const planner::Block& blk = p_.timelines[static_cast<size_t>(r.index)].blocks[static_cast<size_t>(b.block)];
+    const planner::LayerBuffers& lb = p_.layer_buffers[static_cast<size_t>(blk.layer)];
+    v.resize((blk.forward ? lb.forward : lb.backward).size());
+    v[static_cast<size_t>(b.buffer)] = *buf;
+    return;
+  }
+  r.interval_buf[b.interval] = *buf;
+  const Interval& iv = ivs_[static_cast<size_t>(b.interval)];
+  Instance& s = Inst(iv.owner_rank, iv.instance);
+  switch (iv.part) {
+    case IntervalPart::kFull: s.full = *buf; break;
+    case IntervalPart::kCompact: s.compact = *buf; break;
+    case IntervalPart::kMovedOut: s.moved = *buf; break;
+    case IntervalPart::kRestored: s.restored = *buf; break;
+    case IntervalPart::kExtra: s.extra = *buf; break;
+    case IntervalPart::kLanded:
+      s.landed = *buf;
+      if (s.on_wire) {  // the payload left its source before this buffer existed
+        backend_.FromHost(*r.mem.device, s.landed.ptr, s.wire.data(), b.bytes);
+        s.on_wire = false;
+        s.landed_valid = true;
+      }
+      break;
+    case IntervalPart::kFetched: {
+      // The prefetch, one layer ahead of the layer's backward.
+      s.fetched = *buf;
+      s.fetch_issued = true;
+      const planner::Instance& in = p_.instances[static_cast<size_t>(iv.owner_rank)][static_cast<size_t>(iv.instance)];
+      Storage st = a_.storage[static_cast<size_t>(iv.owner_rank)][static_cast<size_t>(in.tensor)];
+      std::string what = "prefetch " + p_.tensors[static_cast<size_t>(iv.owner_rank)][static_cast<size_t>(in.tensor)].name +
+                         "@mb" + std::to_string(in.microbatch);
+      if (!planner::IsRemote(st)) {
+        s.in_event = r.mem.device->CopyAsync(s.fetched.ptr, s.host.ptr, b.bytes, Queue::kH2D);
+        ++r.events["h2d_copies"];
+        r.copies.push_back({Queue::kH2D, std::move(what), s.in_event});
+      } else if (s.landed_valid && !s.landed.empty()) {
+        s.in_event = r.mem.device->CopyAsync(s.fetched.ptr, s.landed.ptr, b.bytes, Queue::kLink);
+        ++r.events["link_copies"];
+        r.copies.push_back({Queue::kLink, std::move(what), s.in_event});
+      } else {
+        MEMPLAN_CHECK(s.on_wire, "remote payload lost");
+        backend_.FromHost(*r.mem.device, s.fetched.ptr, s.wire.data(), b.bytes);
+        s.on_wire = false;
+        ++r.events["link_copies"];
+      }
+      break;
     }
-    return std::nullopt;
-  };
-  if (auto e = check("default storage", impl->options.default_spec)) return *e;
-  impl->default_chain = internal::MakeBackend(impl->options.default_spec);
-  for (const auto& [name, spec] : impl->bindings) {
-    if (auto e = check("binding of " + name, spec)) return *e;
-    impl->chains.emplace(name, internal::MakeBackend(spec));
   }
-  return std::unique_ptr<ActivationManager>(new ActivationManager(std::move(impl)));
 }
 
-ActivationManager::ActivationManager(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
-
-ActivationManager::~ActivationManager() {
-  while (!impl_->slots.empty()) {
-    auto key = impl_->slots.begin()->first;
-    impl_->Drop(key.first, key.second);
-  }
-  impl_->ctx.defer_frees = false;
-  EndStep();
-}
-
-namespace {
-Status CheckShape(const std::string& name, const std::vector<int64_t>& shape) {
-  for (int64_t d : shape) {
-    if (d < 0) return Error{ErrorCode::kBadInput, name + ": negative dimension in its shape"};
-  }
-  return OkStatus();
-}
-}  // namespace
-
-Status ActivationManager::Save(const std::string& name, int32_t microbatch, const float* data,
-                               const std::vector<int64_t>& shape, RecomputeFn recompute) {
-  if (auto s = CheckShape(name, shape); !s) return s;
-  Impl& m = *impl_;
-  // A name already saved must not be dropped by the guard below.
-  if (m.slots.count({name, microbatch})) {
-    return Error{ErrorCode::kRuntime, name + "@mb" + std::to_string(microbatch) + " is already saved"};
-  }
-  return m.Guard(name, microbatch, true, [&] {
-    int64_t bytes = CheckedMul(NumElements(shape), int64_t{sizeof(float)}, "tensor bytes");
-    if (data == nullptr && bytes > 0) ThrowError(ErrorCode::kBadInput, name + ": saved from a null pointer");
-    Buffer full = m.ctx.Allocate(bytes, "saving " + name + "@mb" + std::to_string(microbatch));
-    if (bytes > 0) std::memcpy(full.ptr, data, static_cast<size_t>(bytes));
-    std::function<void(std::byte*)> raw;
-    if (recompute) raw = [fn = std::move(recompute)](std::byte* out) { fn(reinterpret_cast<float*>(out)); };
-    m.Store(name, microbatch, full, shape, bytes, true, std::move(raw));
-    return std::monostate{};
-  });
-}
-
-Status ActivationManager::SaveBuffer(const std::string& name, int32_t microbatch, Buffer full,
-                                     const std::vector<int64_t>& shape, RecomputeFn recompute) {
-  Impl& m = *impl_;
-  if (auto s = CheckShape(name, shape); !s) {
-    m.ctx.Free(full);
-    return s;
-  }
-  if (m.slots.count({name, microbatch})) {
-    m.ctx.Free(full);
-    return Error{ErrorCode::kRuntime, name + "@mb" + std::to_string(microbatch) + " is already saved"};
-  }
-  return m.Guard(name, microbatch, true, [&] {
-    int64_t bytes = 0;
-    try {
-      bytes = CheckedMul(NumElements(shape), int64_t{sizeof(float)}, "tensor bytes");
-    } catch (const ErrorException&) {
-      m.ctx.Free(full);
-      throw;
+void ActivationManager::Free(Rank& r, const ProgramBuffer& b) {
+  ++r.events["frees"];
+  if (b.interval < 0) {
+    auto it = r.block_bufs.find(b.block);
+    Buffer& buf = it->second[static_cast<size_t>(b.buffer)];
+    r.mem.device->Free(buf);
+    buf = Buffer{};
+    if (std::all_of(it->second.begin(), it->second.end(), [](const Buffer& x) { return x.empty(); })) {
+      r.block_bufs.erase(it);
     }
-    if (bytes != full.bytes) {
-      m.ctx.Free(full);
-      ThrowError(ErrorCode::kBadInput, name + ": buffer of " + std::to_string(full.bytes) + " B saved with a shape of " +
-                                           std::to_string(bytes) + " B");
-    }
-    std::function<void(std::byte*)> raw;
-    if (recompute) raw = [fn = std::move(recompute)](std::byte* out) { fn(reinterpret_cast<float*>(out)); };
-    m.Store(name, microbatch, full, shape, bytes, true, std::move(raw));
-    return std::monostate{};
-  });
-}
-
-Status ActivationManager::SaveRaw(const std::string& name, int32_t microbatch, const void* data, int64_t bytes,
-                                  RawRecomputeFn recompute) {
-  if (bytes < 0) return Error{ErrorCode::kBadInput, name + ": negative byte count"};
-  if (data == nullptr && bytes > 0) return Error{ErrorCode::kBadInput, name + ": saved from a null pointer"};
-  Impl& m = *impl_;
-  if (m.slots.count({name, microbatch})) {
-    return Error{ErrorCode::kRuntime, name + "@mb" + std::to_string(microbatch) + " is already saved"};
+    return;
   }
-  return m.Guard(name, microbatch, true, [&] {
-    Buffer full = m.ctx.Allocate(bytes, "saving " + name + "@mb" + std::to_string(microbatch));
-    if (bytes > 0) std::memcpy(full.ptr, data, static_cast<size_t>(bytes));
-    m.Store(name, microbatch, full, {bytes}, bytes, false, std::move(recompute));
-    return std::monostate{};
-  });
+  auto it = r.interval_buf.find(b.interval);
+  Buffer buf = it->second;
+  r.interval_buf.erase(it);
+  const Interval& iv = ivs_[static_cast<size_t>(b.interval)];
+  Instance& s = Inst(iv.owner_rank, iv.instance);
+  switch (iv.part) {
+    case IntervalPart::kFull: s.full = Buffer{}; break;
+    case IntervalPart::kCompact: s.compact = Buffer{}; break;
+    case IntervalPart::kMovedOut: s.moved = Buffer{}; break;
+    case IntervalPart::kRestored: s.restored = Buffer{}; break;
+    case IntervalPart::kExtra: s.extra = Buffer{}; break;
+    case IntervalPart::kFetched: s.fetched = Buffer{}; break;
+    case IntervalPart::kLanded:
+      if (!s.fetch_issued && s.landed_valid) {
+        // The owner has not fetched it yet: the payload goes back on the wire.
+        r.mem.device->Synchronize();
+        s.wire.resize(static_cast<size_t>(b.bytes));
+        backend_.ToHost(*r.mem.device, s.wire.data(), s.landed.ptr, b.bytes);
+        s.on_wire = true;
+      }
+      s.landed = Buffer{};
+      s.landed_valid = false;
+      break;
+  }
+  r.mem.device->Free(buf);
 }
 
-Status ActivationManager::FinishCopyOut(const std::string& name, int32_t microbatch) {
-  Impl& m = *impl_;
-  return m.Guard(name, microbatch, false, [&] {
-    Slot& slot = m.Find(name, microbatch);
-    m.Chain(name).FinishStore(m.ctx, slot);
-    return std::monostate{};
-  });
+Buffer ActivationManager::BlockBuffer(int32_t rank, int64_t block, planner::BlockBuffer::Role role, int32_t tensor,
+                                      int32_t op) const {
+  const planner::Block& blk = p_.timelines[static_cast<size_t>(rank)].blocks[static_cast<size_t>(block)];
+  const planner::LayerBuffers& lb = p_.layer_buffers[static_cast<size_t>(blk.layer)];
+  const auto& list = blk.forward ? lb.forward : lb.backward;
+  for (size_t k = 0; k < list.size(); ++k) {
+    const planner::BlockBuffer& b = list[k];
+    if (b.role != role || b.tensor != tensor || (op >= 0 && b.op != op)) continue;
+    int64_t first = 0, last = 0;
+    if (!planner::BlockBufferSteps(blk, lb, b, &first, &last)) continue;
+    return BlockBufferAt(rank, block, static_cast<int32_t>(k));
+  }
+  MEMPLAN_CHECK(false, ("no block buffer for tensor " + std::to_string(tensor) + " of layer " + std::to_string(blk.layer)).c_str());
+  return {};
 }
 
-void ActivationManager::FinishCopyOuts() {
-  Impl& m = *impl_;
-  for (auto& [key, slot] : m.slots) m.Chain(key.first).FinishStore(m.ctx, slot);
+Buffer ActivationManager::BlockBufferAt(int32_t rank, int64_t block, int32_t index) const {
+  const Rank& r = *ranks_[static_cast<size_t>(rank)];
+  auto it = r.block_bufs.find(block);
+  MEMPLAN_CHECK(it != r.block_bufs.end() && static_cast<size_t>(index) < it->second.size() &&
+                    !it->second[static_cast<size_t>(index)].empty(),
+                "block buffer used outside its steps");
+  return it->second[static_cast<size_t>(index)];
 }
 
-Status ActivationManager::Prefetch(const std::string& name, int32_t microbatch) {
-  Impl& m = *impl_;
-  return m.Guard(name, microbatch, false, [&] {
-    Slot& slot = m.Find(name, microbatch);
-    if (slot.loaded.empty()) m.Chain(name).Prefetch(m.ctx, slot);
-    return std::monostate{};
-  });
+Buffer ActivationManager::Forward(int32_t rank, int32_t instance) const {
+  const Instance& s = Inst(rank, instance);
+  Buffer b = s.full.empty() ? s.moved : s.full;
+  MEMPLAN_CHECK(!b.empty(), "instance read outside its forward interval");
+  return b;
 }
 
-Expected<const float*> ActivationManager::Load(const std::string& name, int32_t microbatch) {
-  Impl& m = *impl_;
-  return m.Guard(name, microbatch, false, [&]() -> const float* {
-    const Slot& slot = m.Find(name, microbatch);
-    if (!slot.is_float) ThrowError(ErrorCode::kBadInput, slot.Label() + " holds raw bytes: use LoadRaw");
-    return m.LoadBuffer(name, microbatch).as<const float>();
-  });
+Buffer ActivationManager::Backward(int32_t rank, int32_t instance) const {
+  const Instance& s = Inst(rank, instance);
+  Buffer b = s.full;
+  if (!s.restored.empty()) {
+    b = s.restored;
+  } else if (!s.fetched.empty() && !s.Has(IntervalPart::kCompact)) {
+    b = s.fetched;
+  }
+  MEMPLAN_CHECK(!b.empty(), "instance read outside its backward interval");
+  return b;
 }
 
-Expected<const std::byte*> ActivationManager::LoadRaw(const std::string& name, int32_t microbatch) {
-  Impl& m = *impl_;
-  return m.Guard(name, microbatch, false,
-                 [&]() -> const std::byte* { return m.LoadBuffer(name, microbatch).as<const std::byte>(); });
+Buffer ActivationManager::Scratch(int32_t rank, int32_t instance) const { return Inst(rank, instance).extra; }
+
+void ActivationManager::Save(int32_t rank, int32_t i) {
+  Rank& r = *ranks_[static_cast<size_t>(rank)];
+  Instance& s = r.instances[static_cast<size_t>(i)];
+  const planner::Instance& in = p_.instances[static_cast<size_t>(rank)][static_cast<size_t>(i)];
+  const planner::SavedTensor& st = p_.tensors[static_cast<size_t>(rank)][static_cast<size_t>(in.tensor)];
+  Storage storage = a_.storage[static_cast<size_t>(rank)][static_cast<size_t>(in.tensor)];
+  const planner::TensorSpec& spec = p_.layers[static_cast<size_t>(st.layer)].tensors[static_cast<size_t>(st.graph_index)];
+  if (planner::IsFp8(storage)) {
+    // Values, then the fp32 scales (planner::Fp8Bytes: no padding).
+    Buffer dst = s.Has(IntervalPart::kCompact) ? s.compact : s.moved;
+    int64_t cols = spec.shape.empty() ? 1 : spec.shape.back();
+    int64_t rows = cols == 0 ? 0 : (spec.bytes / 4) / cols;
+    backend_.Quantize(*r.mem.device, s.full.as<float>(), rows, cols, reinterpret_cast<uint8_t*>(dst.ptr),
+                      reinterpret_cast<float*>(dst.ptr + rows * cols));
+    ++r.events["quantizes"];
+  }
+  if (!s.Has(IntervalPart::kMovedOut)) return;  // kept, or an offload too late to leave
+  std::string what = "offload " + st.name + "@mb" + std::to_string(in.microbatch);
+  int64_t bytes = s.moved.bytes;
+  if (!planner::IsRemote(storage)) {
+    auto h = r.mem.host->Allocate(bytes);
+    if (!h.ok()) ThrowError(h.error().code, h.error().message);
+    s.host = *h;
+    s.out_event = r.mem.device->CopyAsync(s.host.ptr, s.moved.ptr, bytes, Queue::kD2H);
+    ++r.events["d2h_copies"];
+    r.copies.push_back({Queue::kD2H, std::move(what), s.out_event});
+    return;
+  }
+  ++r.events["link_copies"];
+  if (!s.landed.empty()) {
+    s.out_event = r.mem.device->CopyAsync(s.landed.ptr, s.moved.ptr, bytes, Queue::kLink);
+    s.landed_valid = true;
+    r.copies.push_back({Queue::kLink, std::move(what), s.out_event});
+  } else {
+    s.wire.resize(static_cast<size_t>(bytes));
+    backend_.ToHost(*r.mem.device, s.wire.data(), s.moved.ptr, bytes);
+    s.on_wire = true;
+  }
 }
 
-Status ActivationManager::Release(const std::string& name, int32_t microbatch) {
-  Impl& m = *impl_;
-  return m.Guard(name, microbatch, false, [&] {
-    m.Find(name, microbatch);
-    m.Drop(name, microbatch);
-    return std::monostate{};
-  });
+void ActivationManager::Restore(int32_t rank, int32_t i) {
+  Rank& r = *ranks_[static_cast<size_t>(rank)];
+  Instance& s = r.instances[static_cast<size_t>(i)];
+  const planner::Instance& in = p_.instances[static_cast<size_t>(rank)][static_cast<size_t>(i)];
+  const planner::SavedTensor& st = p_.tensors[static_cast<size_t>(rank)][static_cast<size_t>(in.tensor)];
+  Storage storage = a_.storage[static_cast<size_t>(rank)][static_cast<size_t>(in.tensor)];
+  if (s.Has(IntervalPart::kFetched)) {
+    r.mem.device->Wait(s.in_event);
+    if (!s.host.empty()) {
+      r.mem.host->Free(s.host);  // waits for the h2d copy
+      s.host = Buffer{};
+    }
+  }
+  if (planner::IsFp8(storage) && s.Has(IntervalPart::kRestored)) {
+    Buffer src = s.Has(IntervalPart::kFetched) ? s.fetched : s.compact;
+    const planner::TensorSpec& spec = p_.layers[static_cast<size_t>(st.layer)].tensors[static_cast<size_t>(st.graph_index)];
+    int64_t cols = spec.shape.empty() ? 1 : spec.shape.back();
+    int64_t rows = cols == 0 ? 0 : (spec.bytes / 4) / cols;
+    backend_.Dequantize(*r.mem.device, reinterpret_cast<const uint8_t*>(src.ptr),
+                        reinterpret_cast<const float*>(src.ptr + rows * cols), rows, cols, s.restored.as<float>());
+    ++r.events["dequantizes"];
+  }
 }
 
-void ActivationManager::EndStep() {
-  auto& pending = impl_->ctx.pending_frees;
-  for (Buffer& b : pending) impl_->ctx.device.Free(b);
-  pending.clear();
+std::vector<CopyRecord> ActivationManager::TakeCopies(int32_t rank) {
+  return std::exchange(ranks_[static_cast<size_t>(rank)]->copies, {});
 }
 
-const StorageSpec& ActivationManager::SpecOf(const std::string& name) const { return impl_->Spec(name); }
-
-int64_t ActivationManager::DeviceBytes(const std::string& name, int32_t microbatch) const {
-  auto it = impl_->slots.find({name, microbatch});
-  if (it == impl_->slots.end()) return 0;
-  const Slot& s = it->second;
-  return s.loaded.bytes + s.staged.bytes + s.device.bytes;
+const std::map<std::string, int64_t>& ActivationManager::events(int32_t rank) const {
+  return ranks_[static_cast<size_t>(rank)]->events;
 }
-
-int64_t ActivationManager::live_instances() const { return static_cast<int64_t>(impl_->slots.size()); }
-
-Device& ActivationManager::device() { return impl_->ctx.device; }
 
 }  // namespace memplan::runtime

@@ -13,7 +13,6 @@
 #include <utility>
 #include <vector>
 
-#include "exec_backend.h"
 #include "memplan/common/check.h"
 #include "memplan/common/units.h"
 #include "memplan/kernels/ops.h"
@@ -22,6 +21,8 @@
 #include "memplan/planner/liveness.h"
 #include "memplan/planner/model.h"
 #include "memplan/planner/templates.h"
+#include "memplan/runtime/activation.h"
+#include "memplan/runtime/backend.h"
 #include "memplan/runtime/npy.h"
 #include "memplan/traces/chrome_trace.h"
 
@@ -77,20 +78,7 @@ struct ParamState {
   bool tied_head = false;  // stores the embedding matrix; logits = x * E^T
 };
 
-// Per saved instance: where its bytes are at each moment.
-struct InstState {
-  Buffer full, compact, moved, fetched, restored, extra;  // on the owner rank
-  Buffer landed;                                          // on the remote target
-  Buffer host;                                            // in the host arena (host offload)
-  Event out_event, in_event;
-  std::vector<std::byte> wire;  // a remote payload between ranks' buffers
-  bool on_wire = false;
-  bool landed_valid = false;
-  bool fetch_issued = false;
-  uint8_t parts = 0;  // bit per IntervalPart present on the owner
-  bool Has(IntervalPart p) const { return (parts >> static_cast<int>(p)) & 1; }
-};
-
+// A copy in flight, for the trace.
 struct CopySpan {
   traces::Stream stream;
   std::string name;
@@ -107,18 +95,13 @@ struct Rank {
   int64_t static_bytes = 0;
   std::vector<ParamState> params;
   std::unordered_map<std::string, size_t> param_index;
-  std::vector<InstState> inst;  // per instance of this rank
-  std::vector<size_t> mine;     // intervals living on this rank
-  std::unique_ptr<planner::ProgramWalker> walker;
-  std::unordered_map<int64_t, Buffer> interval_buf;              // interval index -> buffer
-  std::unordered_map<int64_t, std::vector<Buffer>> block_bufs;  // block -> per list entry
-  std::map<std::pair<int64_t, int32_t>, std::vector<int64_t>> routing;  // (layer, mb) -> expert offsets
+  std::map<std::pair<int64_t, int32_t>, std::vector<int64_t>> routing;  // (layer, mb) -> expert offsets (host)
   std::vector<std::vector<int32_t>> produced_at;  // step -> instances produced there
   size_t block = 0;
   int64_t next_step = 0;
   // Measurement.
   std::vector<traces::TimelinePoint> timeline;
-  std::map<std::string, int64_t> events;
+  std::map<std::string, int64_t> events;  // the executor's own; the manager's are merged at the end
   std::vector<CopySpan> copies;
   double queue_end_us[traces::kStreamCount] = {0, 0, 0, 0};
 };
@@ -142,22 +125,19 @@ class Executor {
   Expected<std::monostate> Dump(bool grads);
   Expected<RunResult> Finish(double grad_norm, double step_s);
 
-  // Memory program.
-  void Allocate(Rank& r, const planner::ProgramBuffer& b);
-  void Free(Rank& r, const planner::ProgramBuffer& b);
-
   // Tensors.
   const LayerGraph& G(int64_t layer) const { return p_.layers[static_cast<size_t>(layer)]; }
   const LayerBuffers& LB(int64_t layer) const { return p_.layer_buffers[static_cast<size_t>(layer)]; }
   int32_t SavedIndex(int64_t layer, int32_t tensor) const;
-  InstState& Inst(Rank& r, int64_t layer, int32_t tensor, int32_t mb);
-  int32_t InstIndex(const Rank& r, int64_t layer, int32_t tensor, int32_t mb) const;
-  Buffer BlockBuf(Rank& r, size_t block, BlockBuffer::Role role, int32_t tensor, int32_t op = -1);
-  static Buffer FwdFull(const InstState& s) { return s.full.empty() ? s.moved : s.full; }
-  static Buffer BwdFull(const InstState& s) {
-    if (!s.restored.empty()) return s.restored;
-    if (!s.fetched.empty() && !s.Has(IntervalPart::kCompact)) return s.fetched;
-    return s.full;
+  int32_t InstIndex(int64_t layer, int32_t tensor, int32_t mb) const;
+  Buffer FwdFull(Rank& r, int64_t layer, int32_t tensor, int32_t mb) {
+    return acts_->Forward(r.index, InstIndex(layer, tensor, mb));
+  }
+  Buffer BwdFull(Rank& r, int64_t layer, int32_t tensor, int32_t mb) {
+    return acts_->Backward(r.index, InstIndex(layer, tensor, mb));
+  }
+  Buffer BlockBuf(Rank& r, size_t block, BlockBuffer::Role role, int32_t tensor, int32_t op = -1) {
+    return acts_->BlockBuffer(r.index, static_cast<int64_t>(block), role, tensor, op);
   }
   // A forward value of `tensor` in block `bi` (forward) or, in backward, its
   // saved or rebuilt copy.
@@ -170,15 +150,19 @@ class Executor {
   void Backward(Rank& r, size_t bi, int32_t pos);
   void Recompute(Rank& r, size_t bi, int32_t inst);
   void RestoreLayer(Rank& r, size_t bi);
-  void AfterProduce(Rank& r, int32_t inst);
   void LoadInput(Rank& r, size_t bi, int32_t tensor, Buffer dst);
 
   // Trace and measurement.
   double NowUs() const {
     return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0_).count();
   }
-  void IssueCopy(Rank& r, traces::Stream stream, std::string name, Event e) {
-    if (options_.trace) r.copies.push_back({stream, std::move(name), NowUs(), e});
+  void TakeCopies(Rank& r) {
+    for (auto& c : acts_->TakeCopies(r.index)) {
+      if (!options_.trace) continue;
+      auto stream = c.queue == Queue::kD2H ? traces::Stream::kD2H
+                    : c.queue == Queue::kH2D ? traces::Stream::kH2D : traces::Stream::kLink;
+      r.copies.push_back({stream, std::move(c.what), NowUs(), c.event});
+    }
   }
   void RetireCopies(Rank& r, bool all);
   void Span(Rank& r, std::string name, std::string cat, double ts) {
@@ -199,8 +183,9 @@ class Executor {
   planner::Assignment assign_;
   planner::Evaluation eval_;
   std::vector<std::vector<int64_t>> profiles_;
-  std::unique_ptr<internal::ExecBackend> backend_;
+  std::unique_ptr<Backend> backend_;
   std::vector<std::unique_ptr<Rank>> ranks_;
+  std::unique_ptr<ActivationManager> acts_;
   std::vector<std::vector<int32_t>> tensor_base_;  // layer -> rank-local index of its first saved tensor
   std::vector<std::vector<int32_t>> saved_index_;  // layer -> per graph tensor, index among saved or -1
   std::map<std::tuple<int64_t, int32_t, bool>, std::vector<std::byte>> mailbox_;  // (stage, mb, forward)
@@ -341,16 +326,11 @@ int32_t Executor::SavedIndex(int64_t layer, int32_t tensor) const {
   return saved_index_[static_cast<size_t>(layer)][static_cast<size_t>(tensor)];
 }
 
-int32_t Executor::InstIndex(const Rank& r, int64_t layer, int32_t tensor, int32_t mb) const {
-  (void)r;
+int32_t Executor::InstIndex(int64_t layer, int32_t tensor, int32_t mb) const {
   int32_t k = SavedIndex(layer, tensor);
   MEMPLAN_CHECK(k >= 0, "not a saved tensor");
   int32_t t = tensor_base_[static_cast<size_t>(layer)].front() + k;
   return t * static_cast<int32_t>(model_.train.microbatches) + mb;
-}
-
-InstState& Executor::Inst(Rank& r, int64_t layer, int32_t tensor, int32_t mb) {
-  return r.inst[static_cast<size_t>(InstIndex(r, layer, tensor, mb))];
 }
 
 Expected<std::monostate> Executor::MakeRanks() {
@@ -376,7 +356,6 @@ Expected<std::monostate> Executor::MakeRanks() {
     if (!host.ok()) return host.error();
     rank->host = std::move(*host);
     rank->ops = backend_->MakeOps(*rank->dev);
-    rank->inst.resize(p_.instances[static_cast<size_t>(r)].size());
     rank->produced_at.resize(static_cast<size_t>(p_.timelines[static_cast<size_t>(r)].steps));
     for (size_t i = 0; i < p_.instances[static_cast<size_t>(r)].size(); ++i) {
       rank->produced_at[static_cast<size_t>(p_.instances[static_cast<size_t>(r)][i].prod)].push_back(
@@ -384,16 +363,10 @@ Expected<std::monostate> Executor::MakeRanks() {
     }
     ranks_.push_back(std::move(rank));
   }
-  for (size_t k = 0; k < eval_.intervals.size(); ++k) {
-    const Interval& iv = eval_.intervals[k];
-    ranks_[static_cast<size_t>(iv.rank)]->mine.push_back(k);
-    if (iv.rank == iv.owner_rank) {
-      ranks_[static_cast<size_t>(iv.owner_rank)]->inst[static_cast<size_t>(iv.instance)].parts |=
-          static_cast<uint8_t>(1u << static_cast<int>(iv.part));
-    }
-  }
+  std::vector<RankMemory> mem;
+  for (auto& r : ranks_) mem.push_back({r->dev.get(), r->host.get()});
+  acts_ = std::make_unique<ActivationManager>(p_, assign_, eval_.intervals, std::move(mem), *backend_);
   for (auto& r : ranks_) {
-    r->walker = std::make_unique<planner::ProgramWalker>(p_, r->index, eval_.intervals, r->mine);
     steps_total_ += p_.timelines[static_cast<size_t>(r->index)].steps;
     InitParams(*r);
     if (r->static_bytes != p_.statics[static_cast<size_t>(r->index)].total) {
@@ -468,142 +441,27 @@ void Executor::InitParams(Rank& r) {
   }
 }
 
-// --- Memory program -----------------------------------------------------------------
-
-void Executor::Allocate(Rank& r, const planner::ProgramBuffer& b) {
-  auto buf = r.dev->Allocate(b.bytes);
-  if (!buf.ok()) ThrowError(buf.error().code, buf.error().message);
-  ++r.events["allocations"];
-  if (b.interval < 0) {
-    auto& v = r.block_bufs[b.block];
-    const Block& blk = p_.timelines[static_cast<size_t>(r.index)].blocks[static_cast<size_t>(b.block)];
-    const LayerBuffers& lb = LB(blk.layer);
-    v.resize((blk.forward ? lb.forward : lb.backward).size());
-    v[static_cast<size_t>(b.buffer)] = *buf;
-    return;
-  }
-  r.interval_buf[b.interval] = *buf;
-  const Interval& iv = eval_.intervals[static_cast<size_t>(b.interval)];
-  Rank& owner = *ranks_[static_cast<size_t>(iv.owner_rank)];
-  InstState& s = owner.inst[static_cast<size_t>(iv.instance)];
-  switch (iv.part) {
-    case IntervalPart::kFull: s.full = *buf; break;
-    case IntervalPart::kCompact: s.compact = *buf; break;
-    case IntervalPart::kMovedOut: s.moved = *buf; break;
-    case IntervalPart::kRestored: s.restored = *buf; break;
-    case IntervalPart::kExtra: s.extra = *buf; break;
-    case IntervalPart::kLanded:
-      s.landed = *buf;
-      if (s.on_wire) {  // the payload left its source before this buffer existed
-        backend_->FromHost(*r.dev, s.landed.ptr, s.wire.data(), b.bytes);
-        s.on_wire = false;
-        s.landed_valid = true;
-      }
-      break;
-    case IntervalPart::kFetched: {
-      s.fetched = *buf;
-      s.fetch_issued = true;
-      const Instance& in = p_.instances[static_cast<size_t>(iv.owner_rank)][static_cast<size_t>(iv.instance)];
-      Storage st = assign_.storage[static_cast<size_t>(iv.owner_rank)][static_cast<size_t>(in.tensor)];
-      std::string label = "prefetch " + p_.tensors[static_cast<size_t>(iv.owner_rank)][static_cast<size_t>(in.tensor)].name +
-                          "@mb" + std::to_string(in.microbatch);
-      if (!planner::IsRemote(st)) {
-        s.in_event = r.dev->CopyAsync(s.fetched.ptr, s.host.ptr, b.bytes, Queue::kH2D);
-        ++r.events["h2d_copies"];
-        IssueCopy(r, traces::Stream::kH2D, label, s.in_event);
-      } else if (s.landed_valid && !s.landed.empty()) {
-        s.in_event = r.dev->CopyAsync(s.fetched.ptr, s.landed.ptr, b.bytes, Queue::kLink);
-        ++r.events["link_copies"];
-        IssueCopy(r, traces::Stream::kLink, label, s.in_event);
-      } else {
-        MEMPLAN_CHECK(s.on_wire, "remote payload lost");
-        backend_->FromHost(*r.dev, s.fetched.ptr, s.wire.data(), b.bytes);
-        s.on_wire = false;
-        ++r.events["link_copies"];
-      }
-      break;
-    }
-  }
-}
-
-void Executor::Free(Rank& r, const planner::ProgramBuffer& b) {
-  ++r.events["frees"];
-  if (b.interval < 0) {
-    auto it = r.block_bufs.find(b.block);
-    Buffer& buf = it->second[static_cast<size_t>(b.buffer)];
-    r.dev->Free(buf);
-    buf = Buffer{};
-    if (std::all_of(it->second.begin(), it->second.end(), [](const Buffer& x) { return x.empty(); })) {
-      r.block_bufs.erase(it);
-    }
-    return;
-  }
-  auto it = r.interval_buf.find(b.interval);
-  Buffer buf = it->second;
-  r.interval_buf.erase(it);
-  const Interval& iv = eval_.intervals[static_cast<size_t>(b.interval)];
-  InstState& s = ranks_[static_cast<size_t>(iv.owner_rank)]->inst[static_cast<size_t>(iv.instance)];
-  switch (iv.part) {
-    case IntervalPart::kFull: s.full = Buffer{}; break;
-    case IntervalPart::kCompact: s.compact = Buffer{}; break;
-    case IntervalPart::kMovedOut: s.moved = Buffer{}; break;
-    case IntervalPart::kRestored: s.restored = Buffer{}; break;
-    case IntervalPart::kExtra: s.extra = Buffer{}; break;
-    case IntervalPart::kFetched: s.fetched = Buffer{}; break;
-    case IntervalPart::kLanded:
-      if (!s.fetch_issued && s.landed_valid) {
-        // The owner has not fetched it yet: the payload goes back on the wire.
-        r.dev->Synchronize();
-        s.wire.resize(static_cast<size_t>(b.bytes));
-        backend_->ToHost(*r.dev, s.wire.data(), s.landed.ptr, b.bytes);
-        s.on_wire = true;
-      }
-      s.landed = Buffer{};
-      s.landed_valid = false;
-      break;
-  }
-  r.dev->Free(buf);
-}
-
-Buffer Executor::BlockBuf(Rank& r, size_t bi, BlockBuffer::Role role, int32_t tensor, int32_t op) {
-  const Block& blk = p_.timelines[static_cast<size_t>(r.index)].blocks[bi];
-  const LayerBuffers& lb = LB(blk.layer);
-  const auto& list = blk.forward ? lb.forward : lb.backward;
-  auto it = r.block_bufs.find(static_cast<int64_t>(bi));
-  for (size_t k = 0; k < list.size(); ++k) {
-    const BlockBuffer& b = list[k];
-    if (b.role != role || b.tensor != tensor || (op >= 0 && b.op != op)) continue;
-    int64_t first = 0, last = 0;
-    if (!planner::BlockBufferSteps(blk, lb, b, &first, &last)) continue;
-    MEMPLAN_CHECK(it != r.block_bufs.end() && k < it->second.size() && !it->second[k].empty(),
-                  "block buffer used outside its steps");
-    return it->second[k];
-  }
-  MEMPLAN_CHECK(false, ("no block buffer for " + G(blk.layer).tensors[static_cast<size_t>(std::max(0, tensor))].name).c_str());
-  return {};
-}
-
 Buffer Executor::Value(Rank& r, size_t bi, int32_t t) {
   const Block& blk = p_.timelines[static_cast<size_t>(r.index)].blocks[bi];
   const LayerGraph& g = G(blk.layer);
   const LayerBuffers& lb = LB(blk.layer);
   const TensorSpec& spec = g.tensors[static_cast<size_t>(t)];
   if (!blk.forward) {
-    if (spec.saved) return BwdFull(Inst(r, blk.layer, t, blk.microbatch));
+    if (spec.saved) return BwdFull(r, blk.layer, t, blk.microbatch);
     return BlockBuf(r, bi, BlockBuffer::Role::kRebuilt, t);
   }
-  if (spec.saved) return FwdFull(Inst(r, blk.layer, t, blk.microbatch));
+  if (spec.saved) return FwdFull(r, blk.layer, t, blk.microbatch);
   if (lb.prod[static_cast<size_t>(t)] >= 0) {
     int32_t exp = lb.export_to[static_cast<size_t>(t)];
     if (exp >= 0 && blk.next_in_pass && G(blk.layer + 1).tensors[static_cast<size_t>(exp)].saved) {
-      return FwdFull(Inst(r, blk.layer + 1, exp, blk.microbatch));
+      return FwdFull(r, blk.layer + 1, exp, blk.microbatch);
     }
     return BlockBuf(r, bi, BlockBuffer::Role::kValue, t);
   }
   int32_t src = lb.import_from[static_cast<size_t>(t)];
   if (src >= 0 && blk.prev_in_pass) {
     if (G(blk.layer - 1).tensors[static_cast<size_t>(src)].saved) {
-      return FwdFull(Inst(r, blk.layer - 1, src, blk.microbatch));
+      return FwdFull(r, blk.layer - 1, src, blk.microbatch);
     }
     return BlockBuf(r, bi - 1, BlockBuffer::Role::kValue, src);
   }
@@ -990,7 +848,8 @@ void Executor::Recompute(Rank& r, size_t bi, int32_t inst_index) {
   const LayerBuffers& lb = LB(blk.layer);
   const Instance& in = p_.instances[static_cast<size_t>(r.index)][static_cast<size_t>(inst_index)];
   const SavedTensor& st = p_.tensors[static_cast<size_t>(r.index)][static_cast<size_t>(in.tensor)];
-  InstState& s = r.inst[static_cast<size_t>(inst_index)];
+  Buffer scratch = acts_->Scratch(r.index, inst_index);
+  Buffer restored = acts_->Backward(r.index, inst_index);
   int64_t extra_used = 0;
   std::unordered_map<int32_t, Buffer> local;  // chain intermediates
   std::function<void(int32_t, Buffer)> make = [&](int32_t t, Buffer dst) {
@@ -1000,9 +859,9 @@ void Executor::Recompute(Rank& r, size_t bi, int32_t inst_index) {
     for (const auto& name : op.inputs) {
       int32_t u = static_cast<int32_t>(g.FindTensor(name) - g.tensors.data());
       if (g.tensors[static_cast<size_t>(u)].saved) continue;
-      Buffer b{s.extra.ptr + extra_used, -1, g.tensors[static_cast<size_t>(u)].bytes};
+      Buffer b{scratch.ptr + extra_used, -1, g.tensors[static_cast<size_t>(u)].bytes};
       extra_used += b.bytes;
-      MEMPLAN_CHECK(extra_used <= s.extra.bytes, "recompute chain outgrew its buffer");
+      MEMPLAN_CHECK(extra_used <= scratch.bytes, "recompute chain outgrew its buffer");
       make(u, b);
       local[u] = b;
     }
@@ -1010,11 +869,11 @@ void Executor::Recompute(Rank& r, size_t bi, int32_t inst_index) {
       if (u == t) return dst;
       auto it = local.find(u);
       if (it != local.end()) return it->second;
-      return BwdFull(Inst(r, blk.layer, u, blk.microbatch));
+      return BwdFull(r, blk.layer, u, blk.microbatch);
     };
     Forward(r, bi, pos, value, blk.microbatch);
   };
-  make(st.graph_index, s.restored);
+  make(st.graph_index, restored);
   ++r.events["recomputes"];
 }
 
@@ -1026,68 +885,15 @@ void Executor::RestoreLayer(Rank& r, size_t bi) {
   std::vector<std::pair<int64_t, int32_t>> recompute;
   for (size_t t = 0; t < g.tensors.size(); ++t) {
     if (!g.tensors[t].saved) continue;
-    int32_t i = InstIndex(r, blk.layer, static_cast<int32_t>(t), blk.microbatch);
-    InstState& s = r.inst[static_cast<size_t>(i)];
+    int32_t i = InstIndex(blk.layer, static_cast<int32_t>(t), blk.microbatch);
+    acts_->Restore(r.index, i);
     const Instance& in = p_.instances[static_cast<size_t>(r.index)][static_cast<size_t>(i)];
-    const SavedTensor& st = p_.tensors[static_cast<size_t>(r.index)][static_cast<size_t>(in.tensor)];
-    Storage storage = assign_.storage[static_cast<size_t>(r.index)][static_cast<size_t>(in.tensor)];
-    if (s.Has(IntervalPart::kFetched)) {
-      r.dev->Wait(s.in_event);
-      if (!s.host.empty()) {
-        r.host->Free(s.host);
-        s.host = Buffer{};
-      }
+    if (assign_.storage[static_cast<size_t>(r.index)][static_cast<size_t>(in.tensor)] == Storage::kRecompute) {
+      recompute.emplace_back(p_.tensors[static_cast<size_t>(r.index)][static_cast<size_t>(in.tensor)].prod_pos, i);
     }
-    if (planner::IsFp8(storage) && s.Has(IntervalPart::kRestored)) {
-      Buffer src = s.Has(IntervalPart::kFetched) ? s.fetched : s.compact;
-      Dims2 d = RowsCols(g.tensors[t]);
-      backend_->Dequantize(*r.dev, reinterpret_cast<const uint8_t*>(src.ptr),
-                           reinterpret_cast<const float*>(src.ptr + d.rows * d.cols), d.rows, d.cols,
-                           s.restored.as<float>());
-      ++r.events["dequantizes"];
-    }
-    if (storage == Storage::kRecompute) recompute.emplace_back(st.prod_pos, i);
   }
   std::sort(recompute.begin(), recompute.end());
   for (auto [pos, i] : recompute) Recompute(r, bi, i);
-}
-
-// After the op that produced an instance: quantize, start its copy-out.
-void Executor::AfterProduce(Rank& r, int32_t i) {
-  InstState& s = r.inst[static_cast<size_t>(i)];
-  const Instance& in = p_.instances[static_cast<size_t>(r.index)][static_cast<size_t>(i)];
-  const SavedTensor& st = p_.tensors[static_cast<size_t>(r.index)][static_cast<size_t>(in.tensor)];
-  Storage storage = assign_.storage[static_cast<size_t>(r.index)][static_cast<size_t>(in.tensor)];
-  const TensorSpec& spec = G(st.layer).tensors[static_cast<size_t>(st.graph_index)];
-  std::string label = st.name + "@mb" + std::to_string(in.microbatch);
-  if (planner::IsFp8(storage)) {
-    Buffer dst = s.Has(IntervalPart::kCompact) ? s.compact : s.moved;
-    Dims2 d = RowsCols(spec);
-    backend_->Quantize(*r.dev, s.full.as<float>(), d.rows, d.cols, reinterpret_cast<uint8_t*>(dst.ptr),
-                       reinterpret_cast<float*>(dst.ptr + d.rows * d.cols));
-    ++r.events["quantizes"];
-  }
-  if (!s.Has(IntervalPart::kMovedOut)) return;
-  int64_t bytes = s.moved.bytes;
-  if (!planner::IsRemote(storage)) {
-    auto h = r.host->Allocate(bytes);
-    if (!h.ok()) ThrowError(h.error().code, h.error().message);
-    s.host = *h;
-    s.out_event = r.dev->CopyAsync(s.host.ptr, s.moved.ptr, bytes, Queue::kD2H);
-    ++r.events["d2h_copies"];
-    IssueCopy(r, traces::Stream::kD2H, "offload " + label, s.out_event);
-    return;
-  }
-  ++r.events["link_copies"];
-  if (!s.landed.empty()) {
-    s.out_event = r.dev->CopyAsync(s.landed.ptr, s.moved.ptr, bytes, Queue::kLink);
-    s.landed_valid = true;
-    IssueCopy(r, traces::Stream::kLink, "offload " + label, s.out_event);
-  } else {
-    s.wire.resize(static_cast<size_t>(bytes));
-    backend_->ToHost(*r.dev, s.wire.data(), s.moved.ptr, bytes);
-    s.on_wire = true;
-  }
 }
 
 // A model input (tokens, targets) or a value received from the previous
@@ -1138,8 +944,8 @@ void Executor::Step(Rank& r) {
   const int32_t n = lb.ops;
   const int32_t pos = blk.forward ? local : n - 1 - local;
   const double t_start = NowUs();
-  MEMPLAN_CHECK(r.walker->Next() && r.walker->step() == s, "memory program out of step");
-  for (const auto& b : r.walker->allocations()) Allocate(r, b);
+  acts_->BeginStep(r.index);
+  MEMPLAN_CHECK(acts_->step(r.index) == s, "memory program out of step");
 
   int32_t chunk = p_.schedules[static_cast<size_t>(r.index)][static_cast<size_t>(tl.step_pass[static_cast<size_t>(s)])].chunk;
   int64_t stage = chunk * model_.parallel.pp + r.index;
@@ -1155,7 +961,7 @@ void Executor::Step(Rank& r) {
         } else if (spec.saved && lb.import_from[t] >= 0 &&
                    G(blk.layer - 1).tensors[static_cast<size_t>(lb.import_from[t])].saved) {
           // Both layers save the value: this layer keeps its own copy.
-          Buffer src = FwdFull(Inst(r, blk.layer - 1, lb.import_from[t], blk.microbatch));
+          Buffer src = FwdFull(r, blk.layer - 1, lb.import_from[t], blk.microbatch);
           r.ops->Copy(Value(r, bi, static_cast<int32_t>(t)).ptr, src.ptr, spec.bytes);
         }
       }
@@ -1179,11 +985,11 @@ void Executor::Step(Rank& r) {
     Forward(r, bi, pos, [&](int32_t t) { return Value(r, bi, t); }, blk.microbatch);
   } else {
     // Values a backward op needs that are not saved are re-made first.
-    for (const auto& b : r.walker->allocations()) {
+    for (const auto& b : acts_->allocations(r.index)) {
       if (b.interval >= 0 || b.block != static_cast<int32_t>(bi)) continue;
       const BlockBuffer& bb = lb.backward[static_cast<size_t>(b.buffer)];
       if (bb.role != BlockBuffer::Role::kRebuilt) continue;
-      Buffer dst = r.block_bufs[static_cast<int64_t>(bi)][static_cast<size_t>(b.buffer)];
+      Buffer dst = acts_->BlockBufferAt(r.index, static_cast<int64_t>(bi), b.buffer);
       Forward(r, bi, bb.op,
               [&](int32_t t) {
                 if (t == bb.tensor) return dst;
@@ -1195,7 +1001,7 @@ void Executor::Step(Rank& r) {
     Backward(r, bi, pos);
   }
   if (blk.forward) {
-    for (int32_t i : r.produced_at[static_cast<size_t>(s)]) AfterProduce(r, i);
+    for (int32_t i : r.produced_at[static_cast<size_t>(s)]) acts_->Save(r.index, i);
   }
   // The end of a pass on this rank: hand the boundary tensor to the neighbour stage.
   if (local == n - 1 && !blk.next_in_pass) {
@@ -1215,7 +1021,8 @@ void Executor::Step(Rank& r) {
   } else if (!blk.forward && local == n - 1) {
     r.routing.erase({blk.layer, blk.microbatch});
   }
-  for (const auto& b : r.walker->frees()) Free(r, b);
+  acts_->EndStep(r.index);
+  TakeCopies(r);
   Span(r, op.name + (blk.forward ? ".fwd" : ".bwd") + "@mb" + std::to_string(blk.microbatch), "kernel", t_start);
   RetireCopies(r, false);
   double now = NowUs();
@@ -1371,6 +1178,7 @@ Expected<RunResult> Executor::Finish(double grad_norm, double step_s) {
     mr.peak = r->static_bytes + r->dev->high_water();
     mr.timeline = std::move(r->timeline);
     mr.events = r->events;
+    for (const auto& [k, v] : acts_->events(r->index)) mr.events[k] += v;
     m.ranks.push_back(std::move(mr));
   }
   if (options_.trace) {
@@ -1382,8 +1190,7 @@ Expected<RunResult> Executor::Finish(double grad_norm, double step_s) {
 
 Expected<RunResult> Executor::Run() {
   if (auto s = Setup(); !s.ok()) return s.error();
-  backend_ = options_.backend == BackendKind::kCuda ? internal::MakeCudaExecBackend()
-                                                    : internal::MakeHostExecBackend(options_.copy_jitter_us);
+  backend_ = options_.backend == BackendKind::kCuda ? MakeCudaBackend() : MakeHostBackend(options_.copy_jitter_us);
   if (!backend_) {
     return Error{ErrorCode::kRuntime, "--backend cuda: no CUDA device is visible, or this memplan was built without CUDA"};
   }

@@ -1,15 +1,15 @@
-// The CUDA backend of the executor: one CudaDevice (stream-ordered pool,
+// The CUDA backend: one CudaDevice (stream-ordered pool,
 // compute and copy streams) per emulated rank, pinned host arenas, the CUDA
 // kernels and cuBLAS on each device's compute stream.
 #include <cuda_runtime_api.h>
 
-#include "exec_backend.h"
+#include "memplan/runtime/backend.h"
 #include "memplan/common/check.h"
 #include "memplan/kernels/fp8_cuda.h"
 #include "memplan/kernels/ops_cuda.h"
 #include "memplan/runtime/cuda_device.h"
 
-namespace memplan::runtime::internal {
+namespace memplan::runtime {
 namespace {
 
 cudaStream_t StreamOf(Device& d) {
@@ -22,7 +22,7 @@ void Check(cudaError_t e, const char* what) {
   MEMPLAN_CHECK(e == cudaSuccess, (std::string(what) + ": " + cudaGetErrorString(e)).c_str());
 }
 
-class CudaExecBackend final : public ExecBackend {
+class CudaBackend final : public Backend {
  public:
   std::string device_name() const override {
     cudaDeviceProp prop{};
@@ -80,9 +80,9 @@ class CudaExecBackend final : public ExecBackend {
 
 }  // namespace
 
-std::unique_ptr<ExecBackend> MakeCudaExecBackend() {
+std::unique_ptr<Backend> MakeCudaBackend() {
   if (!CudaRuntimeAvailable()) return nullptr;
-  return std::make_unique<CudaExecBackend>();
+  return std::make_unique<CudaBackend>();
 }
 
-}  // namespace memplan::runtime::internal
+}  // namespace memplan::runtime

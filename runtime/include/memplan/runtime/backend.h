@@ -1,6 +1,14 @@
-// What the executor needs from a backend beyond the Device interface:
-// devices, kernels, FP8 conversion and synchronous transfers to and from
-// host memory (the mailbox, the loss, dumps).
+// A backend: what the executor and the activation manager need to run on
+// one kind of device. It makes the devices (memory pools with copy
+// engines), the host arenas that receive host offloads, and the kernels
+// that run in order with a device's allocations; it converts to and from
+// FP8 and copies synchronously between device and plain host memory (the
+// pipeline mailbox, the loss, dumps).
+//
+//   host   HostDevice arenas placed by the planner's best-fit heap, copy
+//          engines as worker threads, CPU reference kernels.
+//   cuda   CudaDevice (stream-ordered pool, compute and copy streams),
+//          pinned host arenas, CUDA kernels and cuBLAS on the compute stream.
 #pragma once
 
 #include <cstdint>
@@ -12,11 +20,11 @@
 #include "memplan/runtime/device.h"
 #include "memplan/runtime/host_device.h"
 
-namespace memplan::runtime::internal {
+namespace memplan::runtime {
 
-class ExecBackend {
+class Backend {
  public:
-  virtual ~ExecBackend() = default;
+  virtual ~Backend() = default;
   virtual std::string device_name() const = 0;
   // One rank's device memory (`capacity_bytes` is a bound, not a reservation).
   virtual Expected<std::unique_ptr<Device>> MakeDevice(const std::string& name, int64_t capacity_bytes) = 0;
@@ -37,8 +45,9 @@ class ExecBackend {
   virtual void Finish(Device& device) = 0;
 };
 
-std::unique_ptr<ExecBackend> MakeHostExecBackend(int64_t copy_jitter_us);
-// nullptr when memplan was built without CUDA.
-std::unique_ptr<ExecBackend> MakeCudaExecBackend();
+// `copy_jitter_us` (tests): each copy first sleeps a pseudo-random 0..N us.
+std::unique_ptr<Backend> MakeHostBackend(int64_t copy_jitter_us = 0);
+// nullptr when memplan was built without CUDA or no device is visible.
+std::unique_ptr<Backend> MakeCudaBackend();
 
-}  // namespace memplan::runtime::internal
+}  // namespace memplan::runtime

@@ -1,17 +1,17 @@
-// The host backend of the executor: HostDevice arenas placed by the
+// The host backend: HostDevice arenas placed by the
 // planner's best-fit heap, copy engines as worker threads, CPU reference
 // kernels.
 #include <cstring>
 
-#include "exec_backend.h"
+#include "memplan/runtime/backend.h"
 #include "memplan/kernels/fp8.h"
 
-namespace memplan::runtime::internal {
+namespace memplan::runtime {
 namespace {
 
-class HostExecBackend final : public ExecBackend {
+class HostBackend final : public Backend {
  public:
-  explicit HostExecBackend(int64_t jitter_us) : jitter_us_(jitter_us) {}
+  explicit HostBackend(int64_t jitter_us) : jitter_us_(jitter_us) {}
 
   std::string device_name() const override { return "CPU reference kernels"; }
 
@@ -60,12 +60,12 @@ class HostExecBackend final : public ExecBackend {
 
 }  // namespace
 
-std::unique_ptr<ExecBackend> MakeHostExecBackend(int64_t copy_jitter_us) {
-  return std::make_unique<HostExecBackend>(copy_jitter_us);
+std::unique_ptr<Backend> MakeHostBackend(int64_t copy_jitter_us) {
+  return std::make_unique<HostBackend>(copy_jitter_us);
 }
 
 #ifndef MEMPLAN_HAVE_CUDA_RUNTIME
-std::unique_ptr<ExecBackend> MakeCudaExecBackend() { return nullptr; }
+std::unique_ptr<Backend> MakeCudaBackend() { return nullptr; }
 #endif
 
-}  // namespace memplan::runtime::internal
+}  // namespace memplan::runtime
