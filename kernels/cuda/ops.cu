@@ -563,42 +563,47 @@ __device__ __forceinline__ float GeluGrad(float x) {
 
 __device__ __forceinline__ float Sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
 
-template <int W>
-__global__ void __launch_bounds__(kThreads) GeluFwdKernel(const float* x, int64_t n, float* y) {
-  ForEachFlat<W>(n, [&](int64_t i, auto width) {
-    constexpr int kW = decltype(width)::value;
-    float v[kW];
-    LoadRo<kW>(x + i, v);
-#pragma unroll
-    for (int j = 0; j < kW; ++j) v[j] = Gelu(v[j]);
-    Store<kW>(y + i, v);
-  });
-}
+// The elementwise ops as functors of (a, b) (unary ones ignore b).
+struct GeluOp {
+  __device__ float operator()(float x, float) const { return Gelu(x); }
+};
+struct GeluGradOp {  // (x, dy)
+  __device__ float operator()(float x, float dy) const { return dy * GeluGrad(x); }
+};
+struct AddOp {
+  __device__ float operator()(float a, float b) const { return a + b; }
+};
+struct SigmoidOp {
+  __device__ float operator()(float x, float) const { return Sigmoid(x); }
+};
+struct SigmoidGradOp {  // (y, dy): dy * (y * (1 - y)), as the reference (no fused multiply-add)
+  __device__ float operator()(float y, float dy) const { return __fmul_rn(dy, __fmul_rn(y, __fsub_rn(1.f, y))); }
+};
 
-template <int W>
-__global__ void __launch_bounds__(kThreads) GeluBwdKernel(const float* x, const float* dy, int64_t n, float* dx) {
+// y[i] = op(a[i], b[i]) (b may be null for a unary op), vectors of W. `a`
+// is read through the coherent path, so y may alias it (Accumulate).
+template <int W, typename Op>
+__global__ void __launch_bounds__(kThreads) MapKernel(const float* a, const float* b, int64_t n, float* y, Op op) {
   ForEachFlat<W>(n, [&](int64_t i, auto width) {
     constexpr int kW = decltype(width)::value;
-    float v[kW], d[kW];
-    LoadRo<kW>(x + i, v);
-    LoadRo<kW>(dy + i, d);
+    float u[kW], v[kW] = {};
+    Load<kW>(a + i, u);
+    if (b != nullptr) LoadRo<kW>(b + i, v);
 #pragma unroll
-    for (int j = 0; j < kW; ++j) v[j] = d[j] * GeluGrad(v[j]);
-    Store<kW>(dx + i, v);
-  });
-}
-
-template <int W>
-__global__ void __launch_bounds__(kThreads) AddKernel(const float* a, const float* b, int64_t n, float* y) {
-  ForEachFlat<W>(n, [&](int64_t i, auto width) {
-    constexpr int kW = decltype(width)::value;
-    float u[kW], v[kW];
-    LoadRo<kW>(a + i, u);
-    LoadRo<kW>(b + i, v);
-#pragma unroll
-    for (int j = 0; j < kW; ++j) u[j] += v[j];
+    for (int j = 0; j < kW; ++j) u[j] = op(u[j], v[j]);
     Store<kW>(y + i, u);
   });
+}
+
+template <typename Op>
+cudaError_t LaunchMap(const LaunchContext& ctx, const float* a, const float* b, int64_t n, float* y, Op op) {
+  if (n <= 0) return cudaSuccess;
+  if (AllAligned16(a, y) && (b == nullptr || AllAligned16(b))) {
+    MapKernel<4><<<FlatGrid(ctx, n / 4 + 1), kThreads, 0, ctx.stream>>>(a, b, n, y, op);
+  } else {
+    MapKernel<1><<<FlatGrid(ctx, n), kThreads, 0, ctx.stream>>>(a, b, n, y, op);
+  }
+  return cudaGetLastError();
 }
 
 template <int W>
@@ -1466,48 +1471,6 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // ---------------------------------------------------------------------------
-// Sigmoid, accumulate.
-
-template <int W>
-__global__ void __launch_bounds__(kThreads) SigmoidFwdKernel(const float* x, int64_t n, float* y) {
-  ForEachFlat<W>(n, [&](int64_t i, auto width) {
-    constexpr int kW = decltype(width)::value;
-    float v[kW];
-    LoadRo<kW>(x + i, v);
-#pragma unroll
-    for (int j = 0; j < kW; ++j) v[j] = Sigmoid(v[j]);
-    Store<kW>(y + i, v);
-  });
-}
-
-// dx = dy * (y * (1 - y)), as the reference (no fused multiply-add).
-template <int W>
-__global__ void __launch_bounds__(kThreads) SigmoidBwdKernel(const float* y, const float* dy, int64_t n, float* dx) {
-  ForEachFlat<W>(n, [&](int64_t i, auto width) {
-    constexpr int kW = decltype(width)::value;
-    float v[kW], d[kW];
-    LoadRo<kW>(y + i, v);
-    LoadRo<kW>(dy + i, d);
-#pragma unroll
-    for (int j = 0; j < kW; ++j) v[j] = __fmul_rn(d[j], __fmul_rn(v[j], __fsub_rn(1.f, v[j])));
-    Store<kW>(dx + i, v);
-  });
-}
-
-template <int W>
-__global__ void __launch_bounds__(kThreads) AccumulateKernel(float* y, const float* x, int64_t n) {
-  ForEachFlat<W>(n, [&](int64_t i, auto width) {
-    constexpr int kW = decltype(width)::value;
-    float u[kW], v[kW];
-    Load<kW>(y + i, u);
-    LoadRo<kW>(x + i, v);
-#pragma unroll
-    for (int j = 0; j < kW; ++j) u[j] += v[j];
-    Store<kW>(y + i, u);
-  });
-}
-
-// ---------------------------------------------------------------------------
 // Embedding.
 
 // y[t] = table[tokens[t]], one block per token row.
@@ -1747,23 +1710,11 @@ cudaError_t LaunchRmsNormBwd(const LaunchContext& ctx, const float* x, const flo
 }
 
 cudaError_t LaunchGeluFwd(const LaunchContext& ctx, const float* x, int64_t n, float* y) {
-  if (n <= 0) return cudaSuccess;
-  if (AllAligned16(x, y)) {
-    GeluFwdKernel<4><<<FlatGrid(ctx, n / 4 + 1), kThreads, 0, ctx.stream>>>(x, n, y);
-  } else {
-    GeluFwdKernel<1><<<FlatGrid(ctx, n), kThreads, 0, ctx.stream>>>(x, n, y);
-  }
-  return cudaGetLastError();
+  return LaunchMap(ctx, x, nullptr, n, y, GeluOp{});
 }
 
 cudaError_t LaunchGeluBwd(const LaunchContext& ctx, const float* x, const float* dy, int64_t n, float* dx) {
-  if (n <= 0) return cudaSuccess;
-  if (AllAligned16(x, dy, dx)) {
-    GeluBwdKernel<4><<<FlatGrid(ctx, n / 4 + 1), kThreads, 0, ctx.stream>>>(x, dy, n, dx);
-  } else {
-    GeluBwdKernel<1><<<FlatGrid(ctx, n), kThreads, 0, ctx.stream>>>(x, dy, n, dx);
-  }
-  return cudaGetLastError();
+  return LaunchMap(ctx, x, dy, n, dx, GeluGradOp{});
 }
 
 cudaError_t LaunchSwigluFwd(const LaunchContext& ctx, const float* x, int64_t rows, int64_t f, float* y) {
@@ -1812,13 +1763,7 @@ cudaError_t LaunchDropoutBwd(const LaunchContext& ctx, const float* dy, const ui
 }
 
 cudaError_t LaunchAdd(const LaunchContext& ctx, const float* a, const float* b, int64_t n, float* y) {
-  if (n <= 0) return cudaSuccess;
-  if (AllAligned16(a, b, y)) {
-    AddKernel<4><<<FlatGrid(ctx, n / 4 + 1), kThreads, 0, ctx.stream>>>(a, b, n, y);
-  } else {
-    AddKernel<1><<<FlatGrid(ctx, n), kThreads, 0, ctx.stream>>>(a, b, n, y);
-  }
-  return cudaGetLastError();
+  return LaunchMap(ctx, a, b, n, y, AddOp{});
 }
 
 cudaError_t LaunchRouterFwd(const LaunchContext& ctx, const float* logits, int64_t tokens, int64_t experts,
@@ -1965,13 +1910,7 @@ cudaError_t LaunchScaleMatrices(const LaunchContext& ctx, int64_t m, int64_t n, 
 }
 
 cudaError_t LaunchAccumulate(const LaunchContext& ctx, float* y, const float* x, int64_t n) {
-  if (n <= 0) return cudaSuccess;
-  if (AllAligned16(y, x)) {
-    AccumulateKernel<4><<<FlatGrid(ctx, n / 4 + 1), kThreads, 0, ctx.stream>>>(y, x, n);
-  } else {
-    AccumulateKernel<1><<<FlatGrid(ctx, n), kThreads, 0, ctx.stream>>>(y, x, n);
-  }
-  return cudaGetLastError();
+  return LaunchMap(ctx, y, x, n, y, AddOp{});
 }
 
 cudaError_t LaunchSoftmaxFwd(const LaunchContext& ctx, const float* x, int64_t rows, int64_t cols, float scale,
@@ -1997,23 +1936,11 @@ cudaError_t LaunchSoftmaxBwd(const LaunchContext& ctx, const float* y, const flo
 }
 
 cudaError_t LaunchSigmoidFwd(const LaunchContext& ctx, const float* x, int64_t n, float* y) {
-  if (n <= 0) return cudaSuccess;
-  if (AllAligned16(x, y)) {
-    SigmoidFwdKernel<4><<<FlatGrid(ctx, n / 4 + 1), kThreads, 0, ctx.stream>>>(x, n, y);
-  } else {
-    SigmoidFwdKernel<1><<<FlatGrid(ctx, n), kThreads, 0, ctx.stream>>>(x, n, y);
-  }
-  return cudaGetLastError();
+  return LaunchMap(ctx, x, nullptr, n, y, SigmoidOp{});
 }
 
 cudaError_t LaunchSigmoidBwd(const LaunchContext& ctx, const float* y, const float* dy, int64_t n, float* dx) {
-  if (n <= 0) return cudaSuccess;
-  if (AllAligned16(y, dy, dx)) {
-    SigmoidBwdKernel<4><<<FlatGrid(ctx, n / 4 + 1), kThreads, 0, ctx.stream>>>(y, dy, n, dx);
-  } else {
-    SigmoidBwdKernel<1><<<FlatGrid(ctx, n), kThreads, 0, ctx.stream>>>(y, dy, n, dx);
-  }
-  return cudaGetLastError();
+  return LaunchMap(ctx, y, dy, n, dx, SigmoidGradOp{});
 }
 
 cudaError_t LaunchTopKFwd(const LaunchContext& ctx, const float* probs, int64_t tokens, int64_t experts, int64_t top_k,
