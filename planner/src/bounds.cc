@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <map>
-#include <unordered_map>
 
 #include "memplan/common/best_fit_heap.h"
 #include "memplan/common/units.h"
@@ -21,22 +20,15 @@ int64_t Place(const PlanningProblem& p, int32_t rank, const std::vector<Interval
               const std::vector<size_t>& mine, std::vector<Placed>* placed) {
   BestFitHeap heap;
   ProgramWalker walk(p, rank, ivs, mine);
-  // Offsets of live buffers, keyed by (last step, allocation sequence).
-  std::unordered_map<int64_t, std::vector<int64_t>> offsets_by_last;
   while (walk.Next()) {
-    for (const ProgramBuffer& b : walk.allocations()) {
-      int64_t off = heap.Allocate(b.bytes);
-      offsets_by_last[b.last].push_back(off);
+    for (ProgramBuffer& b : walk.allocations()) {
+      b.tag = heap.Allocate(b.bytes);
       if (placed) {
-        placed->push_back({b.first, b.last, off, heap.AlignedSize(b.bytes),
+        placed->push_back({b.first, b.last, b.tag, heap.AlignedSize(b.bytes),
                            b.interval >= 0 ? static_cast<size_t>(b.interval) : SIZE_MAX});
       }
     }
-    if (!walk.frees().empty()) {
-      auto it = offsets_by_last.find(walk.step());
-      for (int64_t off : it->second) heap.Free(off);
-      offsets_by_last.erase(it);
-    }
+    for (const ProgramBuffer& b : walk.Frees()) heap.Free(b.tag);
   }
   return heap.high_water();
 }

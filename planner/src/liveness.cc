@@ -937,11 +937,7 @@ bool ProgramWalker::Next() {
   ++step_;
   allocs_.clear();
   frees_.clear();
-  auto go_live = [&](const ProgramBuffer& b) {
-    allocs_.push_back(b);
-    live_.push_back({{b.last, seq_++}, b});
-    std::push_heap(live_.begin(), live_.end(), later);
-  };
+  auto go_live = [&](const ProgramBuffer& b) { allocs_.push_back(b); };
   for (; next_interval_ < mine_.size() && ivs_[mine_[next_interval_]].first == step_; ++next_interval_) {
     const Interval& iv = ivs_[mine_[next_interval_]];
     ProgramBuffer b;
@@ -970,12 +966,38 @@ bool ProgramWalker::Next() {
     go_live(pending_.back().second);
     pending_.pop_back();
   }
-  while (!live_.empty() && live_.front().first.first == step_) {
+  return true;
+}
+
+const std::vector<ProgramBuffer>& ProgramWalker::Frees() {
+  auto later = [](const Live& a, const Live& b) { return a > b; };
+  frees_.clear();
+  for (const ProgramBuffer& b : allocs_) {
+    if (b.last == step_) {  // lives for this step only: no need to queue it
+      frees_.push_back(b);
+      continue;
+    }
+    int32_t slot;
+    if (free_slots_.empty()) {
+      slot = static_cast<int32_t>(slab_.size());
+      slab_.push_back(b);
+    } else {
+      slot = free_slots_.back();
+      free_slots_.pop_back();
+      slab_[static_cast<size_t>(slot)] = b;
+    }
+    live_.push_back({b.last, seq_++, slot});
+    std::push_heap(live_.begin(), live_.end(), later);
+  }
+  allocs_.clear();
+  while (!live_.empty() && live_.front().last == step_) {
     std::pop_heap(live_.begin(), live_.end(), later);
-    frees_.push_back(live_.back().second);
+    int32_t slot = live_.back().slot;
+    frees_.push_back(slab_[static_cast<size_t>(slot)]);
+    free_slots_.push_back(slot);
     live_.pop_back();
   }
-  return true;
+  return frees_;
 }
 
 }  // namespace memplan::planner

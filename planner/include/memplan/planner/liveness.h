@@ -279,6 +279,7 @@ struct ProgramBuffer {
   int64_t interval = -1;  // index into the intervals, or -1 for a block buffer
   int32_t block = -1;     // block buffers: index into the timeline's blocks
   int32_t buffer = -1;    // and into that layer's forward or backward buffers
+  int64_t tag = -1;       // the caller's (e.g. the offset it placed the buffer at)
 };
 
 // A rank's memory program: the canonical order in which its buffers are
@@ -290,6 +291,12 @@ struct ProgramBuffer {
 // allocated; the step's op runs; then every buffer whose last step it is is
 // freed (the order of frees does not change a best-fit heap's state).
 // O(log n) per buffer.
+//
+//   while (walk.Next()) {
+//     for (auto& b : walk.allocations()) b.tag = Allocate(b.bytes);
+//     ... run the step ...
+//     for (const auto& b : walk.Frees()) Free(b.tag);
+//   }
 class ProgramWalker {
  public:
   // `mine`: the indices of the intervals that live on `rank`.
@@ -298,8 +305,11 @@ class ProgramWalker {
   // Advances to the next step; false after the last one.
   bool Next();
   int64_t step() const { return step_; }
+  // What starts at this step, in allocation order; the caller may set tags.
+  std::vector<ProgramBuffer>& allocations() { return allocs_; }
   const std::vector<ProgramBuffer>& allocations() const { return allocs_; }
-  const std::vector<ProgramBuffer>& frees() const { return frees_; }
+  // What ends at this step (tags as set), once per step after allocations().
+  const std::vector<ProgramBuffer>& Frees();
 
  private:
   const PlanningProblem& p_;
@@ -310,9 +320,18 @@ class ProgramWalker {
   size_t next_block_ = 0;
   int64_t step_ = -1;
   int64_t seq_ = 0;
-  // Block buffers waiting for their first step, and live buffers waiting for
-  // their last: (step, sequence) min-heaps.
-  std::vector<std::pair<std::pair<int64_t, int64_t>, ProgramBuffer>> pending_, live_;
+  // Block buffers waiting for their first step: a (step, sequence) min-heap.
+  std::vector<std::pair<std::pair<int64_t, int64_t>, ProgramBuffer>> pending_;
+  // Live buffers waiting for their last step: a (step, sequence, slot)
+  // min-heap over a slab of buffers (slots are reused).
+  struct Live {
+    int64_t last, seq;
+    int32_t slot;
+    bool operator>(const Live& o) const { return last != o.last ? last > o.last : seq > o.seq; }
+  };
+  std::vector<Live> live_;
+  std::vector<ProgramBuffer> slab_;
+  std::vector<int32_t> free_slots_;
   std::vector<ProgramBuffer> allocs_, frees_;
 };
 
