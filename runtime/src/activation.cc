@@ -32,6 +32,7 @@ struct ActivationManager::Rank {
   RankMemory mem;
   std::vector<Instance> instances;
   std::unique_ptr<planner::ProgramWalker> walker;
+  std::vector<ProgramBuffer> allocations;  // of the current step
   std::unordered_map<int64_t, Buffer> interval_buf;              // interval -> buffer
   std::unordered_map<int64_t, std::vector<Buffer>> block_bufs;  // block -> per list entry
   std::map<std::string, int64_t> events;
@@ -75,18 +76,19 @@ const ActivationManager::Instance& ActivationManager::Inst(int32_t rank, int32_t
 void ActivationManager::BeginStep(int32_t rank) {
   Rank& r = *ranks_[static_cast<size_t>(rank)];
   MEMPLAN_CHECK(r.walker->Next(), "memory program ran past its last step");
-  for (const auto& b : r.walker->allocations()) Allocate(r, b);
+  r.allocations = r.walker->allocations();
+  for (const auto& b : r.allocations) Allocate(r, b);
 }
 
 void ActivationManager::EndStep(int32_t rank) {
   Rank& r = *ranks_[static_cast<size_t>(rank)];
-  for (const auto& b : r.walker->frees()) Free(r, b);
+  for (const auto& b : r.walker->Frees()) Free(r, b);
 }
 
 int64_t ActivationManager::step(int32_t rank) const { return ranks_[static_cast<size_t>(rank)]->walker->step(); }
 
 const std::vector<ProgramBuffer>& ActivationManager::allocations(int32_t rank) const {
-  return ranks_[static_cast<size_t>(rank)]->walker->allocations();
+  return ranks_[static_cast<size_t>(rank)]->allocations;
 }
 
 void ActivationManager::Allocate(Rank& r, const ProgramBuffer& b) {
