@@ -242,7 +242,7 @@ TEST_CASE("policies and costs parse in order") {
 }
 
 TEST_CASE("every bundled example parses") {
-  for (const char* name : {"tiny-gpt", "tiny-moe", "gpt3-175b", "llama3-70b", "deepseek-v3", "kimi-k2",
+  for (const char* name : {"tiny-gpt", "tiny-llama", "tiny-deepseek", "tiny-attnres", "llama2-7b-shape", "tiny-moe", "gpt3-175b", "llama3-70b", "deepseek-v3", "kimi-k2",
                            "kimi-k3-like"}) {
     CAPTURE(name);
     auto m = LoadModel(memplan::test::SourcePath(std::string("examples/models/") + name + ".json"));

@@ -20,7 +20,7 @@ using memplan::test::SchemaErrors;
 
 namespace {
 
-const char* kExamples[] = {"tiny-gpt", "tiny-moe", "gpt3-175b", "llama3-70b", "deepseek-v3", "kimi-k2",
+const char* kExamples[] = {"tiny-gpt", "tiny-llama", "tiny-deepseek", "tiny-attnres", "llama2-7b-shape", "tiny-moe", "gpt3-175b", "llama3-70b", "deepseek-v3", "kimi-k2",
                            "kimi-k3-like"};
 
 Plan MustPlan(const Model& m, PlanOptions o = {}) {

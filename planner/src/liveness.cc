@@ -89,7 +89,9 @@ bool IsFloat(DType d) { return d == DType::kBF16 || d == DType::kFP16 || d == DT
 
 }  // namespace
 
-bool GradAccumulates(std::string_view kind) { return kind == "add" || kind == "identity" || kind == "copy"; }
+bool GradAccumulates(std::string_view kind) {
+  return kind == "add" || kind == "identity" || kind == "copy" || kind == "attn_res_accumulate";
+}
 
 namespace {
 
@@ -270,6 +272,22 @@ LayerBuffers MakeLayerBuffers(const LayerGraph& g, const std::vector<LayerInfo>&
       auto& f = need_first[static_cast<size_t>(t)];
       f = f < 0 ? bstep(pos) : std::min(f, bstep(pos));
       need_last[static_cast<size_t>(t)] = std::max(need_last[static_cast<size_t>(t)], bstep(pos));
+    }
+  }
+  // Re-running a producer writes all its outputs: the ones that are not
+  // saved are rebuilt alongside, for the same steps.
+  for (size_t t = 0; t < g.tensors.size(); ++t) {
+    if (need_first[t] < 0) continue;
+    const OpSpec& op = g.ops[order[static_cast<size_t>(li.prod[t])]];
+    for (const auto& out : op.outputs) {
+      size_t u = static_cast<size_t>(li.tensor_idx.at(out));
+      if (u == t || g.tensors[u].saved) continue;
+      if (need_first[u] < 0) {
+        need_first[u] = need_first[t], need_last[u] = need_last[t];
+      } else {
+        need_first[u] = std::min(need_first[u], need_first[t]);
+        need_last[u] = std::max(need_last[u], need_last[t]);
+      }
     }
   }
   for (size_t t = 0; t < g.tensors.size(); ++t) {
@@ -871,7 +889,7 @@ std::vector<int32_t> BackwardReads(const LayerGraph& g, const OpSpec& op) {
   };
   const std::string& k = op.kind;
   if (k == "linear" || k == "layernorm" || k == "rmsnorm" || k == "gelu" || k == "swiglu" || k == "embedding" ||
-      k == "grouped_gemm") {
+      k == "grouped_gemm" || k == "attn_res") {
     in(0);
   } else if (k == "batched_gemm" || k == "attn_res_mix") {
     in(0), in(1);

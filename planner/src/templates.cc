@@ -458,8 +458,9 @@ LayerGraph ExpandTemplateLayer(const Model& model, int64_t layer) {
          CheckedMul(d.tokens, d.h * DTypeBytes(model.train.param_dtype), "embedding rows"));
     stream = emb;
     if (a.dropout) stream = AddResidualDropout(B, d, "embed", emb);
-    // Block AttnRes keeps the (post-dropout) embedding as block b_0, once.
-    if (a.attn_res) B.MarkSaved(stream, true);
+    // Block AttnRes keeps the (post-dropout) embedding as block b_0, once
+    // (without single copy, b_0 travels inside the layers' sources instead).
+    if (a.attn_res && model.options.attn_res_single_copy) B.MarkSaved(stream, true);
   }
 
   // --- Layer input: plain residual stream or Block AttnRes -----------------
@@ -471,18 +472,33 @@ LayerGraph ExpandTemplateLayer(const Model& model, int64_t layer) {
     // they are the earlier layers' `attn_res.partial` tensors, shared; without
     // it each layer keeps a copy of its own.
     std::string sources = B.Act("attn_res", "sources", {n * d.tokens_r, d.h}, !o.attn_res_single_copy, d.shard_r);
-    if (layer == 0) B.Op("attn_res", "gather", "copy", {stream}, {sources}, 0);
+    if (layer == 0) {
+      B.Op("attn_res", "gather", "copy", {stream}, {sources}, 0);
+    } else if (!o.attn_res_single_copy) {
+      // Without single copy the blocks travel as one tensor from layer to
+      // layer (and across pipeline stages): the previous layer's
+      // accumulate writes this layer's sources.
+      B.SetProducer(sources, "layer" + std::to_string(layer - 1) + ".attn_res.accumulate");
+    }
     int64_t wq = B.Param("attn_res", "query", {d.h}, ParamKind::kNorm, false) +
                  B.Param("attn_res", "norm.weight", {d.h}, ParamKind::kNorm, false);
     // With checkpointing the softmax over blocks is recomputed in backward
     // and the layer input itself is rebuilt from the sources.
     bool saved = !o.attn_res_checkpoint;
+    if (o.attn_res_checkpoint && !o.attn_res_single_copy) {
+      // One fused op (kernels::AttnResFwd/Bwd): its backward recomputes the
+      // norm and the softmax from the sources; the layer input is rebuilt.
+      std::string weights = B.Tensor("attn_res", "weights", {d.tokens_r, n}, DType::kFP32, false, d.shard_r);
+      x = B.Act("attn_norm", "x", {d.tokens_r, d.h}, false, d.shard_r);
+      B.Op("attn_res", "mix", "attn_res", {sources}, {x, weights}, 8.0 * static_cast<double>(n * d.tokens_r * d.h), wq);
+    } else {
     std::string normed = B.Act("attn_res", "normed", {n * d.tokens_r, d.h}, saved, d.shard_r);
     B.Op("attn_res", "norm", "rmsnorm", {sources}, {normed}, 4.0 * static_cast<double>(n * d.tokens_r * d.h), wq);
     std::string weights = B.Tensor("attn_res", "weights", {d.tokens_r, n}, DType::kFP32, saved, d.shard_r);
     B.Op("attn_res", "softmax", "attn_res_softmax", {normed}, {weights}, 2.0 * static_cast<double>(n * d.tokens_r * d.h));
     x = B.Act("attn_norm", "x", {d.tokens_r, d.h}, saved, d.shard_r);
     B.Op("attn_res", "mix", "attn_res_mix", {weights, sources}, {x}, 2.0 * static_cast<double>(n * d.tokens_r * d.h));
+    }
   } else if (layer == 0) {
     // The embedding output is the first layer's input: rename by a copy-free
     // alias op so that attn_norm.x carries the layer-input name.
@@ -512,7 +528,25 @@ LayerGraph ExpandTemplateLayer(const Model& model, int64_t layer) {
                         ? B.Act("head", "norm_x", {d.tokens_r, d.h}, true, d.shard_r)
                         : B.Act(ffn_module, "out", {d.tokens_r, d.h}, false, d.shard_r);
   B.Op(ffn_module, "residual", "add", {h2, ffn_out}, {out}, static_cast<double>(d.tokens_r * d.h));
-  if (a.attn_res) {
+  if (a.attn_res && !model.options.attn_res_single_copy) {
+    // The next layer's sources: this layer's blocks with its output added to
+    // the running block sum (a new block starts on a block's first layer).
+    int64_t n = AttnResSources(layer, a.attn_res->block_layers);
+    int64_t n_next = AttnResSources(layer + 1, a.attn_res->block_layers);
+    std::string sources = "layer" + std::to_string(layer) + ".attn_res.sources";
+    // (Saved on the last layer: the final mix's backward reads it.)
+    std::string next = B.Act("attn_res", "next_sources", {n_next * d.tokens_r, d.h}, last, d.shard_r);
+    B.Op("attn_res", "accumulate", "attn_res_accumulate", {sources, out}, {next},
+         static_cast<double>(n * d.tokens_r * d.h));
+    if (last) {
+      out = B.Act("head", "norm_x", {d.tokens_r, d.h}, true, d.shard_r);
+      std::string weights = B.Tensor("head", "attn_res_weights", {d.tokens_r, n_next}, DType::kFP32, false, d.shard_r);
+      int64_t wq = B.Param("head", "attn_res.query", {d.h}, ParamKind::kNorm, false) +
+                   B.Param("head", "attn_res.norm.weight", {d.h}, ParamKind::kNorm, false);
+      B.Op("head", "final_mix", "attn_res", {next}, {out, weights},
+           8.0 * static_cast<double>(n_next * d.tokens_r * d.h), wq);
+    }
+  } else if (a.attn_res) {
     // The running block sum after this layer: the single generated copy of
     // the block representation (completed at the block's last layer).
     std::string partial = B.Act("attn_res", "partial", {d.tokens_r, d.h}, true, d.shard_r);

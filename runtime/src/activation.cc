@@ -198,7 +198,10 @@ Buffer ActivationManager::BlockBuffer(int32_t rank, int64_t block, planner::Bloc
     if (!planner::BlockBufferSteps(blk, lb, b, &first, &last)) continue;
     return BlockBufferAt(rank, block, static_cast<int32_t>(k));
   }
-  MEMPLAN_CHECK(false, ("no block buffer for tensor " + std::to_string(tensor) + " of layer " + std::to_string(blk.layer)).c_str());
+  MEMPLAN_CHECK(false, ("no block buffer (role " + std::to_string(static_cast<int>(role)) + ") for tensor " +
+                        std::to_string(tensor) + " of layer " + std::to_string(blk.layer) +
+                        (blk.forward ? " forward" : " backward"))
+                           .c_str());
   return {};
 }
 

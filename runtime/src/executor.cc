@@ -8,6 +8,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <thread>
 #include <unordered_map>
 #include <utility>
@@ -144,6 +145,10 @@ class Executor {
   Buffer Value(Rank& r, size_t bi, int32_t tensor);
   Buffer Grad(Rank& r, size_t bi, int32_t tensor);
   const ParamState& Param(Rank& r, const OpSpec& op, std::string_view suffix = "weight");
+  // The query and norm weight of a Block AttnRes op.
+  std::pair<const ParamState*, const ParamState*> AttnResParams(Rank& r, const OpSpec& op);
+  // Whether layer `layer`'s sources end with a running (partial) block.
+  bool AttnResHasPartial(int64_t layer) const { return layer % model_.arch.attn_res->block_layers != 0; }
 
   // Ops.
   void Forward(Rank& r, size_t bi, int32_t pos, const std::function<Buffer(int32_t)>& value, int32_t mb);
@@ -232,11 +237,27 @@ Expected<std::monostate> Executor::Setup() {
   const auto& a = model_.arch;
   if (a.mla) return BadInput(file + ": /model/arch/mla: MLA layers are not executable yet");
   if (a.linear_attention) return BadInput(file + ": /model/arch/linear_attention: KDA layers are not executable yet");
-  if (a.attn_res) return BadInput(file + ": /model/arch/attn_res: Block AttnRes layers are not executable yet");
+  if (a.attn_res && model_.options.attn_res_single_copy) {
+    return BadInput(file + ": /model/options/attn_res_single_copy: with a single copy, every layer reads the block "
+                           "representations of all earlier layers (and stages) in place; the runtime executes Block "
+                           "AttnRes with attn_res_single_copy false, the blocks travelling from layer to layer");
+  }
   if (!model_.graph.empty()) return BadInput(file + ": /model/graph: explicit layer graphs are not executable");
 
   auto layers = planner::ExpandModel(model_);
   if (!layers.ok()) return layers.error();
+  static const std::set<std::string> kExecutable = {
+      "embedding", "dropout", "identity", "copy", "layernorm", "rmsnorm", "linear", "split_rope", "batched_gemm",
+      "softmax", "sigmoid", "add", "gelu", "swiglu", "cross_entropy", "flash_attention", "topk", "dispatch",
+      "grouped_gemm", "combine", "attn_res", "attn_res_accumulate"};
+  for (const auto& g : *layers) {
+    for (const auto& op : g.ops) {
+      if (!kExecutable.count(op.kind)) {
+        return BadInput(file + ": " + op.name + ": ops of kind \"" + op.kind + "\" are not executable yet" +
+                        (op.kind.starts_with("attn_res") ? " (Block AttnRes runs with options.attn_res_checkpoint on)" : ""));
+      }
+    }
+  }
   try {
     p_ = planner::BuildProblem(model_, std::move(*layers));
   } catch (const ErrorException& e) {
@@ -500,6 +521,17 @@ const ParamState& Executor::Param(Rank& r, const OpSpec& op, std::string_view su
   return r.params.front();
 }
 
+std::pair<const ParamState*, const ParamState*> Executor::AttnResParams(Rank& r, const OpSpec& op) {
+  // "layer3.attn_res.mix" reads layer3.attn_res.{query,norm.weight};
+  // "layer3.head.final_mix" reads layer3.head.attn_res.{query,norm.weight}.
+  std::string prefix = op.name.substr(0, op.name.rfind('.'));
+  if (!prefix.ends_with(".attn_res")) prefix += ".attn_res";
+  auto q = r.param_index.find(prefix + ".query");
+  auto g = r.param_index.find(prefix + ".norm.weight");
+  MEMPLAN_CHECK(q != r.param_index.end() && g != r.param_index.end(), ("no AttnRes parameters for " + op.name).c_str());
+  return {&r.params[q->second], &r.params[g->second]};
+}
+
 // --- Ops --------------------------------------------------------------------------------
 
 struct Dims2 {
@@ -625,6 +657,26 @@ void Executor::Forward(Rank& r, size_t bi, int32_t pos, const std::function<Buff
     int64_t kin = w.shape[1], nout = w.shape[2];
     k.GroupedGemm(offsets.data(), a.moe->experts, kin, nout, in(0).as<float>(), w.weight.as<float>(),
                   out(0).as<float>(), nullptr);
+  } else if (kind == "attn_res") {
+    // Block AttnRes over sources [n, T, h]: h = sum_i softmax_i(w . RMSNorm(v_i)) v_i.
+    Dims2 x = RowsCols(spec(op.outputs[0]));
+    int64_t n = Elements(spec(op.inputs[0]).shape) / (x.rows * x.cols);
+    auto [w, gamma] = AttnResParams(r, op);
+    k.AttnResFwd(in(0).as<float>(), w->weight.as<float>(), gamma->weight.as<float>(), n, x.rows, x.cols, kRmsNormEps,
+                 out(0).as<float>(), out(1).as<float>());
+  } else if (kind == "attn_res_accumulate") {
+    // next = [this layer's blocks, except a running partial block] + [partial + out].
+    const TensorSpec& src = spec(op.inputs[0]);
+    const TensorSpec& o = spec(op.inputs[1]);
+    int64_t keep = src.bytes - (AttnResHasPartial(blk.layer) ? o.bytes : 0);
+    Buffer next = out(0);
+    k.Copy(next.ptr, in(0).ptr, keep);
+    if (AttnResHasPartial(blk.layer)) {
+      k.Add(reinterpret_cast<const float*>(in(0).ptr + keep), in(1).as<float>(), Elements(o.shape),
+            reinterpret_cast<float*>(next.ptr + keep));
+    } else {
+      k.Copy(next.ptr + keep, in(1).ptr, o.bytes);
+    }
   } else if (kind == "combine") {
     Dims2 o = RowsCols(spec(op.outputs[0]));
     k.CombineFwd(in(0).as<float>(), in(2).as<int32_t>(), in(1).as<float>(), o.rows, a.moe->top_k, o.cols,
@@ -825,6 +877,32 @@ void Executor::Backward(Rank& r, size_t bi, int32_t pos) {
                           Value(r, bi, gates).as<float>(), o.rows, a.moe->top_k, act.cols,
                           Grad(r, bi, gates).as<float>());
     }
+  } else if (kind == "attn_res") {
+    Dims2 x = RowsCols(spec(op.outputs[0]));
+    int64_t n = Elements(spec(op.inputs[0]).shape) / (x.rows * x.cols);
+    auto [w, gamma] = AttnResParams(r, op);
+    k.AttnResBwd(val(op.inputs[0]).as<float>(), w->weight.as<float>(), gamma->weight.as<float>(), dout(0).as<float>(),
+                 n, x.rows, x.cols, kRmsNormEps, din(0).as<float>(), w->grad.as<float>(), gamma->grad.as<float>());
+    finish(0);
+  } else if (kind == "attn_res_accumulate") {
+    // The blocks' gradients pass through; the partial block's reaches both
+    // the earlier partial and this layer's output.
+    const TensorSpec& src = spec(op.inputs[0]);
+    const TensorSpec& o = spec(op.inputs[1]);
+    bool partial = AttnResHasPartial(blk.layer);
+    int64_t keep = src.bytes - (partial ? o.bytes : 0);
+    Buffer dnext = dout(0);
+    auto into = [&](size_t i, std::byte* dst_base, const std::byte* src_ptr, int64_t bytes) {
+      if (first_writer(idx(op.inputs[i]))) {
+        k.Copy(dst_base, src_ptr, bytes);
+      } else {
+        k.Accumulate(reinterpret_cast<float*>(dst_base), reinterpret_cast<const float*>(src_ptr), bytes / 4);
+      }
+    };
+    Buffer dsrc = Grad(r, bi, idx(op.inputs[0]));
+    into(0, dsrc.ptr, dnext.ptr, keep);
+    if (partial) into(0, dsrc.ptr + keep, dnext.ptr + keep, o.bytes);
+    into(1, Grad(r, bi, idx(op.inputs[1])).ptr, dnext.ptr + keep, o.bytes);
   } else if (kind == "combine") {
     Dims2 o = RowsCols(spec(op.outputs[0]));
     bool native = spec(op.inputs[0]).saved;
@@ -985,17 +1063,13 @@ void Executor::Step(Rank& r) {
     Forward(r, bi, pos, [&](int32_t t) { return Value(r, bi, t); }, blk.microbatch);
   } else {
     // Values a backward op needs that are not saved are re-made first.
+    // (Value() finds rebuilt buffers; an op with several rebuilt outputs runs once.)
+    std::set<int32_t> rerun;
     for (const auto& b : acts_->allocations(r.index)) {
       if (b.interval >= 0 || b.block != static_cast<int32_t>(bi)) continue;
       const BlockBuffer& bb = lb.backward[static_cast<size_t>(b.buffer)];
-      if (bb.role != BlockBuffer::Role::kRebuilt) continue;
-      Buffer dst = acts_->BlockBufferAt(r.index, static_cast<int64_t>(bi), b.buffer);
-      Forward(r, bi, bb.op,
-              [&](int32_t t) {
-                if (t == bb.tensor) return dst;
-                return Value(r, bi, t);
-              },
-              blk.microbatch);
+      if (bb.role != BlockBuffer::Role::kRebuilt || !rerun.insert(bb.op).second) continue;
+      Forward(r, bi, bb.op, [&](int32_t t) { return Value(r, bi, t); }, blk.microbatch);
       ++r.events["rebuilds"];
     }
     Backward(r, bi, pos);

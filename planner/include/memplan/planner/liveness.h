@@ -145,7 +145,7 @@ struct LayerBuffers {
 std::vector<LayerBuffers> BuildLayerBuffers(const std::vector<LayerGraph>& layers);
 
 // Ops whose backward adds into its input gradients without a temporary
-// (add, identity, copy); the others overwrite theirs.
+// (add, identity, copy, attn_res_accumulate); the others overwrite theirs.
 bool GradAccumulates(std::string_view kind);
 
 // The tensors (by graph index) a backward op reads besides the gradients of
