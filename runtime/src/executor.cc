@@ -725,10 +725,6 @@ void Executor::Backward(Rank& r, size_t bi, int32_t pos) {
       k.Accumulate(dx.as<float>(), dy.as<float>(), n);
     }
   };
-  auto is_float = [&](size_t i) {
-    auto d = spec(op.inputs[i]).dtype;
-    return d == planner::DType::kFP32 || d == planner::DType::kBF16 || d == planner::DType::kFP16;
-  };
   const auto& a = model_.arch;
   const std::string& kind = op.kind;
   if (kind == "embedding") {
@@ -914,7 +910,6 @@ void Executor::Backward(Rank& r, size_t bi, int32_t pos) {
   } else {
     MEMPLAN_CHECK(false, ("op kind " + kind + " is not executable").c_str());
   }
-  (void)is_float;
 }
 
 // Re-materializes a recomputed instance at its layer's backward: the
@@ -1090,11 +1085,8 @@ void Executor::Step(Rank& r) {
       mailbox_[{blk.forward ? stage + 1 : stage - 1, blk.microbatch, blk.forward}] = std::move(msg);
     }
   }
-  if (blk.forward && local == n - 1) {
-    // Routing offsets live on the host until the layer's backward is over.
-  } else if (!blk.forward && local == n - 1) {
-    r.routing.erase({blk.layer, blk.microbatch});
-  }
+  // Routing offsets live on the host until the layer's backward is over.
+  if (!blk.forward && local == n - 1) r.routing.erase({blk.layer, blk.microbatch});
   acts_->EndStep(r.index);
   TakeCopies(r);
   Span(r, op.name + (blk.forward ? ".fwd" : ".bwd") + "@mb" + std::to_string(blk.microbatch), "kernel", t_start);
