@@ -310,6 +310,47 @@ TEST_CASE("plans the runtime cannot execute are refused with a reason") {
   auto decomposed = RunPlan(PlanOf(unchecked), {});
   REQUIRE_FALSE(decomposed.ok());
   CHECK(decomposed.error().message.find("not executable") != std::string::npos);
+  // Malformed or illegal plans: exit 2 with the JSON path, never a crash.
+  Json good = PlanOf(LoadJson("examples/models/tiny-llama.json"));
+  auto index_of = [&](const std::string& name) {
+    for (size_t i = 0; i < good["tensors"].size(); ++i) {
+      if (good["tensors"][i]["name"] == name) return i;
+    }
+    FAIL("no tensor " << name);
+    return size_t{0};
+  };
+  struct Edit {
+    const char* what;
+    std::function<void(Json&)> edit;
+    const char* says;
+  } edits[] = {
+      {"tensors not an array", [](Json& p) { p["tensors"] = 3; }, "/tensors: expected an array"},
+      {"digest missing", [](Json& p) { p.erase("digest"); }, "/digest"},
+      {"peak a string", [](Json& p) { p["ranks"][0]["peak"] = "big"; }, "/ranks/0"},
+      {"two keeps", [&](Json& p) { p["tensors"][0]["effective"] = {"keep", "keep"}; }, "/tensors/0/effective"},
+      {"fp8 token ids", [&](Json& p) { p["tensors"][index_of("layer0.embed.tokens")]["effective"] = {"fp8"}; },
+       "floating-point"},
+      {"recompute a stage input",
+       [&](Json& p) { p["tensors"][index_of("layer1.attn_norm.x")]["effective"] = {"recompute"}; },
+       "no producer chain"},
+      {"remote to nowhere",
+       [&](Json& p) {
+         auto& t = p["tensors"][index_of("layer0.mlp.fc1_out")];
+         t["effective"] = {"offload_remote"};
+         t["to_pp_rank"] = 99;
+       },
+       "to_pp_rank 99"},
+      {"listed twice", [](Json& p) { p["tensors"].push_back(p["tensors"][0]); }, "listed twice"},
+  };
+  for (const auto& e : edits) {
+    CAPTURE(e.what);
+    Json p = good;
+    e.edit(p);
+    auto r = RunPlan(p, {});
+    REQUIRE_FALSE(r.ok());
+    CHECK(r.error().code == memplan::ErrorCode::kBadInput);
+    CHECK(r.error().message.find(e.says) != std::string::npos);
+  }
   // A plan whose bytes were edited no longer matches this planner.
   Json plan = PlanOf(base);
   plan["ranks"][0]["peak"] = plan["ranks"][0]["peak"].get<int64_t>() + 1;

@@ -204,11 +204,17 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "memplan: %s (see memplan --help)\n", e.what());
     return static_cast<int>(ErrorCode::kBadInput);
   }
-  if (plan->parsed()) return RunPlan(model_path, out_path, budget, solver, sweep, verify, quiet);
-  if (expand->parsed()) return RunExpand(expand_model, expand_out);
-  if (run->parsed()) return RunExecute(run_plan, run_backend, run_out, run_trace, run_dump, run_quiet);
-  if (check->parsed()) {
-    return RunCheck(check_plan, check_measured, tolerance_opt->count() ? std::optional(tolerance) : std::nullopt);
+  // Libraries return errors; anything thrown past them is a bug, reported
+  // in one line rather than as a crash.
+  try {
+    if (plan->parsed()) return RunPlan(model_path, out_path, budget, solver, sweep, verify, quiet);
+    if (expand->parsed()) return RunExpand(expand_model, expand_out);
+    if (run->parsed()) return RunExecute(run_plan, run_backend, run_out, run_trace, run_dump, run_quiet);
+    if (check->parsed()) {
+      return RunCheck(check_plan, check_measured, tolerance_opt->count() ? std::optional(tolerance) : std::nullopt);
+    }
+  } catch (const std::exception& e) {
+    return Fail({ErrorCode::kRuntime, std::string("internal error: ") + e.what()});
   }
   return static_cast<int>(ErrorCode::kBadInput);
 }

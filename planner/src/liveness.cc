@@ -274,6 +274,24 @@ LayerBuffers MakeLayerBuffers(const LayerGraph& g, const std::vector<LayerInfo>&
       need_last[static_cast<size_t>(t)] = std::max(need_last[static_cast<size_t>(t)], bstep(pos));
     }
   }
+  // A rebuilt value whose producer reads another value that is not saved
+  // needs that one rebuilt first (producers from the last down, so that the
+  // need travels up whole chains).
+  std::vector<size_t> by_prod;
+  for (size_t t = 0; t < g.tensors.size(); ++t) {
+    if (li.prod[t] >= 0) by_prod.push_back(t);
+  }
+  std::stable_sort(by_prod.begin(), by_prod.end(), [&](size_t x, size_t y) { return li.prod[x] > li.prod[y]; });
+  for (size_t t : by_prod) {
+    if (need_first[t] < 0) continue;
+    const OpSpec& op = g.ops[order[static_cast<size_t>(li.prod[t])]];
+    for (const auto& in : op.inputs) {
+      size_t u = static_cast<size_t>(li.tensor_idx.at(in));
+      if (g.tensors[u].saved || li.prod[u] < 0) continue;
+      need_first[u] = need_first[u] < 0 ? need_first[t] : std::min(need_first[u], need_first[t]);
+      need_last[u] = std::max(need_last[u], need_last[t]);
+    }
+  }
   // Re-running a producer writes all its outputs: the ones that are not
   // saved are rebuilt alongside, for the same steps.
   for (size_t t = 0; t < g.tensors.size(); ++t) {
@@ -310,8 +328,8 @@ struct Chain {
   int64_t extra_bytes = 0;
 };
 
-void AddToChain(const std::vector<LayerGraph>& layers, const std::vector<LayerInfo>& info, int64_t chunk_first,
-                int64_t layer, const std::string& tensor, bool root, Chain* c, int depth) {
+void AddToChain(const std::vector<LayerGraph>& layers, const std::vector<LayerInfo>& info, int64_t layer,
+                const std::string& tensor, bool root, Chain* c, int depth) {
   if (!c->legal) return;
   if (depth > 12) {  // long chains are not the cheap recompute this is for
     c->legal = false;
@@ -345,7 +363,7 @@ void AddToChain(const std::vector<LayerGraph>& layers, const std::vector<LayerIn
   c->seconds += li.fwd_s[static_cast<size_t>(pi->second)];
   if (!root) c->extra_bytes += t.bytes;
   if (o.inputs.empty()) return;
-  for (const auto& in : o.inputs) AddToChain(layers, info, chunk_first, layer, in, false, c, depth + 1);
+  for (const auto& in : o.inputs) AddToChain(layers, info, layer, in, false, c, depth + 1);
 }
 
 template <class T>
@@ -410,7 +428,7 @@ PlanningProblem BuildProblem(const Model& model, std::vector<LayerGraph> layers)
           t.can_fp8 = spec.dtype == DType::kBF16 || spec.dtype == DType::kFP16 || spec.dtype == DType::kFP32;
           t.prod_pos = li.prod_pos[k];
           Chain chain;
-          AddToChain(p.layers, info, chunk.front(), layer, spec.name, true, &chain, 0);
+          AddToChain(p.layers, info, layer, spec.name, true, &chain, 0);
           t.can_recompute = chain.legal;
           t.recompute_s = chain.seconds;
           t.recompute_extra_bytes = chain.extra_bytes;

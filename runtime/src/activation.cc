@@ -118,6 +118,7 @@ void ActivationManager::Allocate(Rank& r, const ProgramBuffer& b) {
         backend_.FromHost(*r.mem.device, s.landed.ptr, s.wire.data(), b.bytes);
         s.on_wire = false;
         s.landed_valid = true;
+        std::vector<std::byte>().swap(s.wire);
       }
       break;
     case IntervalPart::kFetched: {
@@ -140,6 +141,7 @@ void ActivationManager::Allocate(Rank& r, const ProgramBuffer& b) {
         MEMPLAN_CHECK(s.on_wire, "remote payload lost");
         backend_.FromHost(*r.mem.device, s.fetched.ptr, s.wire.data(), b.bytes);
         s.on_wire = false;
+        std::vector<std::byte>().swap(s.wire);
         ++r.events["link_copies"];
       }
       break;
@@ -173,8 +175,9 @@ void ActivationManager::Free(Rank& r, const ProgramBuffer& b) {
     case IntervalPart::kFetched: s.fetched = Buffer{}; break;
     case IntervalPart::kLanded:
       if (!s.fetch_issued && s.landed_valid) {
-        // The owner has not fetched it yet: the payload goes back on the wire.
-        r.mem.device->Synchronize();
+        // The owner has not fetched it yet: the payload goes back on the wire
+        // once the owner's copy into this buffer is over.
+        s.out_event.Wait();
         s.wire.resize(static_cast<size_t>(b.bytes));
         backend_.ToHost(*r.mem.device, s.wire.data(), s.landed.ptr, b.bytes);
         s.on_wire = true;
@@ -223,10 +226,14 @@ Buffer ActivationManager::Forward(int32_t rank, int32_t instance) const {
 
 Buffer ActivationManager::Backward(int32_t rank, int32_t instance) const {
   const Instance& s = Inst(rank, instance);
+  // Restored (recomputed, dequantized), else the prefetched full payload
+  // (an FP8 payload is never read directly), else the kept tensor.
+  const planner::Instance& in = p_.instances[static_cast<size_t>(rank)][static_cast<size_t>(instance)];
+  bool fp8 = planner::IsFp8(a_.storage[static_cast<size_t>(rank)][static_cast<size_t>(in.tensor)]);
   Buffer b = s.full;
   if (!s.restored.empty()) {
     b = s.restored;
-  } else if (!s.fetched.empty() && !s.Has(IntervalPart::kCompact)) {
+  } else if (!s.fetched.empty() && !fp8) {
     b = s.fetched;
   }
   MEMPLAN_CHECK(!b.empty(), "instance read outside its backward interval");

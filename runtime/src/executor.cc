@@ -21,6 +21,7 @@
 #include "memplan/planner/bounds.h"
 #include "memplan/planner/liveness.h"
 #include "memplan/planner/model.h"
+#include "memplan/planner/plan.h"
 #include "memplan/planner/templates.h"
 #include "memplan/runtime/activation.h"
 #include "memplan/runtime/backend.h"
@@ -208,10 +209,20 @@ Expected<std::monostate> Executor::Setup() {
   if (!plan_json_.is_object() || !plan_json_.contains("model") || !plan_json_.contains("tensors")) {
     return BadInput(file + ": not a memplan plan (expected an object with /model and /tensors)");
   }
-  auto model = planner::ParseModel(plan_json_["model"], file + ":/model");
+  if (plan_json_.value("schema", Json()) != Json(std::string(planner::kPlanSchema))) {
+    return BadInput(file + ": /schema: expected \"" + std::string(planner::kPlanSchema) + "\"");
+  }
+  if (!plan_json_.contains("digest") || !plan_json_["digest"].is_string()) {
+    return BadInput(file + ": /digest: expected a string");
+  }
+  if (!plan_json_["tensors"].is_array()) return BadInput(file + ": /tensors: expected an array");
+  if (!plan_json_.contains("ranks") || !plan_json_["ranks"].is_array()) {
+    return BadInput(file + ": /ranks: expected an array");
+  }
+  auto model = planner::ParseModel(plan_json_["model"], file + " /model");
   if (!model.ok()) return model.error();
   model_ = std::move(*model);
-  if (plan_json_.value("digest", std::string()) != planner::ModelDigest(model_)) {
+  if (plan_json_["digest"].get<std::string>() != planner::ModelDigest(model_)) {
     return BadInput(file + ": /digest does not match the embedded model (the plan was edited or is corrupt)");
   }
   const auto& par = model_.parallel;
@@ -263,24 +274,42 @@ Expected<std::monostate> Executor::Setup() {
   } catch (const ErrorException& e) {
     return e.error();
   }
-  // Storage per tensor, as the plan decided.
+  // Storage per tensor, as the plan decided: one of the legal compositions.
   std::unordered_map<std::string, std::pair<Storage, int32_t>> decided;
   const Json& ts = plan_json_["tensors"];
+  const std::map<std::vector<std::string>, Storage> kCompositions = {
+      {{"keep"}, Storage::kKeep},
+      {{"recompute"}, Storage::kRecompute},
+      {{"fp8"}, Storage::kFp8},
+      {{"offload_host"}, Storage::kOffloadHost},
+      {{"offload_remote"}, Storage::kOffloadRemote},
+      {{"fp8", "offload_host"}, Storage::kFp8OffloadHost},
+      {{"fp8", "offload_remote"}, Storage::kFp8OffloadRemote}};
   for (size_t i = 0; i < ts.size(); ++i) {
     const Json& t = ts[i];
-    std::vector<planner::Policy> pol;
-    for (const auto& name : t.value("effective", Json::array())) {
-      std::string n = name.get<std::string>();
-      planner::Policy q = planner::Policy::kKeep;
-      bool known = false;
-      for (auto c : {planner::Policy::kKeep, planner::Policy::kRecompute, planner::Policy::kFp8,
-                     planner::Policy::kOffloadHost, planner::Policy::kOffloadRemote}) {
-        if (planner::PolicyName(c) == n) q = c, known = true;
-      }
-      if (!known) return BadInput(file + ": /tensors/" + std::to_string(i) + "/effective: unknown policy \"" + n + "\"");
-      pol.push_back(q);
+    std::string where = file + ": /tensors/" + std::to_string(i);
+    if (!t.is_object() || !t.contains("name") || !t["name"].is_string()) {
+      return BadInput(where + ": expected an object with a string \"name\"");
     }
-    decided[t.value("name", std::string())] = {planner::StorageFrom(pol), t.value("to_pp_rank", -1)};
+    if (!t.contains("effective") || !t["effective"].is_array()) return BadInput(where + "/effective: expected an array");
+    std::vector<std::string> names;
+    for (const auto& n : t["effective"]) {
+      if (!n.is_string()) return BadInput(where + "/effective: expected policy names");
+      names.push_back(n.get<std::string>());
+    }
+    auto comp = kCompositions.find(names);
+    if (comp == kCompositions.end()) {
+      return BadInput(where + "/effective: expected keep, recompute, fp8, offload_host, offload_remote or "
+                              "[fp8, offload_host|offload_remote]");
+    }
+    int32_t target = -1;
+    if (t.contains("to_pp_rank")) {
+      if (!t["to_pp_rank"].is_number_integer()) return BadInput(where + "/to_pp_rank: expected an integer");
+      target = t["to_pp_rank"].get<int32_t>();
+    }
+    if (!decided.emplace(t["name"].get<std::string>(), std::pair{comp->second, target}).second) {
+      return BadInput(where + "/name: " + t["name"].get<std::string>() + " is listed twice");
+    }
   }
   assign_ = planner::Assignment::KeepAll(p_);
   for (size_t r = 0; r < p_.tensors.size(); ++r) {
@@ -289,8 +318,21 @@ Expected<std::monostate> Executor::Setup() {
       if (it == decided.end()) {
         return BadInput(file + ": /tensors has no entry for " + p_.tensors[r][t].name + " (a different planner made it)");
       }
-      assign_.storage[r][t] = it->second.first;
-      assign_.target[r][t] = it->second.second;
+      const SavedTensor& st = p_.tensors[r][t];
+      auto [storage, target] = it->second;
+      if (!planner::Legal(st, storage, model_.parallel.pp)) {
+        return BadInput(file + ": /tensors: " + st.name + " cannot be stored as " +
+                        std::string(planner::PolicyName(planner::StoragePolicies(storage).front())) +
+                        (planner::IsFp8(storage) && !st.can_fp8 ? " (fp8 needs a floating-point tensor)" : "") +
+                        (storage == Storage::kRecompute && !st.can_recompute ? " (no producer chain in its layer)" : ""));
+      }
+      if (planner::IsRemote(storage) &&
+          (target < 0 || target >= model_.parallel.pp || target == static_cast<int32_t>(r))) {
+        return BadInput(file + ": /tensors: " + st.name + ": to_pp_rank " + std::to_string(target) +
+                        " is not another pipeline rank (0.." + std::to_string(model_.parallel.pp - 1) + ")");
+      }
+      assign_.storage[r][t] = storage;
+      assign_.target[r][t] = target;
     }
   }
   eval_ = planner::Evaluate(p_, assign_, false);
@@ -299,13 +341,18 @@ Expected<std::monostate> Executor::Setup() {
 }
 
 Expected<std::monostate> Executor::Check() {
-  const Json& ranks = plan_json_.value("ranks", Json::array());
+  const Json& ranks = plan_json_["ranks"];
   if (ranks.size() != eval_.ranks.size()) {
     return BadInput(options_.plan_file + ": /ranks has " + std::to_string(ranks.size()) + " entries, the model " +
                     std::to_string(eval_.ranks.size()) + " pipeline ranks");
   }
   for (size_t r = 0; r < ranks.size(); ++r) {
-    int64_t peak = ranks[r].value("peak", int64_t{-1}), lb = ranks[r].value("lower_bound", int64_t{-1});
+    const Json& rk = ranks[r];
+    if (!rk.is_object() || !rk.contains("peak") || !rk["peak"].is_number_integer() || !rk.contains("lower_bound") ||
+        !rk["lower_bound"].is_number_integer()) {
+      return BadInput(options_.plan_file + ": /ranks/" + std::to_string(r) + ": expected integer peak and lower_bound");
+    }
+    int64_t peak = rk["peak"].get<int64_t>(), lb = rk["lower_bound"].get<int64_t>();
     if (peak != eval_.ranks[r].peak || lb != eval_.ranks[r].lower_bound) {
       return BadInput(options_.plan_file + ": /ranks/" + std::to_string(r) + ": peak " + std::to_string(peak) +
                       " / lower_bound " + std::to_string(lb) + " differ from this planner's " +
@@ -328,6 +375,16 @@ Expected<std::monostate> Executor::Check() {
       const SavedTensor& st = p_.tensors[r][t];
       auto& base = tensor_base_[static_cast<size_t>(st.layer)];
       if (base.empty()) base.push_back(static_cast<int32_t>(t));
+    }
+  }
+  // One tensor crosses each pipeline-stage boundary each way (the mailbox
+  // carries one per stage, microbatch and direction).
+  for (size_t l = 0; l < p_.layers.size(); ++l) {
+    const LayerBuffers& lb = LB(static_cast<int64_t>(l));
+    auto count = [](const std::vector<int32_t>& v) { return std::count_if(v.begin(), v.end(), [](int32_t x) { return x >= 0; }); };
+    if (count(lb.export_to) > 1 || count(lb.import_from) > 1) {
+      return BadInput(options_.plan_file + ": layer " + std::to_string(l) +
+                      " hands more than one tensor to its neighbour layer; the runtime's stage mailbox carries one");
     }
   }
   // FP8 payloads are values then fp32 scales: the scales must be aligned.
@@ -413,7 +470,7 @@ void Executor::InitParams(Rank& r) {
       if (ps.tied_head) ps.shape = {spec.shape[1], spec.shape[0]};
       auto alloc = [&](int64_t bytes) {
         auto b = r.stat->Allocate(bytes);
-        MEMPLAN_CHECK(b.ok(), "static memory exhausted");
+        if (!b.ok()) ThrowError(b.error().code, b.error().message);
         r.static_bytes += bytes;
         return *b;
       };
@@ -1059,12 +1116,15 @@ void Executor::Step(Rank& r) {
   } else {
     // Values a backward op needs that are not saved are re-made first.
     // (Value() finds rebuilt buffers; an op with several rebuilt outputs runs once.)
+    // Producers re-run in topological order (a rebuilt value may feed another).
     std::set<int32_t> rerun;
     for (const auto& b : acts_->allocations(r.index)) {
       if (b.interval >= 0 || b.block != static_cast<int32_t>(bi)) continue;
       const BlockBuffer& bb = lb.backward[static_cast<size_t>(b.buffer)];
-      if (bb.role != BlockBuffer::Role::kRebuilt || !rerun.insert(bb.op).second) continue;
-      Forward(r, bi, bb.op, [&](int32_t t) { return Value(r, bi, t); }, blk.microbatch);
+      if (bb.role == BlockBuffer::Role::kRebuilt) rerun.insert(bb.op);
+    }
+    for (int32_t op_pos : rerun) {
+      Forward(r, bi, op_pos, [&](int32_t t) { return Value(r, bi, t); }, blk.microbatch);
       ++r.events["rebuilds"];
     }
     Backward(r, bi, pos);
@@ -1156,7 +1216,7 @@ void Executor::Optimize(double* grad_norm) {
   double sum = 0;
   for (auto& r : ranks_) {
     auto scratch = r->dev->Allocate(8);
-    MEMPLAN_CHECK(scratch.ok(), "no room for the gradient norm");
+    if (!scratch.ok()) ThrowError(scratch.error().code, scratch.error().message);
     for (auto& ps : r->params) {
       if (ps.tied_head && r.get() != ranks_.front().get()) continue;  // counted once, with the embedding
       r->ops->SquaredNorm(ps.grad.as<float>(), ps.elements, scratch->as<double>());
@@ -1255,7 +1315,13 @@ Expected<RunResult> Executor::Finish(double grad_norm, double step_s) {
 }
 
 Expected<RunResult> Executor::Run() {
-  if (auto s = Setup(); !s.ok()) return s.error();
+  try {
+    if (auto s = Setup(); !s.ok()) return s.error();
+  } catch (const Json::exception& e) {
+    return BadInput(options_.plan_file + ": not a memplan plan (" + e.what() + ")");
+  } catch (const ErrorException& e) {
+    return e.error();
+  }
   backend_ = options_.backend == BackendKind::kCuda ? MakeCudaBackend() : MakeHostBackend(options_.copy_jitter_us);
   if (!backend_) {
     return Error{ErrorCode::kRuntime, "--backend cuda: no CUDA device is visible, or this memplan was built without CUDA"};

@@ -27,8 +27,10 @@
 //
 // Limits (refused with ErrorCode::kBadInput and a reason): tp, ep, cp or
 // dp > 1 (multi-process ranks come later); activations, parameters or
-// gradients other than fp32 (the kernels compute in fp32); Muon; MLA,
-// linear attention (KDA) and Block AttnRes layers.
+// gradients other than fp32 (the kernels compute in fp32); Muon; MLA and
+// linear attention (KDA) layers; Block AttnRes with a single copy of the
+// blocks or without checkpointing. A plan that is malformed, whose storages
+// are illegal, or whose bytes differ from this planner's is refused too.
 #pragma once
 
 #include <cstdint>
