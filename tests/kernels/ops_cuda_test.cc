@@ -183,6 +183,23 @@ std::vector<int32_t> RandomTopk(int64_t tokens, int64_t top_k, int64_t experts, 
 
 }  // namespace
 
+// Sizes and random q, k, v, dO of one attention shape (seeds seed..seed+3).
+struct AttentionInputs {
+  size_t nq, nk, nv, no, np, nl;
+  std::vector<float> q, k, v, d_o;
+  AttentionInputs(const mk::AttentionShape& sh, uint32_t seed)
+      : nq(static_cast<size_t>(sh.b * sh.heads * sh.s * sh.dqk)),
+        nk(static_cast<size_t>(sh.b * sh.kv_heads * sh.s * sh.dqk)),
+        nv(static_cast<size_t>(sh.b * sh.kv_heads * sh.s * sh.dv)),
+        no(static_cast<size_t>(sh.b * sh.heads * sh.s * sh.dv)),
+        np(static_cast<size_t>(sh.b * sh.heads * sh.s * sh.s)),
+        nl(static_cast<size_t>(sh.b * sh.heads * sh.s)),
+        q(Random(nq, seed)),
+        k(Random(nk, seed + 1)),
+        v(Random(nv, seed + 2)),
+        d_o(Random(no, seed + 3)) {}
+};
+
 TEST_CASE("device and backends") {
   CHECK(mk::CudaDeviceAvailable());
   REQUIRE(GetEnv().cuda != nullptr);
@@ -590,13 +607,9 @@ TEST_CASE("Attention through CudaOps") {
   sh.dv = 8;
   sh.scale = 0.25f;
   sh.causal = true;
-  const size_t nq = static_cast<size_t>(sh.b * sh.heads * sh.s * sh.dqk);
-  const size_t nk = static_cast<size_t>(sh.b * sh.kv_heads * sh.s * sh.dqk);
-  const size_t nv = static_cast<size_t>(sh.b * sh.kv_heads * sh.s * sh.dv);
-  const size_t no = static_cast<size_t>(sh.b * sh.heads * sh.s * sh.dv);
-  const size_t np = static_cast<size_t>(sh.b * sh.heads * sh.s * sh.s);
-  const size_t nl = static_cast<size_t>(sh.b * sh.heads * sh.s);
-  const auto q = Random(nq, 801), k = Random(nk, 802), v = Random(nv, 803), d_o = Random(no, 804);
+  const AttentionInputs in(sh, 801);
+  const size_t nq = in.nq, nk = in.nk, nv = in.nv, no = in.no, np = in.np, nl = in.nl;
+  const auto &q = in.q, &k = in.k, &v = in.v, &d_o = in.d_o;
   DevF dq_(q), dk_(k), dv_(v), ddo(d_o);
 
   {
@@ -952,13 +965,9 @@ TEST_CASE("Attention through CudaOps with o_token_major") {
     sh.causal = causal;
     sh.o_token_major = true;
     const std::string what = std::string("token-major attention") + (causal ? " causal" : "");
-    const size_t nq = static_cast<size_t>(sh.b * sh.heads * sh.s * sh.dqk);
-    const size_t nk = static_cast<size_t>(sh.b * sh.kv_heads * sh.s * sh.dqk);
-    const size_t nv = static_cast<size_t>(sh.b * sh.kv_heads * sh.s * sh.dv);
-    const size_t no = static_cast<size_t>(sh.b * sh.heads * sh.s * sh.dv);
-    const size_t np = static_cast<size_t>(sh.b * sh.heads * sh.s * sh.s);
-    const size_t nl = static_cast<size_t>(sh.b * sh.heads * sh.s);
-    const auto q = Random(nq, 1801), k = Random(nk, 1802), v = Random(nv, 1803), d_o = Random(no, 1804);
+    const AttentionInputs in(sh, 1801);
+    const size_t nq = in.nq, nk = in.nk, nv = in.nv, no = in.no, np = in.np, nl = in.nl;
+    const auto &q = in.q, &k = in.k, &v = in.v, &d_o = in.d_o;
     DevF dq_(q), dk_(k), dv_(v), ddo(d_o);
     {
       DevF d_probs(np), d_out(no), d_dq(nq), d_dk(nk), d_dv(nv);
