@@ -69,6 +69,9 @@ std::vector<int64_t> AnyPlanLowerBounds(const PlanningProblem& p) { return p.any
 Evaluation Evaluate(const PlanningProblem& p, const Assignment& a, bool verify, const Evaluation* reuse,
                     const std::vector<bool>* changed) {
   Evaluation e;
+  size_t instances = 0;
+  for (const auto& insts : p.instances) instances += insts.size();
+  e.intervals.reserve(2 * instances);  // most instances have one or two
   const int32_t pp = static_cast<int32_t>(p.tensors.size());
   e.ranks.resize(static_cast<size_t>(pp));
   for (int32_t r = 0; r < pp; ++r) {
