@@ -38,10 +38,6 @@ int64_t FlashAttentionBwdWorkspaceBytes(int64_t b, int64_t heads, int64_t s) {
 
 int64_t GemmWorkspaceBytes() { return workspace::GemmBytes(); }
 
-int64_t MoeRoutingWorkspaceBytes(int64_t tokens, int64_t top_k, int64_t experts) {
-  return workspace::MoeRoutingBytes(tokens, top_k, experts);
-}
-
 float AdamBiasCorrection(float beta, int64_t step) {
   return static_cast<float>(1.0 - std::pow(static_cast<double>(beta), static_cast<double>(step)));
 }

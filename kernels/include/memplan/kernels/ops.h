@@ -39,10 +39,6 @@ float Uniform01(uint64_t seed, uint64_t offset, uint64_t index);
 int64_t AttentionBwdWorkspaceBytes(int64_t b, int64_t heads, int64_t s);       // standard
 int64_t FlashAttentionBwdWorkspaceBytes(int64_t b, int64_t heads, int64_t s);  // D = rowsum(dO * O)
 int64_t GemmWorkspaceBytes();                                                  // cuBLAS workspace
-// MoE routing buffer: DispatchPlan's slot_of (int32 [tokens * top_k]) at
-// offset 0, then room for the E+1 int64 offsets, each part rounded up to 256
-// bytes. The executor passes this buffer where slot_of lives.
-int64_t MoeRoutingWorkspaceBytes(int64_t tokens, int64_t top_k, int64_t experts);
 
 // Attention shapes: q [b, heads, s, dqk], k [b, kv_heads, s, dqk],
 // v [b, kv_heads, s, dv], o [b, heads, s, dv]; head h reads kv head
