@@ -1,6 +1,8 @@
 // Schedule, liveness, solver, rebalancing, bounds and verification.
 #include <doctest/doctest.h>
 
+#include <random>
+
 #include <cmath>
 #include <set>
 
@@ -312,4 +314,27 @@ TEST_CASE("the best-fit heap reuses freed space and reports its high-water mark"
   CHECK(heap.allocated_bytes() == 140);
   heap.Free(a);
   CHECK(heap.Allocate(100) == 0);
+}
+
+TEST_CASE("an untracked best-fit heap places exactly as a tracked one") {
+  // Random interleavings of allocations and frees, coalescing on both sides.
+  std::mt19937 rng(7);
+  BestFitHeap tracked, untracked(256, /*track_allocations=*/false);
+  std::vector<std::pair<int64_t, int64_t>> live;  // (offset, bytes)
+  for (int i = 0; i < 20000; ++i) {
+    if (live.empty() || rng() % 3 != 0) {
+      int64_t bytes = 1 + static_cast<int64_t>(rng() % 5000);
+      int64_t off = tracked.Allocate(bytes);
+      REQUIRE(untracked.Allocate(bytes) == off);
+      live.emplace_back(off, bytes);
+    } else {
+      size_t k = rng() % live.size();
+      tracked.Free(live[k].first, live[k].second);
+      untracked.Free(live[k].first, live[k].second);
+      live.erase(live.begin() + static_cast<std::ptrdiff_t>(k));
+    }
+    REQUIRE(tracked.allocated_bytes() == untracked.allocated_bytes());
+  }
+  CHECK(tracked.high_water() == untracked.high_water());
+  CHECK(tracked.high_water() >= tracked.allocated_bytes());
 }

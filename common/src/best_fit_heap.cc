@@ -6,7 +6,8 @@
 
 namespace memplan {
 
-BestFitHeap::BestFitHeap(int64_t alignment) : alignment_(alignment) {
+BestFitHeap::BestFitHeap(int64_t alignment, bool track_allocations)
+    : alignment_(alignment), track_(track_allocations) {
   MEMPLAN_CHECK(alignment > 0, "alignment must be positive");
 }
 
@@ -31,8 +32,21 @@ int64_t BestFitHeap::Allocate(int64_t bytes) {
   auto fit = free_by_size_.lower_bound({size, INT64_MIN});
   if (fit != free_by_size_.end()) {
     auto [block_size, block_offset] = *fit;
-    EraseFree(free_by_offset_.find(block_offset));
-    if (block_size > size) InsertFree(block_offset + size, block_size - size);
+    auto by_offset = free_by_offset_.find(block_offset);
+    if (block_size > size) {
+      // The remainder keeps its place between the same neighbours: reuse
+      // both tree nodes instead of freeing and allocating them.
+      auto size_node = free_by_size_.extract(fit);
+      size_node.value() = {block_size - size, block_offset + size};
+      free_by_size_.insert(std::move(size_node));
+      auto offset_node = free_by_offset_.extract(by_offset++);
+      offset_node.key() = block_offset + size;
+      offset_node.mapped() = block_size - size;
+      free_by_offset_.insert(by_offset, std::move(offset_node));
+    } else {
+      free_by_size_.erase(fit);
+      free_by_offset_.erase(by_offset);
+    }
     offset = block_offset;
   } else {
     // Grow from the top, absorbing a free block that ends there.
@@ -47,7 +61,7 @@ int64_t BestFitHeap::Allocate(int64_t bytes) {
     top_ = offset + size;
     high_water_ = std::max(high_water_, top_);
   }
-  allocated_.emplace(offset, size);
+  if (track_) allocated_.emplace(offset, size);
   allocated_bytes_ += size;
   return offset;
 }
@@ -65,32 +79,58 @@ void BestFitHeap::AllocateAndFree(int64_t bytes) {
 }
 
 void BestFitHeap::Free(int64_t offset) {
+  MEMPLAN_CHECK(track_, "Free(offset) needs a heap that tracks its allocations");
   auto it = allocated_.find(offset);
   MEMPLAN_CHECK(it != allocated_.end(), "free of an unallocated offset");
   int64_t size = it->second;
   allocated_.erase(it);
+  Release(offset, size);
+}
+
+void BestFitHeap::Free(int64_t offset, int64_t bytes) {
+  int64_t size = AlignedSize(bytes);
+  if (track_) {
+    auto it = allocated_.find(offset);
+    MEMPLAN_CHECK(it != allocated_.end() && it->second == size, "free of an unallocated offset or size");
+    allocated_.erase(it);
+  }
+  Release(offset, size);
+}
+
+void BestFitHeap::Release(int64_t offset, int64_t size) {
   allocated_bytes_ -= size;
-  // Coalesce with the free neighbours.
+  // Coalesce with the free neighbours, reusing their tree nodes.
   auto next = free_by_offset_.lower_bound(offset);
-  if (next != free_by_offset_.end() && offset + size == next->first) {
-    size += next->second;
-    auto after = std::next(next);
-    EraseFree(next);
-    next = after;
-  }
-  if (next != free_by_offset_.begin()) {
-    auto prev = std::prev(next);
-    if (prev->first + prev->second == offset) {
-      offset = prev->first;
-      size += prev->second;
-      EraseFree(prev);
-    }
-  }
-  if (offset + size == top_) {
-    top_ = offset;  // the arena shrinks back; high_water_ remembers
+  bool merge_next = next != free_by_offset_.end() && offset + size == next->first;
+  auto prev = next == free_by_offset_.begin() ? free_by_offset_.end() : std::prev(next);
+  bool merge_prev = prev != free_by_offset_.end() && prev->first + prev->second == offset;
+  int64_t merged_offset = merge_prev ? prev->first : offset;
+  int64_t merged_size = size + (merge_prev ? prev->second : 0) + (merge_next ? next->second : 0);
+  if (merged_offset + merged_size == top_) {
+    if (merge_prev) EraseFree(prev);
+    if (merge_next) EraseFree(next);
+    top_ = merged_offset;  // the arena shrinks back; high_water_ remembers
     return;
   }
-  InsertFree(offset, size);
+  auto rekey_size = [&](int64_t old_size, int64_t old_offset) {
+    auto node = free_by_size_.extract({old_size, old_offset});
+    node.value() = {merged_size, merged_offset};
+    free_by_size_.insert(std::move(node));
+  };
+  if (merge_prev) {
+    rekey_size(prev->second, prev->first);
+    prev->second = merged_size;  // same offset key: no re-insert
+    if (merge_next) EraseFree(next);
+  } else if (merge_next) {
+    rekey_size(next->second, next->first);
+    auto hint = std::next(next);
+    auto node = free_by_offset_.extract(next);
+    node.key() = merged_offset;
+    node.mapped() = merged_size;
+    free_by_offset_.insert(hint, std::move(node));
+  } else {
+    InsertFree(merged_offset, merged_size);
+  }
 }
 
 }  // namespace memplan

@@ -18,7 +18,7 @@ struct Placed {
 // follows) with the deterministic best-fit heap. Returns the high-water mark.
 int64_t Place(const PlanningProblem& p, int32_t rank, const std::vector<Interval>& ivs,
               const std::vector<size_t>& mine, std::vector<Placed>* placed) {
-  BestFitHeap heap;
+  BestFitHeap heap(256, /*track_allocations=*/false);
   ProgramWalker walk(p, rank, ivs, mine);
   while (walk.Next()) {
     for (ProgramBuffer& b : walk.allocations()) {
@@ -28,7 +28,7 @@ int64_t Place(const PlanningProblem& p, int32_t rank, const std::vector<Interval
                            b.interval >= 0 ? static_cast<size_t>(b.interval) : SIZE_MAX});
       }
     }
-    for (const ProgramBuffer& b : walk.Frees()) heap.Free(b.tag);
+    for (const ProgramBuffer& b : walk.Frees()) heap.Free(b.tag, b.bytes);
   }
   return heap.high_water();
 }

@@ -19,12 +19,17 @@ namespace memplan {
 
 class BestFitHeap {
  public:
-  explicit BestFitHeap(int64_t alignment = 256);
+  // Without `track_allocations` the heap does not remember its blocks:
+  // callers free with Free(offset, bytes) (the planner's placement, which
+  // knows every buffer's size), saving a hash-table insert and erase per block.
+  explicit BestFitHeap(int64_t alignment = 256, bool track_allocations = true);
 
   // Returns the offset of a new block of at least `bytes` (> 0).
   int64_t Allocate(int64_t bytes);
   // Frees the block at `offset` (must be allocated).
   void Free(int64_t offset);
+  // Frees the block at `offset` that Allocate(bytes) returned.
+  void Free(int64_t offset, int64_t bytes);
   // The effect of Allocate(bytes) immediately followed by Free() of that
   // block: the heap ends in the same state, only the high-water mark can
   // move. O(log n) and no mutation of the free lists.
@@ -40,7 +45,11 @@ class BestFitHeap {
   void InsertFree(int64_t offset, int64_t size);
   void EraseFree(std::pmr::map<int64_t, int64_t>::iterator it);
 
+  // Coalesces the free block [offset, offset + size) into the free lists.
+  void Release(int64_t offset, int64_t size);
+
   int64_t alignment_;
+  bool track_;
   int64_t top_ = 0;
   int64_t high_water_ = 0;
   int64_t allocated_bytes_ = 0;
