@@ -21,14 +21,25 @@ int64_t Place(const PlanningProblem& p, int32_t rank, const std::vector<Interval
   BestFitHeap heap(256, /*track_allocations=*/false);
   ProgramWalker walk(p, rank, ivs, mine);
   while (walk.Next()) {
-    for (ProgramBuffer& b : walk.allocations()) {
+    auto& allocs = walk.allocations();
+    for (size_t i = 0; i < allocs.size(); ++i) {
+      ProgramBuffer& b = allocs[i];
+      if (!placed && i + 1 == allocs.size() && b.first == b.last) {
+        // The step's last allocation, gone at its end: nothing else is placed
+        // while it lives, so only the high-water mark can change.
+        heap.AllocateAndFree(b.bytes);
+        b.tag = -1;
+        continue;
+      }
       b.tag = heap.Allocate(b.bytes);
       if (placed) {
         placed->push_back({b.first, b.last, b.tag, heap.AlignedSize(b.bytes),
                            b.interval >= 0 ? static_cast<size_t>(b.interval) : SIZE_MAX});
       }
     }
-    for (const ProgramBuffer& b : walk.Frees()) heap.Free(b.tag, b.bytes);
+    for (const ProgramBuffer& b : walk.Frees()) {
+      if (b.tag >= 0) heap.Free(b.tag, b.bytes);
+    }
   }
   return heap.high_water();
 }
