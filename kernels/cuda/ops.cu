@@ -132,6 +132,18 @@ bool AllAligned16(const P*... p) {
   return (Aligned(p, 16) && ...);
 }
 
+// Runs launch(Width<4>) when the data allow four-wide vectors (`vec4`), else
+// launch(Width<1>), and returns the launch's error.
+template <typename Launch>
+cudaError_t LaunchByWidth(bool vec4, Launch&& launch) {
+  if (vec4) {
+    launch(Width<4>{});
+  } else {
+    launch(Width<1>{});
+  }
+  return cudaGetLastError();
+}
+
 // ---------------------------------------------------------------------------
 // Loops.
 
@@ -598,12 +610,10 @@ __global__ void __launch_bounds__(kThreads) MapKernel(const float* a, const floa
 template <typename Op>
 cudaError_t LaunchMap(const LaunchContext& ctx, const float* a, const float* b, int64_t n, float* y, Op op) {
   if (n <= 0) return cudaSuccess;
-  if (AllAligned16(a, y) && (b == nullptr || AllAligned16(b))) {
-    MapKernel<4><<<FlatGrid(ctx, n / 4 + 1), kThreads, 0, ctx.stream>>>(a, b, n, y, op);
-  } else {
-    MapKernel<1><<<FlatGrid(ctx, n), kThreads, 0, ctx.stream>>>(a, b, n, y, op);
-  }
-  return cudaGetLastError();
+  return LaunchByWidth(AllAligned16(a, y) && (b == nullptr || AllAligned16(b)), [&](auto width) {
+    constexpr int kW = decltype(width)::value;
+    MapKernel<kW><<<FlatGrid(ctx, kW == 4 ? n / 4 + 1 : n), kThreads, 0, ctx.stream>>>(a, b, n, y, op);
+  });
 }
 
 template <int W>
@@ -1742,24 +1752,22 @@ cudaError_t LaunchDropoutFwd(const LaunchContext& ctx, const float* x, int64_t n
                              uint64_t offset, float* y, uint8_t* mask) {
   if (n <= 0) return cudaSuccess;
   const float keep = 1.f - p;
-  if (AllAligned16(x, y) && Aligned(mask, 4)) {
-    DropoutFwdKernel<4><<<FlatGrid(ctx, n / 4 + 1), kThreads, 0, ctx.stream>>>(x, n, p, keep, seed, offset, y, mask);
-  } else {
-    DropoutFwdKernel<1><<<FlatGrid(ctx, n), kThreads, 0, ctx.stream>>>(x, n, p, keep, seed, offset, y, mask);
-  }
-  return cudaGetLastError();
+  return LaunchByWidth(AllAligned16(x, y) && Aligned(mask, 4), [&](auto width) {
+    constexpr int kW = decltype(width)::value;
+    DropoutFwdKernel<kW>
+        <<<FlatGrid(ctx, kW == 4 ? n / 4 + 1 : n), kThreads, 0, ctx.stream>>>(x, n, p, keep, seed, offset, y, mask);
+  });
 }
 
 cudaError_t LaunchDropoutBwd(const LaunchContext& ctx, const float* dy, const uint8_t* mask, int64_t n, float p,
                              float* dx) {
   if (n <= 0) return cudaSuccess;
   const float keep = 1.f - p;
-  if (AllAligned16(dy, dx) && Aligned(mask, 4)) {
-    DropoutBwdKernel<4><<<FlatGrid(ctx, n / 4 + 1), kThreads, 0, ctx.stream>>>(dy, mask, n, keep, dx);
-  } else {
-    DropoutBwdKernel<1><<<FlatGrid(ctx, n), kThreads, 0, ctx.stream>>>(dy, mask, n, keep, dx);
-  }
-  return cudaGetLastError();
+  return LaunchByWidth(AllAligned16(dy, dx) && Aligned(mask, 4), [&](auto width) {
+    constexpr int kW = decltype(width)::value;
+    DropoutBwdKernel<kW>
+        <<<FlatGrid(ctx, kW == 4 ? n / 4 + 1 : n), kThreads, 0, ctx.stream>>>(dy, mask, n, keep, dx);
+  });
 }
 
 cudaError_t LaunchAdd(const LaunchContext& ctx, const float* a, const float* b, int64_t n, float* y) {
@@ -1798,12 +1806,10 @@ cudaError_t LaunchDispatchFwd(const LaunchContext& ctx, const float* x, const in
                               int64_t top_k, int64_t d, float* x_sorted) {
   const int64_t n_rows = tokens * top_k;
   if (n_rows <= 0 || d <= 0) return cudaSuccess;
-  if (d % 4 == 0 && AllAligned16(x, x_sorted)) {
-    DispatchFwdKernel<4><<<RowGrid(ctx, n_rows), kThreads, 0, ctx.stream>>>(x, slot_of, n_rows, top_k, d, x_sorted);
-  } else {
-    DispatchFwdKernel<1><<<RowGrid(ctx, n_rows), kThreads, 0, ctx.stream>>>(x, slot_of, n_rows, top_k, d, x_sorted);
-  }
-  return cudaGetLastError();
+  return LaunchByWidth(d % 4 == 0 && AllAligned16(x, x_sorted), [&](auto width) {
+    constexpr int kW = decltype(width)::value;
+    DispatchFwdKernel<kW><<<RowGrid(ctx, n_rows), kThreads, 0, ctx.stream>>>(x, slot_of, n_rows, top_k, d, x_sorted);
+  });
 }
 
 cudaError_t LaunchDispatchBwd(const LaunchContext& ctx, const float* dx_sorted, const int32_t* slot_of, int64_t tokens,
@@ -1821,14 +1827,11 @@ cudaError_t LaunchCombineBwd(const LaunchContext& ctx, const float* dout, const 
                              float* dy_sorted, float* d_topk_weights) {
   const int64_t n_rows = tokens * top_k;
   if (n_rows <= 0) return cudaSuccess;
-  if (d % 4 == 0 && AllAligned16(dout, y_sorted, dy_sorted)) {
-    CombineBwdKernel<4><<<RowGrid(ctx, n_rows), kThreads, 0, ctx.stream>>>(dout, slot_of, topk_weights, y_sorted,
-                                                                           n_rows, top_k, d, dy_sorted, d_topk_weights);
-  } else {
-    CombineBwdKernel<1><<<RowGrid(ctx, n_rows), kThreads, 0, ctx.stream>>>(dout, slot_of, topk_weights, y_sorted,
-                                                                           n_rows, top_k, d, dy_sorted, d_topk_weights);
-  }
-  return cudaGetLastError();
+  return LaunchByWidth(d % 4 == 0 && AllAligned16(dout, y_sorted, dy_sorted), [&](auto width) {
+    constexpr int kW = decltype(width)::value;
+    CombineBwdKernel<kW><<<RowGrid(ctx, n_rows), kThreads, 0, ctx.stream>>>(dout, slot_of, topk_weights, y_sorted, n_rows,
+                                                                            top_k, d, dy_sorted, d_topk_weights);
+  });
 }
 
 cudaError_t LaunchRouterGradRewrite(const LaunchContext& ctx, const float* da, const float* act,
@@ -1836,40 +1839,31 @@ cudaError_t LaunchRouterGradRewrite(const LaunchContext& ctx, const float* da, c
                                     int64_t f, float* d_topk_weights) {
   const int64_t n_rows = tokens * top_k;
   if (n_rows <= 0) return cudaSuccess;
-  if (f % 4 == 0 && AllAligned16(da, act)) {
-    RowDotKernel<4><<<RowGrid(ctx, n_rows), kThreads, 0, ctx.stream>>>(da, act, slot_of, topk_weights, n_rows, f,
+  return LaunchByWidth(f % 4 == 0 && AllAligned16(da, act), [&](auto width) {
+    constexpr int kW = decltype(width)::value;
+    RowDotKernel<kW><<<RowGrid(ctx, n_rows), kThreads, 0, ctx.stream>>>(da, act, slot_of, topk_weights, n_rows, f,
                                                                         d_topk_weights);
-  } else {
-    RowDotKernel<1><<<RowGrid(ctx, n_rows), kThreads, 0, ctx.stream>>>(da, act, slot_of, topk_weights, n_rows, f,
-                                                                        d_topk_weights);
-  }
-  return cudaGetLastError();
+  });
 }
 
 cudaError_t LaunchCrossEntropyFwd(const LaunchContext& ctx, const float* logits, const int32_t* targets, int64_t tokens,
                                   int64_t vocab, float* probs, float* loss) {
   if (tokens <= 0 || vocab <= 0) return cudaSuccess;
-  if (vocab % 4 == 0 && AllAligned16(logits, probs)) {
-    CrossEntropyFwdKernel<4>
+  return LaunchByWidth(vocab % 4 == 0 && AllAligned16(logits, probs), [&](auto width) {
+    constexpr int kW = decltype(width)::value;
+    CrossEntropyFwdKernel<kW>
         <<<RowGrid(ctx, tokens), kThreads, 0, ctx.stream>>>(logits, targets, tokens, vocab, probs, loss);
-  } else {
-    CrossEntropyFwdKernel<1>
-        <<<RowGrid(ctx, tokens), kThreads, 0, ctx.stream>>>(logits, targets, tokens, vocab, probs, loss);
-  }
-  return cudaGetLastError();
+  });
 }
 
 cudaError_t LaunchCrossEntropyBwd(const LaunchContext& ctx, const float* probs, const int32_t* targets, int64_t tokens,
                                   int64_t vocab, float scale, float* dlogits) {
   if (tokens <= 0 || vocab <= 0) return cudaSuccess;
-  if (vocab % 4 == 0 && AllAligned16(probs, dlogits)) {
-    CrossEntropyBwdKernel<4>
+  return LaunchByWidth(vocab % 4 == 0 && AllAligned16(probs, dlogits), [&](auto width) {
+    constexpr int kW = decltype(width)::value;
+    CrossEntropyBwdKernel<kW>
         <<<RowGrid(ctx, tokens), kThreads, 0, ctx.stream>>>(probs, targets, tokens, vocab, scale, dlogits);
-  } else {
-    CrossEntropyBwdKernel<1>
-        <<<RowGrid(ctx, tokens), kThreads, 0, ctx.stream>>>(probs, targets, tokens, vocab, scale, dlogits);
-  }
-  return cudaGetLastError();
+  });
 }
 
 cudaError_t LaunchAttnResFwd(const LaunchContext& ctx, const float* sources, const float* w, const float* gamma,
@@ -1916,23 +1910,19 @@ cudaError_t LaunchAccumulate(const LaunchContext& ctx, float* y, const float* x,
 cudaError_t LaunchSoftmaxFwd(const LaunchContext& ctx, const float* x, int64_t rows, int64_t cols, float scale,
                              int64_t causal_seq, float* y) {
   if (rows <= 0 || cols <= 0) return cudaSuccess;
-  if (cols % 4 == 0 && AllAligned16(x, y)) {
-    SoftmaxFwdKernel<4><<<RowGrid(ctx, rows), kThreads, 0, ctx.stream>>>(x, rows, cols, scale, causal_seq, y);
-  } else {
-    SoftmaxFwdKernel<1><<<RowGrid(ctx, rows), kThreads, 0, ctx.stream>>>(x, rows, cols, scale, causal_seq, y);
-  }
-  return cudaGetLastError();
+  return LaunchByWidth(cols % 4 == 0 && AllAligned16(x, y), [&](auto width) {
+    constexpr int kW = decltype(width)::value;
+    SoftmaxFwdKernel<kW><<<RowGrid(ctx, rows), kThreads, 0, ctx.stream>>>(x, rows, cols, scale, causal_seq, y);
+  });
 }
 
 cudaError_t LaunchSoftmaxBwd(const LaunchContext& ctx, const float* y, const float* dy, int64_t rows, int64_t cols,
                              float scale, float* dx) {
   if (rows <= 0 || cols <= 0) return cudaSuccess;
-  if (cols % 4 == 0 && AllAligned16(y, dy, dx)) {
-    SoftmaxBwdKernel<4><<<RowGrid(ctx, rows), kThreads, 0, ctx.stream>>>(y, dy, rows, cols, scale, dx);
-  } else {
-    SoftmaxBwdKernel<1><<<RowGrid(ctx, rows), kThreads, 0, ctx.stream>>>(y, dy, rows, cols, scale, dx);
-  }
-  return cudaGetLastError();
+  return LaunchByWidth(cols % 4 == 0 && AllAligned16(y, dy, dx), [&](auto width) {
+    constexpr int kW = decltype(width)::value;
+    SoftmaxBwdKernel<kW><<<RowGrid(ctx, rows), kThreads, 0, ctx.stream>>>(y, dy, rows, cols, scale, dx);
+  });
 }
 
 cudaError_t LaunchSigmoidFwd(const LaunchContext& ctx, const float* x, int64_t n, float* y) {
@@ -1964,12 +1954,10 @@ cudaError_t LaunchTopKBwd(const LaunchContext& ctx, const float* probs, const in
 cudaError_t LaunchEmbeddingFwd(const LaunchContext& ctx, const int32_t* tokens, const float* table, int64_t n,
                                int64_t d, float* y) {
   if (n <= 0 || d <= 0) return cudaSuccess;
-  if (d % 4 == 0 && AllAligned16(table, y)) {
-    EmbeddingFwdKernel<4><<<RowGrid(ctx, n), kThreads, 0, ctx.stream>>>(tokens, table, n, d, y);
-  } else {
-    EmbeddingFwdKernel<1><<<RowGrid(ctx, n), kThreads, 0, ctx.stream>>>(tokens, table, n, d, y);
-  }
-  return cudaGetLastError();
+  return LaunchByWidth(d % 4 == 0 && AllAligned16(table, y), [&](auto width) {
+    constexpr int kW = decltype(width)::value;
+    EmbeddingFwdKernel<kW><<<RowGrid(ctx, n), kThreads, 0, ctx.stream>>>(tokens, table, n, d, y);
+  });
 }
 
 cudaError_t LaunchEmbeddingBwd(const LaunchContext& ctx, const int32_t* tokens, const float* dy, int64_t n, int64_t d,
@@ -2020,12 +2008,10 @@ cudaError_t LaunchAdamStep(const LaunchContext& ctx, float* master, const float*
                            float lr, float beta1, float beta2, float eps, float weight_decay, float bc1, float bc2) {
   if (n <= 0) return cudaSuccess;
   const AdamArgs a{beta1, beta2, 1.f - beta1, 1.f - beta2, bc1, bc2, lr, eps, weight_decay};
-  if (AllAligned16(master, grad, m, v)) {
-    AdamKernel<4><<<FlatGrid(ctx, n / 4 + 1), kThreads, 0, ctx.stream>>>(master, grad, m, v, n, a);
-  } else {
-    AdamKernel<1><<<FlatGrid(ctx, n), kThreads, 0, ctx.stream>>>(master, grad, m, v, n, a);
-  }
-  return cudaGetLastError();
+  return LaunchByWidth(AllAligned16(master, grad, m, v), [&](auto width) {
+    constexpr int kW = decltype(width)::value;
+    AdamKernel<kW><<<FlatGrid(ctx, kW == 4 ? n / 4 + 1 : n), kThreads, 0, ctx.stream>>>(master, grad, m, v, n, a);
+  });
 }
 
 cudaError_t LaunchSquaredNorm(const LaunchContext& ctx, const float* x, int64_t n, double* partials, double* out) {
