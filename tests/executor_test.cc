@@ -1,7 +1,8 @@
 // The executor (memplan run) on the host backend: measured bytes equal the
 // plan's byte for byte under every storage mix, the step's numbers do not
-// depend on where saved tensors were kept, gradients match finite
-// differences, traces nest, dumps load, unsupported plans are refused.
+// depend on where saved tensors were kept, traces nest, dumps load,
+// unsupported plans are refused. Gradients against finite differences:
+// executor_gradients_test.cc.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -20,41 +21,12 @@
 #include "memplan/runtime/npy.h"
 #include "memplan/traces/check.h"
 #include "memplan/traces/chrome_trace.h"
-#include "test_util.h"
+#include "executor_test_util.h"
 
 namespace {
 
 using memplan::Json;
-using memplan::planner::BuildPlan;
-using memplan::planner::PlanToJson;
-using memplan::runtime::RunOptions;
-using memplan::runtime::RunPlan;
-using memplan::runtime::RunResult;
-
-Json LoadJson(const std::string& relative) {
-  auto j = memplan::ReadJsonFile(std::string(MEMPLAN_SOURCE_ROOT) + "/" + relative);
-  REQUIRE(j.ok());
-  return *j;
-}
-
-// The plan of `model` as `memplan plan -o` writes it.
-Json PlanOf(const Json& model) {
-  auto m = memplan::test::MustParse(model);
-  auto p = BuildPlan(m);
-  REQUIRE(p.ok());
-  return Json::parse(PlanToJson(*p).dump());
-}
-
-Json WithPolicy(Json model, const Json& policy, const std::string& match = "*") {
-  model["policies"] = Json::array({{{"match", match}, {"policy", policy}}});
-  return model;
-}
-
-RunResult MustRun(const Json& plan, RunOptions options = {}) {
-  auto r = RunPlan(plan, options);
-  if (!r.ok()) FAIL(r.error().message);
-  return *r;
-}
+using namespace memplan::test::exec;
 
 // measured peak == plan peak and allocated_peak == lower_bound, every rank.
 void CheckExact(const Json& plan, const RunResult& r) {
@@ -72,14 +44,6 @@ void CheckExact(const Json& plan, const RunResult& r) {
   REQUIRE(verdict.ok());
   CHECK(verdict->pass);
 }
-
-// A fresh directory per process: test runs may overlap.
-std::filesystem::path UniqueTempDir(const std::string& stem) {
-  return std::filesystem::temp_directory_path() / (stem + "_" + std::to_string(::getpid()));
-}
-
-const char* kModels[] = {"examples/models/tiny-gpt.json", "examples/models/tiny-llama.json",
-                         "examples/models/tiny-deepseek.json", "examples/models/tiny-attnres.json"};
 
 }  // namespace
 
@@ -150,67 +114,6 @@ TEST_CASE("loss and grad_norm are bit-identical under keep, recompute and offloa
       CHECK(r.measured.grad_norm != keep.measured.grad_norm);
       CHECK(std::abs(r.measured.grad_norm - keep.measured.grad_norm) < 0.05 * keep.measured.grad_norm);
     }
-  }
-}
-
-TEST_CASE("gradients match central differences of the loss") {
-  namespace fs = std::filesystem;
-  // Top-k routing is piecewise: a perturbation that moves a token to
-  // another expert jumps the loss. The MoE model is checked with every
-  // expert selected (top_k = experts), where routing is smooth; the native
-  // router gradient and the K3 rewrite both.
-  std::vector<std::pair<std::string, Json>> models;
-  models.emplace_back("tiny-gpt", LoadJson(kModels[0]));
-  models.emplace_back("tiny-llama", LoadJson(kModels[1]));
-  Json moe = LoadJson(kModels[2]);
-  moe["arch"]["moe"]["top_k"] = moe["arch"]["moe"]["experts"];
-  models.emplace_back("tiny-deepseek-dense-routing", moe);
-  moe["options"] = {{"moe_grad_rewrite", false}, {"moe_recompute_dispatch", false}};
-  models.emplace_back("tiny-deepseek-native-router-gradient", moe);
-  models.emplace_back("tiny-attnres", LoadJson(kModels[3]));
-  for (const auto& [label, model] : models) {
-    CAPTURE(label);
-    Json plan = PlanOf(model);
-    fs::path dir = UniqueTempDir("memplan_fd_" + label);
-    fs::remove_all(dir);
-    RunOptions o;
-    o.dump_dir = dir.string();
-    MustRun(plan, o);
-    int checked = 0;
-    for (const auto& entry : fs::directory_iterator(dir / "grads")) {
-      std::string name = entry.path().stem().string();
-      // A tied head is the embedding's copy: checked through the embedding.
-      if (model["arch"].value("tied_embeddings", false) && name.find(".head.weight") != std::string::npos) continue;
-      auto g = memplan::runtime::ReadNpy(entry.path().string());
-      REQUIRE(g.ok());
-      std::vector<float> grad(g->bytes.size() / 4);
-      std::memcpy(grad.data(), g->bytes.data(), g->bytes.size());
-      // The element with the largest gradient: its finite difference stands
-      // well above fp32 noise.
-      size_t at = static_cast<size_t>(std::max_element(grad.begin(), grad.end(), [](float a, float b) {
-                                        return std::abs(a) < std::abs(b);
-                                      }) - grad.begin());
-      if (std::abs(grad[at]) < 1e-3f) continue;
-      // Small enough for curvature (the embedding feeds every AttnRes mix),
-      // large enough to stand above fp32 rounding of the loss.
-      const float eps = 3e-3f;
-      double loss[2];
-      for (int side = 0; side < 2; ++side) {
-        RunOptions p;
-        p.init_hook = [&](const std::string& param, std::vector<float>* w) {
-          if (param == name) (*w)[at] += side == 0 ? eps : -eps;
-        };
-        loss[side] = MustRun(plan, p).measured.loss;
-      }
-      double fd = (loss[0] - loss[1]) / (2 * eps);
-      CAPTURE(name);
-      CAPTURE(grad[at]);
-      CAPTURE(fd);
-      CHECK(std::abs(fd - grad[at]) <= 0.05 * std::abs(grad[at]) + 2e-4);
-      ++checked;
-    }
-    CHECK(checked >= 6);
-    fs::remove_all(dir);
   }
 }
 

@@ -1,8 +1,10 @@
 #include "memplan/common/json_util.h"
 
 #include <openssl/evp.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -94,12 +96,17 @@ ObjectReader::ObjectReader(const Json& value, JsonLocation where)
   if (!value.is_object()) ThrowAt(where_, "expected an object, got " + Brief(value));
 }
 
-bool ObjectReader::Has(std::string_view key) const {
-  auto it = object_.find(std::string(key));
-  return it != object_.end() && !it->is_null();
-}
+bool ObjectReader::Has(std::string_view key) const { return object_.contains(std::string(key)); }
 
 const Json* ObjectReader::Get(std::string_view key) {
+  const Json* v = GetNullable(key);
+  if (v == nullptr && Has(key)) {
+    ThrowAt(At(key), "expected a value, got null (omit the key to use its default)");
+  }
+  return v;
+}
+
+const Json* ObjectReader::GetNullable(std::string_view key) {
   read_.insert(std::string(key));
   auto it = object_.find(std::string(key));
   if (it == object_.end() || it->is_null()) return nullptr;
@@ -123,6 +130,12 @@ int64_t ObjectReader::Int(std::string_view key, int64_t min, int64_t max, int64_
 
 std::optional<int64_t> ObjectReader::OptInt(std::string_view key, int64_t min, int64_t max) {
   const Json* v = Get(key);
+  if (!v) return std::nullopt;
+  return ExpectInt(*v, At(key), min, max);
+}
+
+std::optional<int64_t> ObjectReader::OptIntNullable(std::string_view key, int64_t min, int64_t max) {
+  const Json* v = GetNullable(key);
   if (!v) return std::nullopt;
   return ExpectInt(*v, At(key), min, max);
 }
@@ -190,25 +203,38 @@ std::optional<int64_t> ObjectReader::OptBytes(std::string_view key) {
 }
 
 namespace {
-// A positive number, or a string with a unit read by `parse`.
+// A number, or a string with a unit read by `parse`, in [min, max]: rates
+// far outside any real machine's would make step times overflow to
+// infinity or vanish (docs/design.md, "Input limits and hostile input").
 std::optional<double> OptRate(ObjectReader& r, std::string_view key, Expected<double> (*parse)(std::string_view),
-                              std::string_view example) {
+                              std::string_view example, double min, double max, std::string_view range) {
   const Json* v = r.Get(key);
   if (!v) return std::nullopt;
-  if (v->is_number() && v->get<double>() > 0 && std::isfinite(v->get<double>())) return v->get<double>();
-  if (!v->is_string()) ThrowAt(r.At(key), "expected " + std::string(example) + ", got " + Brief(*v));
-  auto rate = parse(v->get<std::string>());
-  if (!rate) ThrowAt(r.At(key), rate.error().message);
-  return *rate;
+  double rate = 0;
+  if (v->is_number()) {
+    rate = v->get<double>();
+  } else if (v->is_string()) {
+    auto parsed = parse(v->get<std::string>());
+    if (!parsed) ThrowAt(r.At(key), parsed.error().message);
+    rate = *parsed;
+  } else {
+    ThrowAt(r.At(key), "expected " + std::string(example) + ", got " + Brief(*v));
+  }
+  if (!std::isfinite(rate) || rate < min || rate > max) {
+    ThrowAt(r.At(key), "expected " + std::string(example) + " " + std::string(range) + ", got " + Brief(*v));
+  }
+  return rate;
 }
 }  // namespace
 
 std::optional<double> ObjectReader::OptBandwidth(std::string_view key) {
-  return OptRate(*this, key, &ParseBandwidth, "a bandwidth such as \"4.8TB/s\" or bytes/s");
+  return OptRate(*this, key, &ParseBandwidth, "a bandwidth such as \"4.8TB/s\" or bytes/s", 1e6, 1e15,
+                 "between 1MB/s and 1PB/s");
 }
 
 std::optional<double> ObjectReader::OptFlopRate(std::string_view key) {
-  return OptRate(*this, key, &ParseFlopRate, "a FLOP rate such as \"989TFLOP/s\"");
+  return OptRate(*this, key, &ParseFlopRate, "a FLOP rate such as \"989TFLOP/s\"", 1e9, 1e21,
+                 "between 1GFLOP/s and 1000000PFLOP/s");
 }
 
 void ObjectReader::Finish() const {
@@ -227,46 +253,194 @@ std::string FormatFixedRange(double v) {
   return s.str();
 }
 
-Expected<Json> ReadJsonFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    return Error{ErrorCode::kBadInput, path + ": cannot open: " + std::strerror(errno)};
+namespace {
+
+// Builds the document from nlohmann's SAX events (its parser is iterative),
+// enforcing JsonLimits and refusing duplicate keys, and remembering where
+// it is so that every refusal names its JSON pointer.
+class BoundedDomBuilder {
+ public:
+  using number_integer_t = Json::number_integer_t;
+  using number_unsigned_t = Json::number_unsigned_t;
+  using number_float_t = Json::number_float_t;
+  using string_t = Json::string_t;
+  using binary_t = Json::binary_t;
+
+  BoundedDomBuilder(const std::string& file, const JsonLimits& limits) : file_(file), limits_(limits) {}
+
+  bool null() { return Put(Json(nullptr)); }
+  bool boolean(bool v) { return Put(Json(v)); }
+  bool number_integer(number_integer_t v) { return Put(Json(v)); }
+  bool number_unsigned(number_unsigned_t v) { return Put(Json(v)); }
+  bool number_float(number_float_t v, const string_t&) { return Put(Json(v)); }
+  bool string(string_t& v) { return CheckString(v, "string") && Put(Json(std::move(v))); }
+  bool binary(binary_t&) { return Fail("binary values are not JSON"); }
+
+  bool start_object(std::size_t) { return Open(Json::object()); }
+  bool start_array(std::size_t) { return Open(Json::array()); }
+  bool end_object() { return Close(); }
+  bool end_array() { return Close(); }
+
+  bool key(string_t& k) {
+    Frame& f = stack_.back();
+    f.key = k;  // before the checks: the pointer names the offending key
+    if (!CheckString(k, "key")) return false;
+    if (f.value->contains(k)) return Fail("duplicate key \"" + Shorten(k) + "\" (each key may appear once)");
+    f.slot = &(*f.value)[k];
+    return true;
   }
-  std::stringstream buf;
-  buf << in.rdbuf();
-  try {
-    return Json::parse(buf.str());
-  } catch (const Json::parse_error& e) {
+
+  bool parse_error(std::size_t, const std::string& token, const nlohmann::detail::exception& e) {
+    if (error_) return false;  // a refusal of ours stopped the parser
+    if (e.id == 406) return Fail("number out of range: " + Shorten(token));
     // nlohmann's message carries line and column; keep it on one line.
     std::string what = e.what();
     for (char& c : what) {
-      if (c == '\n') c = ' ';
+      if (c == '\n' || c == '\r') c = ' ';
     }
-    return Error{ErrorCode::kBadInput, path + ": /: invalid JSON: " + what};
+    return Fail("invalid JSON: " + what);
   }
+
+  Json TakeRoot() { return std::move(root_); }
+  const std::optional<Error>& error() const { return error_; }
+
+ private:
+  struct Frame {
+    Json* value;
+    std::string key;       // objects: the key being read
+    Json* slot = nullptr;  // objects: where that key's value goes
+  };
+
+  std::string Pointer() const {
+    std::string p;
+    for (const Frame& f : stack_) {
+      p = f.value->is_array() ? PointerAppend(p, f.value->size()) : PointerAppend(p, f.key);
+    }
+    return p;
+  }
+
+  static std::string Shorten(const std::string& s) { return s.size() > 40 ? s.substr(0, 37) + "..." : s; }
+
+  bool Fail(const std::string& message) {
+    if (!error_) {
+      std::string pointer = Pointer();
+      error_ = Error{ErrorCode::kBadInput, file_ + ": " + (pointer.empty() ? "/" : pointer) + ": " + message};
+    }
+    return false;
+  }
+
+  bool CheckString(const std::string& s, const char* what) {
+    if (static_cast<int64_t>(s.size()) > limits_.max_string_bytes) {
+      return Fail(std::string(what) + " of " + std::to_string(s.size()) + " bytes exceeds the limit of " +
+                  std::to_string(limits_.max_string_bytes) + " bytes");
+    }
+    if (s.find('\0') != std::string::npos) return Fail(std::string(what) + " contains U+0000");
+    return true;
+  }
+
+  // Places `v` where the parser is (array end, object slot or the root).
+  Json* PutRaw(Json&& v) {
+    if (stack_.empty()) {
+      root_ = std::move(v);
+      return &root_;
+    }
+    Frame& f = stack_.back();
+    if (f.value->is_array()) {
+      f.value->push_back(std::move(v));
+      return &f.value->back();
+    }
+    *f.slot = std::move(v);
+    return f.slot;
+  }
+  bool Put(Json&& v) {
+    PutRaw(std::move(v));
+    return true;
+  }
+
+  bool Open(Json&& container) {
+    if (static_cast<int>(stack_.size()) >= limits_.max_depth) {
+      return Fail("nesting deeper than " + std::to_string(limits_.max_depth) + " levels");
+    }
+    Json* at = PutRaw(std::move(container));
+    stack_.push_back(Frame{at, {}, nullptr});
+    return true;
+  }
+
+  bool Close() {
+    stack_.pop_back();
+    return true;
+  }
+
+  const std::string& file_;
+  const JsonLimits& limits_;
+  Json root_;
+  std::vector<Frame> stack_;
+  std::optional<Error> error_;
+};
+
+}  // namespace
+
+Expected<Json> ParseJsonText(std::string_view text, const std::string& file, const JsonLimits& limits) {
+  if (static_cast<int64_t>(text.size()) > limits.max_bytes) {
+    return Error{ErrorCode::kBadInput, file + ": /: input exceeds the limit of " +
+                                           std::to_string(limits.max_bytes) + " bytes"};
+  }
+  BoundedDomBuilder builder(file, limits);
+  bool ok = Json::sax_parse(text.begin(), text.end(), &builder);
+  if (builder.error()) return *builder.error();
+  if (!ok) return Error{ErrorCode::kBadInput, file + ": /: invalid JSON"};
+  return builder.TakeRoot();
 }
 
-Expected<bool> WriteFileAtomic(const std::string& path, std::string_view content) {
-  std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) {
-      return Error{ErrorCode::kRuntime, path + ": cannot write: " + std::strerror(errno)};
-    }
-    out.write(content.data(), static_cast<std::streamsize>(content.size()));
-    out.flush();
-    if (!out) {
-      std::remove(tmp.c_str());
-      return Error{ErrorCode::kRuntime, path + ": write failed: " + std::strerror(errno)};
-    }
+Expected<Json> ReadJsonFile(const std::string& path, const JsonLimits& limits) {
+  std::FILE* f = std::fopen(path.c_str(), "rb");
+  if (!f) return Error{ErrorCode::kBadInput, path + ": cannot open: " + std::strerror(errno)};
+  struct stat st {};
+  if (::fstat(::fileno(f), &st) == 0 && S_ISDIR(st.st_mode)) {
+    std::fclose(f);
+    return Error{ErrorCode::kBadInput, path + ": cannot read: is a directory"};
   }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    int err = errno;
-    std::remove(tmp.c_str());
-    return Error{ErrorCode::kRuntime, path + ": cannot rename into place: " + std::strerror(err)};
+  // Read one byte past the limit: a longer input (or an endless device) is
+  // refused without reading the rest.
+  std::string text;
+  const size_t cap = static_cast<size_t>(limits.max_bytes) + 1;
+  char chunk[1 << 16];
+  while (text.size() < cap) {
+    size_t want = std::min(sizeof chunk, cap - text.size());
+    size_t got = std::fread(chunk, 1, want, f);
+    text.append(chunk, got);
+    if (got < want) break;
   }
-  return true;
+  bool read_error = std::ferror(f) != 0;
+  int err = errno;
+  std::fclose(f);
+  if (read_error) return Error{ErrorCode::kBadInput, path + ": cannot read: " + std::strerror(err)};
+  return ParseJsonText(text, path, limits);
 }
+
+namespace {
+template <class J>
+std::optional<std::string> FindNonFiniteImpl(const J& doc) {
+  // Depth-first over (value, pointer) pairs, with an explicit stack.
+  std::vector<std::pair<const J*, std::string>> todo{{&doc, ""}};
+  while (!todo.empty()) {
+    auto [v, pointer] = std::move(todo.back());
+    todo.pop_back();
+    if (v->is_number_float() && !std::isfinite(v->template get<double>())) {
+      return pointer.empty() ? std::string("/") : pointer;
+    }
+    if (v->is_object()) {
+      for (auto it = v->begin(); it != v->end(); ++it) todo.emplace_back(&*it, PointerAppend(pointer, it.key()));
+    } else if (v->is_array()) {
+      for (size_t i = 0; i < v->size(); ++i) todo.emplace_back(&(*v)[i], PointerAppend(pointer, i));
+    }
+  }
+  return std::nullopt;
+}
+}  // namespace
+
+std::optional<std::string> FindNonFinite(const Json& doc) { return FindNonFiniteImpl(doc); }
+std::optional<std::string> FindNonFinite(const OrderedJson& doc) { return FindNonFiniteImpl(doc); }
 
 std::string Sha256Hex(std::string_view data) {
   unsigned char digest[EVP_MAX_MD_SIZE];

@@ -269,7 +269,7 @@ LayerGraph LayerGraph::FromJson(const Json& value, const JsonLocation& where) {
       if (!b) ThrowAt(t.where(), "missing required key \"saved\"");
       return *b;
     }();
-    if (const Json* p = t.Get("producer")) spec.producer = ExpectString(*p, t.At("producer"));
+    if (const Json* p = t.GetNullable("producer")) spec.producer = ExpectString(*p, t.At("producer"));
     if (const Json* c = t.Get("consumers")) ReadNames(*c, t.At("consumers"));  // derived again
     spec.sharding = t.Enum("sharding", {"replicated", "tp", "sp", "tp_seq", "ep"}, "replicated");
     t.Finish();

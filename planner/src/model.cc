@@ -186,7 +186,7 @@ void ParseArch(ObjectReader& r, Model& m) {
   if (const Json* v = r.Get("mla")) {
     ObjectReader o(*v, r.At("mla"));
     MlaConfig c;
-    c.q_lora_rank = o.Int("q_lora_rank", 0, kMaxHidden, 0);
+    c.q_lora_rank = o.OptIntNullable("q_lora_rank", 0, kMaxHidden).value_or(0);  // null: no compression
     c.kv_lora_rank = o.Int("kv_lora_rank", 1, kMaxHidden);
     c.qk_nope_head_dim = o.Int("qk_nope_head_dim", 1, kMaxHidden);
     c.qk_rope_head_dim = o.Int("qk_rope_head_dim", 1, kMaxHidden);
@@ -203,7 +203,7 @@ void ParseArch(ObjectReader& r, Model& m) {
     c.shared_experts = o.Int("shared_experts", 0, 1024, 0);
     c.shared_ffn_hidden = o.Int("shared_ffn_hidden", 1, kMaxHidden * 64, c.expert_ffn_hidden);
     c.first_dense_layers = o.Int("first_dense_layers", 0, a.layers, 0);
-    c.latent_dim = o.OptInt("latent_dim", 1, kMaxHidden);
+    c.latent_dim = o.OptIntNullable("latent_dim", 1, kMaxHidden);
     c.capacity_factor = o.Number("capacity_factor", 1e-3, 64, 1.0);
     c.router = o.Enum("router", {"softmax", "sigmoid"}, "softmax") == "sigmoid" ? Router::kSigmoid
                                                                                 : Router::kSoftmax;

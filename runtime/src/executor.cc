@@ -419,10 +419,15 @@ Expected<std::monostate> Executor::MakeRanks() {
     const auto& rb = eval_.ranks[static_cast<size_t>(r)];
     int64_t act = rb.peak - p_.statics[static_cast<size_t>(r)].total;
     std::string name = "pp" + std::to_string(r);
-    auto dev = backend_->MakeDevice(name, 2 * act + 64 * kMiB);
+    // The host arenas hold exactly the plan's bytes: an allocation the plan
+    // did not predict fails the run instead of hiding in slack. A CUDA pool
+    // reserves in granules beyond its used bytes, hence its headroom.
+    const bool exact = options_.backend == BackendKind::kHost;
+    const int64_t statics = p_.statics[static_cast<size_t>(r)].total;
+    auto dev = backend_->MakeDevice(name, exact ? std::max<int64_t>(act, 1) : 2 * act + 64 * kMiB);
     if (!dev.ok()) return dev.error();
     rank->dev = std::move(*dev);
-    auto stat = backend_->MakeDevice(name + ".static", p_.statics[static_cast<size_t>(r)].total + 64 * kMiB);
+    auto stat = backend_->MakeDevice(name + ".static", exact ? std::max<int64_t>(statics, 1) : statics + 64 * kMiB);
     if (!stat.ok()) return stat.error();
     rank->stat = std::move(*stat);
     // Host memory for host offloads: at most every payload at once.

@@ -7,6 +7,8 @@
 #include <deque>
 #include <functional>
 #include <new>
+
+#include <sys/mman.h>
 #include <string>
 
 #include "memplan/common/check.h"
@@ -50,7 +52,14 @@ HostArena::HostArena(Options options) : options_(std::move(options)), heap_(opti
     MEMPLAN_CHECK(reinterpret_cast<uintptr_t>(base_) % static_cast<uintptr_t>(kArenaBaseAlign) == 0,
                   "arena allocate hook returned memory not aligned to 4096 B");
   } else {
-    base_ = static_cast<std::byte*>(::operator new(static_cast<size_t>(options_.capacity_bytes), kArenaBaseAlign));
+    // Anonymous pages, not the C heap: they are zero-filled on first touch
+    // only, so an arena costs what the step touches rather than its
+    // capacity, also where a malloc debugging mode (MALLOC_PERTURB_, which
+    // Meson's test runner sets) would fill every heap allocation.
+    void* p = ::mmap(nullptr, static_cast<size_t>(options_.capacity_bytes), PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) throw std::bad_alloc();
+    base_ = static_cast<std::byte*>(p);
   }
   std::lock_guard<std::mutex> lock(RegistryMutex());
   Registry().push_back(this);
@@ -69,7 +78,7 @@ HostArena::~HostArena() {
   if (options_.release) {
     options_.release(base_);
   } else {
-    ::operator delete(base_, kArenaBaseAlign);
+    ::munmap(base_, static_cast<size_t>(options_.capacity_bytes));
   }
 }
 

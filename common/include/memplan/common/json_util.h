@@ -17,6 +17,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "memplan/common/output.h"  // WriteFileAtomic
 #include "memplan/common/status.h"
 
 namespace memplan {
@@ -53,13 +54,18 @@ class ObjectReader {
   const JsonLocation& where() const { return where_; }
   JsonLocation At(std::string_view key) const { return where_.Child(key); }
 
-  // Returns the raw child (marking it read) or nullptr when absent/null.
+  // Returns the raw child (marking it read) or nullptr when absent. An
+  // explicit null is refused (omit the key to get its default) unless the
+  // key is documented as nullable: then GetNullable returns nullptr for it.
   const Json* Get(std::string_view key);
+  const Json* GetNullable(std::string_view key);
   const Json& Required(std::string_view key);
 
   int64_t Int(std::string_view key, int64_t min, int64_t max);
   int64_t Int(std::string_view key, int64_t min, int64_t max, int64_t fallback);
   std::optional<int64_t> OptInt(std::string_view key, int64_t min, int64_t max);
+  // As OptInt, for a key whose documented default is null.
+  std::optional<int64_t> OptIntNullable(std::string_view key, int64_t min, int64_t max);
   double Number(std::string_view key, double min, double max, double fallback);
   bool Bool(std::string_view key, bool fallback);
   std::optional<bool> OptBool(std::string_view key);
@@ -88,13 +94,35 @@ int64_t ExpectInt(const Json& value, const JsonLocation& where, int64_t min, int
 const Json& ExpectArray(const Json& value, const JsonLocation& where);
 std::string ExpectString(const Json& value, const JsonLocation& where);
 
-// Reads a whole file and parses it as JSON; syntax errors name the file and
-// the line/column.
-Expected<Json> ReadJsonFile(const std::string& path);
+// What memplan reads at most (docs/design.md, "Input limits and hostile
+// input"). Beyond a limit the input is refused with kBadInput, the file and
+// the JSON pointer where the limit was crossed; nothing is half-read.
+struct JsonLimits {
+  int64_t max_bytes = int64_t{256} << 20;     // a whole input file
+  int max_depth = 64;                         // nested arrays and objects
+  int64_t max_string_bytes = int64_t{64} << 10;  // one string or key
+};
 
-// Writes `content` to `path` through a temporary file and rename(2), so a
-// failure never leaves a half-written file behind.
-Expected<bool> WriteFileAtomic(const std::string& path, std::string_view content);
+// Parses `text` (named `file` in messages) into a document. Besides JSON's
+// own syntax (RFC 8259), refuses: duplicate keys in an object, nesting
+// deeper than limits.max_depth, strings or keys longer than
+// limits.max_string_bytes or holding U+0000, numbers beyond a double's
+// range, and text longer than limits.max_bytes. A leading UTF-8 byte-order
+// mark is skipped (RFC 8259 section 8.1 lets parsers ignore it). Errors are
+// one line: "FILE: POINTER: MESSAGE". Never recurses: a hostile nesting
+// cannot exhaust the stack.
+Expected<Json> ParseJsonText(std::string_view text, const std::string& file, const JsonLimits& limits = {});
+
+// Reads at most limits.max_bytes of the file at `path` (a longer file, a
+// device such as /dev/zero included, is refused after that many bytes) and
+// parses it with ParseJsonText.
+Expected<Json> ReadJsonFile(const std::string& path, const JsonLimits& limits = {});
+
+// The pointer of the first number in `doc` that is not finite, or nullopt.
+// Writers call it so that no file ever holds a NaN or infinity (which JSON
+// cannot spell: nlohmann would write null). Iterative.
+std::optional<std::string> FindNonFinite(const Json& doc);
+std::optional<std::string> FindNonFinite(const OrderedJson& doc);
 
 // sha256 of `data`, lower-case hex.
 std::string Sha256Hex(std::string_view data);

@@ -47,7 +47,7 @@ class HostArena {
     // capacity_bytes of memory aligned to 4096 B (non-null: it cannot fail
     // here, so a factory that can fail allocates first and hands the block
     // over), and `release(block)` gives it back when the arena is destroyed.
-    // Both set or neither; unset, the block is aligned operator new/delete.
+    // Both set or neither; unset, the block is anonymous mmap(2) pages.
     // MakePinnedArena (cuda_device.h) uses them for page-locked memory.
     std::function<std::byte*(int64_t)> allocate;
     std::function<void(std::byte*)> release;

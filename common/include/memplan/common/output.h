@@ -1,0 +1,75 @@
+// Writing a command's outputs all or nothing.
+//
+// A command that fails leaves none of its outputs (docs/design.md, "Input
+// limits and hostile input"). OutputFiles stages every file first and
+// commits them together at the end:
+//  - a regular file (or a path that does not exist yet) is written to a
+//    temporary file beside it and renamed into place at Commit(), so a
+//    reader never sees half a file and a failure leaves the old one intact;
+//    an existing file keeps its permission bits;
+//  - a symbolic link is followed (up to 40 links, like the kernel): the
+//    link stays, its target is written as above;
+//  - a character device or FIFO (`/dev/stdout`, `/dev/null`, a pipe) is
+//    written straight through at Commit(), before any rename, and a short
+//    or failed write (`/dev/full`) fails the whole commit; nothing is ever
+//    renamed over a device;
+//  - a directory, socket or block device is refused at Stage().
+// Staged temporaries are removed when the object dies without Commit().
+// Errors are kRuntime ("PATH: what went wrong").
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "memplan/common/status.h"
+
+namespace memplan {
+
+class OutputFiles {
+ public:
+  OutputFiles() = default;
+  OutputFiles(const OutputFiles&) = delete;
+  OutputFiles& operator=(const OutputFiles&) = delete;
+  ~OutputFiles();
+
+  // Checks that `path` can be written (its directory exists, it is not a
+  // directory) without writing anything: commands call it for every output
+  // before doing their work, so a bad path fails in milliseconds.
+  static Expected<bool> CheckWritable(const std::string& path);
+
+  // Stages `content` for `path`. On error nothing is left for this path.
+  Expected<bool> Stage(const std::string& path, std::string_view content);
+
+  // Stages a directory: returns a fresh temporary directory beside `dir`
+  // for the caller to fill; at Commit() it replaces `dir`. An existing
+  // `dir` is replaced only when it holds nothing but what a dump writes
+  // (sub-directories of *.npy files), so a mistyped path never deletes
+  // somebody's files.
+  Expected<std::string> StageDirectory(const std::string& dir);
+
+  // Writes the devices, then renames every staged file into place.
+  Expected<bool> Commit();
+
+ private:
+  struct Entry {
+    std::string target;     // the resolved path that ends up holding the bytes
+    std::string temporary;  // staged file or directory; empty for a device
+    std::string content;    // devices only: written at Commit()
+    bool directory = false;
+    bool committed = false;
+  };
+  void Discard();
+  std::vector<Entry> entries_;
+};
+
+// One file, written as OutputFiles writes it (staged, then committed).
+Expected<bool> WriteFileAtomic(const std::string& path, std::string_view content);
+
+// Follows symbolic links from `path` to the path that finally names a
+// file, or that does not exist yet (a dangling link's target). Errors on a
+// loop or more than 40 links.
+Expected<std::string> ResolveOutputPath(const std::string& path);
+
+}  // namespace memplan

@@ -1,0 +1,148 @@
+// The executor's gradients against central differences of the step's loss
+// (host backend). The kernels' own backwards are checked element by element
+// in the kernel suites; what this suite proves is the executor's wiring:
+// that every kind of parameter of every executable template receives the
+// gradient of the loss through the whole pipeline (both stages, the
+// hand-off between them, recompute and tied weights).
+//
+// Each finite difference costs two full training steps, so the suite takes
+// one parameter per role (the name without its "layer<i>." prefix), in the
+// earliest layer holding it with a measurable gradient: its gradient flows
+// back through every later layer and across the stage boundary, so a later
+// layer's copy of the same role adds no wiring the earliest one did not
+// already cross.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "executor_test_util.h"
+#include "memplan/runtime/npy.h"
+
+namespace {
+
+using memplan::Json;
+using namespace memplan::test::exec;
+
+// "layer12.attn.qkv.weight" -> {12, "attn.qkv.weight"}.
+std::pair<int, std::string> SplitLayer(const std::string& name) {
+  size_t dot = name.find('.');
+  if (name.rfind("layer", 0) != 0 || dot == std::string::npos) return {0, name};
+  return {std::stoi(name.substr(5, dot - 5)), name.substr(dot + 1)};
+}
+
+// Parameter names (dump file stems) of `dir`/grads grouped by role, each
+// group in layer order; roles not starting with `only` are skipped.
+std::map<std::string, std::vector<std::string>> ByRole(const std::filesystem::path& dir, const std::string& only) {
+  std::map<std::string, std::map<int, std::string>> sorted;  // role -> layer -> name
+  for (const auto& entry : std::filesystem::directory_iterator(dir / "grads")) {
+    std::string name = entry.path().stem().string();
+    auto [layer, role] = SplitLayer(name);
+    if (role.rfind(only, 0) == 0) sorted[role][layer] = name;
+  }
+  std::map<std::string, std::vector<std::string>> out;
+  for (const auto& [role, layers] : sorted) {
+    for (const auto& [layer, name] : layers) out[role].push_back(name);
+  }
+  return out;
+}
+
+// The gradient's element of largest magnitude: (index, value).
+std::pair<size_t, float> LargestElement(const std::filesystem::path& file) {
+  auto g = memplan::runtime::ReadNpy(file.string());
+  REQUIRE(g.ok());
+  std::vector<float> grad(g->bytes.size() / 4);
+  std::memcpy(grad.data(), g->bytes.data(), g->bytes.size());
+  size_t at = static_cast<size_t>(
+      std::max_element(grad.begin(), grad.end(), [](float a, float b) { return std::abs(a) < std::abs(b); }) -
+      grad.begin());
+  return {at, grad[at]};
+}
+
+struct Case {
+  std::string label;
+  Json model;
+  std::string only;  // roles checked: those starting with this ("" = all)
+};
+
+}  // namespace
+
+TEST_CASE("gradients match central differences of the loss") {
+  namespace fs = std::filesystem;
+  // Top-k routing is piecewise: a perturbation that moves a token to
+  // another expert jumps the loss. The MoE model is checked with every
+  // expert selected (top_k = experts), where routing is smooth; the native
+  // router gradient and the K3 rewrite both (they differ in the MoE block
+  // only, so the native variant checks its MoE roles).
+  std::vector<Case> cases;
+  cases.push_back({"tiny-gpt", LoadJson(kModels[0]), ""});
+  cases.push_back({"tiny-llama", LoadJson(kModels[1]), ""});
+  Json moe = LoadJson(kModels[2]);
+  moe["arch"]["moe"]["top_k"] = moe["arch"]["moe"]["experts"];
+  cases.push_back({"tiny-deepseek-dense-routing", moe, ""});
+  moe["options"] = {{"moe_grad_rewrite", false}, {"moe_recompute_dispatch", false}};
+  cases.push_back({"tiny-deepseek-native-router-gradient", moe, "moe."});
+  cases.push_back({"tiny-attnres", LoadJson(kModels[3]), ""});
+  int total = 0;
+  for (const auto& c : cases) {
+    CAPTURE(c.label);
+    Json plan = PlanOf(c.model);
+    fs::path dir = UniqueTempDir("memplan_fd_" + c.label);
+    fs::remove_all(dir);
+    RunOptions o;
+    o.dump_dir = dir.string();
+    MustRun(plan, o);
+    int checked = 0, tiny = 0;
+    for (const auto& [role, layers] : ByRole(dir, c.only)) {
+      // A tied head is the embedding's copy: checked through the embedding.
+      if (c.model["arch"].value("tied_embeddings", false) && role == "head.weight") continue;
+      // The earliest layer whose largest gradient element stands well above
+      // fp32 noise for a finite difference (an AttnRes query in the first
+      // layer mixes a single block: its gradient is zero).
+      std::string name;
+      size_t at = 0;
+      float grad_at = 0;
+      for (const std::string& candidate : layers) {
+        auto [i, g] = LargestElement(dir / "grads" / (candidate + ".npy"));
+        if (std::abs(g) >= 1e-3f) {
+          name = candidate;
+          at = i;
+          grad_at = g;
+          break;
+        }
+      }
+      if (name.empty()) {
+        ++tiny;
+        continue;
+      }
+      // Small enough for curvature (the embedding feeds every AttnRes mix),
+      // large enough to stand above fp32 rounding of the loss.
+      const float eps = 3e-3f;
+      double loss[2];
+      for (int side = 0; side < 2; ++side) {
+        RunOptions p;
+        p.init_hook = [&](const std::string& param, std::vector<float>* w) {
+          if (param == name) (*w)[at] += side == 0 ? eps : -eps;
+        };
+        loss[side] = MustRun(plan, p).measured.loss;
+      }
+      double fd = (loss[0] - loss[1]) / (2 * eps);
+      CAPTURE(name);
+      CAPTURE(grad_at);
+      CAPTURE(fd);
+      CHECK(std::abs(fd - grad_at) <= 0.05 * std::abs(grad_at) + 2e-4);
+      ++checked;
+    }
+    MESSAGE(c.label << ": " << checked << " parameter roles checked, " << tiny << " with gradients below 1e-3");
+    CHECK(checked >= 4);
+    CHECK(tiny == 0);
+    total += checked;
+    fs::remove_all(dir);
+  }
+  CHECK(total >= 35);
+}

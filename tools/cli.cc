@@ -1,0 +1,92 @@
+// The argument parser of the memplan command line (CLI11), without I/O.
+#include "cli.h"
+
+#include <CLI/CLI.hpp>
+#include <sstream>
+
+namespace memplan::cli {
+
+Expected<Command> ParseCommandLine(const std::vector<std::string>& args) {
+  Command c;
+  CLI::App app{"memplan: plan, execute and verify the GPU memory of LLM training", "memplan"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", std::string("memplan 0.1.0"));
+
+  std::string plan_model, plan_out;
+  auto* plan = app.add_subcommand("plan", "Plan memory for MODEL.json; print the per-rank table");
+  plan->add_option("model", plan_model, "model file (memplan.model/1)")->required();
+  plan->add_option("-o,--output", plan_out, "write PLAN.json (memplan.plan/1)");
+  plan->add_option("--budget", c.budget, "device budget, e.g. 120GiB (overrides the model's)");
+  plan->add_option("--solver", c.solver, "heuristic (default) or exact (MILP through CBC; small models)")
+      ->check(CLI::IsMember({"heuristic", "exact"}));
+  plan->add_flag("--sweep", c.sweep, "also print the budget / added step time trade-off curve");
+  plan->add_flag("--verify", c.verify, "verify the plan (residency, placement, transfer windows)");
+  bool plan_quiet = false;
+  plan->add_flag("-q,--quiet", plan_quiet, "no table");
+
+  std::string expand_model, expand_out;
+  auto* expand = app.add_subcommand("expand", "Print the model with every layer's graph expanded");
+  expand->add_option("model", expand_model, "model file (memplan.model/1)")->required();
+  expand->add_option("-o,--output", expand_out, "write to a file instead of stdout");
+
+  std::string check_plan, check_measured;
+  double tolerance = 0;
+  auto* check =
+      app.add_subcommand("check", "Compare MEASURED.json with PLAN.json; exit 1 when a rank is out of bounds");
+  check->add_option("plan", check_plan, "plan file (memplan.plan/1)")->required();
+  check->add_option("measured", check_measured, "measurement (memplan.measured/1)")->required();
+  auto* tolerance_opt = check->add_option("--tolerance", tolerance,
+                                          "relative tolerance (default 0 for host, 0.02 for cuda measurements)")
+                            ->check(CLI::Range(0.0, 1.0));
+
+  std::string run_plan, run_out;
+  bool run_quiet = false;
+  auto* run = app.add_subcommand("run", "Execute one training step of PLAN.json and measure its memory");
+  run->add_option("plan", run_plan, "plan file (memplan.plan/1)")->required();
+  run->add_option("--backend", c.backend, "host (default: CPU reference kernels) or cuda")
+      ->check(CLI::IsMember({"host", "cuda"}));
+  run->add_option("-o,--output", run_out, "write MEASURED.json (memplan.measured/1)");
+  run->add_option("--trace", c.trace, "write a Chrome trace (chrome://tracing, Perfetto)");
+  run->add_option("--dump", c.dump, "write initial weights, batch and gradients as .npy files into DIR");
+  run->add_flag("-q,--quiet", run_quiet, "no table, no progress");
+
+  // CLI11 takes arguments in reverse order, without the program name.
+  std::vector<std::string> reversed(args.rbegin(), args.rend());
+  try {
+    app.parse(reversed);
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == 0) {  // --help, --version
+      std::ostringstream out, err;
+      app.exit(e, out, err);
+      c.verb = Verb::kPrint;
+      c.text = out.str() + err.str();
+      return c;
+    }
+    return Error{ErrorCode::kBadInput, std::string(e.what()) + " (see memplan --help)"};
+  }
+  if (plan->parsed()) {
+    c.verb = Verb::kPlan;
+    c.input = plan_model;
+    c.output = plan_out;
+    c.quiet = plan_quiet;
+  } else if (expand->parsed()) {
+    c.verb = Verb::kExpand;
+    c.input = expand_model;
+    c.output = expand_out;
+  } else if (run->parsed()) {
+    c.verb = Verb::kRun;
+    c.input = run_plan;
+    c.output = run_out;
+    c.quiet = run_quiet;
+  } else if (check->parsed()) {
+    c.verb = Verb::kCheck;
+    c.input = check_plan;
+    c.measured = check_measured;
+    if (tolerance_opt->count()) c.tolerance = tolerance;
+  } else {
+    return Error{ErrorCode::kBadInput, "a subcommand is required (see memplan --help)"};
+  }
+  return c;
+}
+
+}  // namespace memplan::cli

@@ -1,0 +1,49 @@
+// The memplan command line, as data: ParseCommandLine turns argv into one
+// Command (or a usage error), RunCommand executes it. Parsing does no I/O,
+// so the argument parser can be fuzzed on its own (tests/fuzz).
+#pragma once
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "memplan/common/status.h"
+
+namespace memplan::cli {
+
+enum class Verb { kPlan, kExpand, kRun, kCheck, kPrint };
+
+struct Command {
+  Verb verb = Verb::kPrint;
+  std::string text;  // kPrint: --help or --version output for stdout
+
+  // plan / expand / run / check inputs and outputs.
+  std::string input;       // MODEL.json (plan, expand) or PLAN.json (run, check)
+  std::string measured;    // check: MEASURED.json
+  std::string output;      // -o
+  bool quiet = false;
+
+  // plan
+  std::string budget;  // --budget, validated by RunCommand (a size)
+  std::string solver = "heuristic";
+  bool sweep = false;
+  bool verify = false;
+
+  // run
+  std::string backend = "host";
+  std::string trace;
+  std::string dump;
+
+  // check
+  std::optional<double> tolerance;
+};
+
+// Errors: kBadInput with CLI11's message ("... (see memplan --help)").
+Expected<Command> ParseCommandLine(const std::vector<std::string>& args);
+
+// Executes `command`; returns the process exit status (design: 0 success,
+// 1 check failed, 2 bad input, 3 infeasible, 4 digest mismatch, 5 runtime)
+// after printing any error as one line on stderr.
+int RunCommand(const Command& command);
+
+}  // namespace memplan::cli
