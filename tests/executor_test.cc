@@ -246,11 +246,12 @@ TEST_CASE("plans the runtime cannot execute are refused with a reason") {
       {"listed twice", [](Json& p) { p["tensors"].push_back(p["tensors"][0]); }, "listed twice"},
   };
   for (const auto& e : edits) {
-    CAPTURE(e.what);
+    CAPTURE(std::string(e.what));
     Json p = good;
     e.edit(p);
     auto r = RunPlan(p, {});
     REQUIRE_FALSE(r.ok());
+    CAPTURE(r.error().message);
     CHECK(r.error().code == memplan::ErrorCode::kBadInput);
     CHECK(r.error().message.find(e.says) != std::string::npos);
   }

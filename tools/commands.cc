@@ -26,6 +26,17 @@ int Fail(const Error& e) {
   return static_cast<int>(e.code);
 }
 
+// Every bad-input message names the file and a JSON pointer: a library
+// error raised where no location was known (a total overflowing deep in
+// the accounting, say) is attributed to the whole input file.
+Error Located(Error e, const std::string& file) {
+  if (e.code == ErrorCode::kBadInput && e.message.rfind(file + ": /", 0) != 0 &&
+      e.message.rfind(file + " /", 0) != 0) {
+    e.message = file + ": /: " + e.message;
+  }
+  return e;
+}
+
 // Every output path of a command, checked before the command works.
 Expected<bool> CheckOutputs(std::initializer_list<const std::string*> paths) {
   for (const std::string* p : paths) {
@@ -49,7 +60,7 @@ Expected<bool> StageJson(OutputFiles& out, const std::string& path, const J& doc
 int RunPlan(const Command& c) {
   if (auto ok = CheckOutputs({&c.output}); !ok) return Fail(ok.error());
   auto model = planner::LoadModel(c.input);
-  if (!model) return Fail(model.error());
+  if (!model) return Fail(Located(model.error(), c.input));
   planner::PlanOptions options;
   if (!c.budget.empty()) {
     auto bytes = ParseBytes(c.budget);
@@ -65,7 +76,7 @@ int RunPlan(const Command& c) {
     };
   }
   auto plan = planner::BuildPlan(*model, options);
-  if (!plan) return Fail(plan.error());
+  if (!plan) return Fail(plan.error().code == ErrorCode::kBadInput ? Located(plan.error(), c.input) : plan.error());
   for (const auto& w : plan->warnings) std::fprintf(stderr, "memplan: warning: %s\n", w.c_str());
   if (c.verify && !plan->verify_errors.empty()) {
     for (const auto& e : plan->verify_errors) std::fprintf(stderr, "memplan: verify: %s\n", e.c_str());
@@ -84,9 +95,9 @@ int RunPlan(const Command& c) {
 int RunExpand(const Command& c) {
   if (auto ok = CheckOutputs({&c.output}); !ok) return Fail(ok.error());
   auto model = planner::LoadModel(c.input);
-  if (!model) return Fail(model.error());
+  if (!model) return Fail(Located(model.error(), c.input));
   auto expanded = planner::ExpandedModelJson(*model);
-  if (!expanded) return Fail(expanded.error());
+  if (!expanded) return Fail(Located(expanded.error(), c.input));
   if (c.output.empty()) {
     if (auto at = FindNonFinite(*expanded)) return Fail({ErrorCode::kRuntime, "internal error: non-finite " + *at});
     std::fputs((expanded->dump(1) + "\n").c_str(), stdout);
@@ -161,7 +172,7 @@ int RunExecute(const Command& c) {
     };
   }
   auto result = runtime::RunPlan(*plan_json, options);
-  if (!result) return Fail(result.error());
+  if (!result) return Fail(Located(result.error(), c.input));
   const auto& m = result->measured;
   if (!c.output.empty()) {
     if (auto st = StageJson(out, c.output, traces::MeasuredToJson(m), 2); !st) return Fail(st.error());

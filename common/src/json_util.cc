@@ -312,9 +312,13 @@ class BoundedDomBuilder {
   };
 
   std::string Pointer() const {
+    // An array frame below the top already holds the child being read (its
+    // last element); the top one's next value goes at index size().
     std::string p;
-    for (const Frame& f : stack_) {
-      p = f.value->is_array() ? PointerAppend(p, f.value->size()) : PointerAppend(p, f.key);
+    for (size_t i = 0; i < stack_.size(); ++i) {
+      const Frame& f = stack_[i];
+      size_t next = f.value->size() - (i + 1 < stack_.size() ? 1 : 0);
+      p = f.value->is_array() ? PointerAppend(p, next) : PointerAppend(p, f.key);
     }
     return p;
   }

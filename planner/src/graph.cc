@@ -11,6 +11,10 @@
 
 namespace memplan::planner {
 
+// The largest parameter (elements) or tensor (bytes) an explicit graph may
+// declare (docs/design.md, "Input limits and hostile input").
+constexpr int64_t kMaxGraphBytes = int64_t{1} << 48;
+
 namespace {
 
 struct DTypeInfo {
@@ -115,7 +119,12 @@ void LayerGraph::Finalize(const JsonLocation& where) {
       ThrowAt(where.Child("tensors").Child(i), "duplicate tensor name \"" + t.name + "\"");
     }
     int64_t expect = DTypeBytes(t.dtype);
-    for (int64_t d : t.shape) expect = CheckedMul(expect, d, "tensor " + t.name);
+    for (int64_t d : t.shape) {
+      if (__builtin_mul_overflow(expect, d, &expect) || expect > kMaxGraphBytes) {
+        ThrowAt(where.Child("tensors").Child(i).Child("shape"),
+                "tensor \"" + t.name + "\" exceeds " + std::to_string(kMaxGraphBytes) + " bytes (2^48)");
+      }
+    }
     if (t.bytes != expect) {
       ThrowAt(where.Child("tensors").Child(i).Child("bytes"),
               "expected " + std::to_string(expect) + " (shape x " + std::string(DTypeName(t.dtype)) +
@@ -247,6 +256,16 @@ LayerGraph LayerGraph::FromJson(const Json& value, const JsonLocation& where) {
     ParamSpec spec;
     spec.name = p.String("name");
     spec.shape = ReadShape(p.Required("shape"), p.At("shape"));
+    int64_t elements = 1;
+    for (int64_t d : spec.shape) {
+      // Accounting multiplies elements by up to 16 bytes (weights, fp32
+      // gradients, optimizer state) and sums over layers: 2^48 keeps every
+      // such total inside 64 bits.
+      if (__builtin_mul_overflow(elements, d, &elements) || elements > kMaxGraphBytes) {
+        ThrowAt(p.At("shape"), "parameter \"" + spec.name + "\" exceeds " + std::to_string(kMaxGraphBytes) +
+                                   " elements (2^48)");
+      }
+    }
     std::string kind = p.Enum("kind", {"linear", "norm", "embedding", "head", "router", "expert",
                                        "shared_expert"});
     ParseParamKind(kind, &spec.kind);

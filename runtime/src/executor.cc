@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "memplan/common/check.h"
+#include "memplan/common/schema.h"
 #include "memplan/common/units.h"
 #include "memplan/kernels/ops.h"
 #include "memplan/planner/accounting.h"
@@ -219,6 +220,10 @@ Expected<std::monostate> Executor::Setup() {
   if (!plan_json_.contains("ranks") || !plan_json_["ranks"].is_array()) {
     return BadInput(file + ": /ranks: expected an array");
   }
+  // The whole plan against its schema before any field is used: a field
+  // this runtime rebuilds rather than reads (tensors, schedule) is still
+  // refused when malformed.
+  if (auto valid = ValidateSchema(plan_json_, SchemaKind::kPlan, file); !valid.ok()) return valid.error();
   auto model = planner::ParseModel(plan_json_["model"], file + " /model");
   if (!model.ok()) return model.error();
   model_ = std::move(*model);

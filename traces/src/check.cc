@@ -1,5 +1,7 @@
 #include "memplan/traces/check.h"
 
+#include "memplan/common/schema.h"
+
 #include <algorithm>
 #include <cmath>
 #include <map>
@@ -49,6 +51,8 @@ Expected<PlanBounds> ParsePlanBounds(const Json& json, const std::string& file) 
       }
       plan.ranks.push_back(b);
     }
+    // The rest of the plan is not read here, but a plan is checked whole.
+    if (auto valid = ValidateSchema(json, SchemaKind::kPlan, file); !valid.ok()) throw ErrorException(valid.error());
     return plan;
   });
 }

@@ -1,5 +1,7 @@
 #include "memplan/traces/measured.h"
 
+#include "memplan/common/schema.h"
+
 #include <cmath>
 #include <set>
 
@@ -96,6 +98,9 @@ Expected<Measured> ParseMeasured(const Json& json, const std::string& file) {
       }
     }
     r.Finish();
+    // The reader above gives the specific messages; the schema is the net
+    // for anything it does not look at.
+    if (auto valid = ValidateSchema(json, SchemaKind::kMeasured, file); !valid.ok()) throw ErrorException(valid.error());
     return m;
   });
 }
