@@ -144,5 +144,115 @@ if ! command -v nvidia-smi >/dev/null 2>&1; then
 fi
 expect_exit 4 "check another model's measurement" "$memplan" check "$tmp/tp2.plan.json" "$tmp/llama.measured.json"
 
+# 11. Hostile input (docs/design.md, "Input limits and hostile input"): one
+# case per class found by the robustness review; each failed before its fix.
+gpt="$root/examples/models/tiny-gpt.json"
+mk() {  # mk OUT PYTHON-EXPRESSION-ON-j: writes tiny-gpt edited by the expression
+  python3 - "$gpt" "$1" "$2" <<'PY'
+import json, sys
+j = json.load(open(sys.argv[1])); exec(sys.argv[3]); open(sys.argv[2], "w").write(json.dumps(j))
+PY
+}
+one_line_at() {  # one_line_at FILE POINTER: stderr is one line naming both
+  [ "$(wc -l <"$tmp/err")" -eq 1 ] && grep -qF "$1: $2" "$tmp/err" && ok || bad "expected one line with '$1: $2': $(cat "$tmp/err")"
+}
+# 1. Deep nesting: refused at a depth limit, never a stack overflow.
+python3 -c "print('[' * 100000 + ']' * 100000)" >"$tmp/deep.json"
+for verb in plan expand; do
+  expect_exit 2 "deep nesting: $verb" timeout 20 "$memplan" $verb "$tmp/deep.json"
+  grep -q "nesting deeper than" "$tmp/err" && ok || bad "deep $verb: $(cat "$tmp/err")"
+done
+expect_exit 2 "deep nesting: check" timeout 20 "$memplan" check "$tmp/deep.json" "$tmp/deep.json"
+python3 - "$gpt" "$tmp/deepval.json" <<'PY'
+import sys
+s = open(sys.argv[1]).read().replace('"name": "tiny-gpt"', '"name": ' + '[' * 100000 + ']' * 100000, 1)
+open(sys.argv[2], "w").write(s)
+PY
+expect_exit 2 "deep nesting in a value" timeout 20 "$memplan" plan "$tmp/deepval.json"
+one_line_at "$tmp/deepval.json" "/name/0/0"
+# 2. Number overflow: exit 2 naming the pointer, not an internal error.
+python3 - "$gpt" "$tmp/ovf.json" <<'PY'
+import json, sys
+s = json.dumps(json.load(open(sys.argv[1]))).replace('"layers": 4', '"layers": 1e99999')
+open(sys.argv[2], "w").write(s)
+PY
+expect_exit 2 "number overflow" "$memplan" plan "$tmp/ovf.json"
+one_line_at "$tmp/ovf.json" "/arch/layers: number out of range"
+# 3. Rates are range-checked: no plan with a non-finite step time.
+mk "$tmp/flops.json" 'j["hardware"]["bf16_flops"] = 1e-300'
+expect_exit 2 "absurd FLOP rate" "$memplan" plan "$tmp/flops.json" -o "$tmp/flops.plan.json"
+one_line_at "$tmp/flops.json" "/hardware/bf16_flops"
+mk "$tmp/bw.json" 'j["hardware"]["d2h_bw"] = "1e30TB/s"'
+expect_exit 2 "absurd bandwidth" "$memplan" plan "$tmp/bw.json"
+one_line_at "$tmp/bw.json" "/hardware/d2h_bw"
+# 4. -o writes through links and into devices; never replaces either.
+expect_exit 5 "-o /dev/full" "$memplan" plan "$gpt" -q -o /dev/full
+[ -c /dev/full ] && ok || bad "/dev/full is no longer a character device"
+expect_exit 0 "-o /dev/null" "$memplan" plan "$gpt" -q -o /dev/null
+[ -c /dev/null ] && ok || bad "/dev/null is no longer a character device"
+ln -s "$tmp/linked-target.json" "$tmp/link.json"
+expect_exit 0 "-o through a dangling symlink" "$memplan" plan "$gpt" -q -o "$tmp/link.json"
+[ -L "$tmp/link.json" ] && python3 -c "import json; json.load(open('$tmp/linked-target.json'))" && ok || bad "symlink replaced or target not written"
+expect_exit 0 "-o through a symlink again" "$memplan" plan "$gpt" -q -o "$tmp/link.json"
+[ -L "$tmp/link.json" ] && ok || bad "symlink replaced on overwrite"
+expect_exit 5 "-o a directory" "$memplan" plan "$gpt" -q -o "$tmp"
+ls -a "$tmp" | grep -q "\.tmp\." && bad "temporary left behind" || ok
+# 5. A failing command leaves none of its outputs.
+expect_exit 0 "plan for run" "$memplan" plan "$gpt" -q -o "$tmp/gpt.plan.json"
+expect_exit 5 "run with an unwritable trace" "$memplan" run "$tmp/gpt.plan.json" -q -o "$tmp/m5.json" --trace /nonexistent/dir/t.json
+[ ! -e "$tmp/m5.json" ] && ok || bad "MEASURED.json left by a failed run"
+expect_exit 5 "run with an unwritable dump" "$memplan" run "$tmp/gpt.plan.json" -q -o "$tmp/m5.json" --dump /nonexistent/dir/d
+[ ! -e "$tmp/m5.json" ] && ok || bad "MEASURED.json left by a failed run (dump)"
+mkdir -p "$tmp/precious" && echo keep >"$tmp/precious/notes.txt"
+expect_exit 5 "dump over a directory of other files" "$memplan" run "$tmp/gpt.plan.json" -q --dump "$tmp/precious"
+[ -f "$tmp/precious/notes.txt" ] && ok || bad "dump replaced a directory holding other files"
+expect_exit 0 "dump twice into the same directory" "$memplan" run "$tmp/gpt.plan.json" -q --dump "$tmp/dump2"
+expect_exit 0 "dump again" "$memplan" run "$tmp/gpt.plan.json" -q --dump "$tmp/dump2"
+[ -f "$tmp/dump2/grads/layer0.attn.qkv.weight.npy" ] && ok || bad "second dump missing"
+# 6. Duplicate keys, nulls and U+0000 are refused; a BOM is skipped.
+python3 - "$gpt" "$tmp/dup.json" <<'PY'
+import json, sys
+s = json.dumps(json.load(open(sys.argv[1]))).replace('"layers": 4', '"layers": 4, "layers": 2')
+open(sys.argv[2], "w").write(s)
+PY
+expect_exit 2 "duplicate key" "$memplan" plan "$tmp/dup.json"
+one_line_at "$tmp/dup.json" "/arch/layers: duplicate key"
+mk "$tmp/null.json" 'j["parallel"]["pp"] = None'
+expect_exit 2 "null for an optional field" "$memplan" plan "$tmp/null.json"
+one_line_at "$tmp/null.json" "/parallel/pp: expected a value, got null"
+mk "$tmp/nul.json" 'j["name"] = "tiny\u0000gpt"'
+expect_exit 2 "U+0000 in a name" "$memplan" plan "$tmp/nul.json"
+one_line_at "$tmp/nul.json" "/name: string contains U+0000"
+printf '\xef\xbb\xbf' | cat - "$gpt" >"$tmp/bom.json"
+expect_exit 0 "UTF-8 byte-order mark" "$memplan" plan "$tmp/bom.json" -q -o "$tmp/bom.plan.json"
+cmp -s "$tmp/bom.plan.json" "$tmp/gpt.plan.json" && ok || bad "a BOM changed the plan"
+# 7. Input size caps: endless devices and huge strings are refused, fast.
+expect_exit 2 "plan /dev/zero" timeout 30 "$memplan" plan /dev/zero
+one_line_at /dev/zero "/: input exceeds the limit of 268435456 bytes"
+expect_exit 2 "plan /dev/urandom" timeout 30 "$memplan" plan /dev/urandom
+mk "$tmp/bigname.json" 'j["name"] = "x" * (1 << 20)'
+expect_exit 2 "1 MiB name" timeout 20 "$memplan" plan "$tmp/bigname.json" -o "$tmp/bigname.plan.json"
+one_line_at "$tmp/bigname.json" "/name: string of 1048576 bytes exceeds"
+[ ! -e "$tmp/bigname.plan.json" ] && ok || bad "plan written for a huge name"
+# 8. An explicit-graph parameter whose bytes overflow names file and pointer.
+expect_exit 0 "expand for graph edit" "$memplan" expand "$gpt" -o "$tmp/expanded-gpt.json"
+python3 - "$tmp/expanded-gpt.json" "$tmp/bigparam.json" <<'PY'
+import json, sys
+j = json.load(open(sys.argv[1])); j["graph"]["layers"][0]["params"][0]["shape"] = [2**40, 2**40]
+json.dump(j, open(sys.argv[2], "w"))
+PY
+expect_exit 2 "graph parameter overflow" "$memplan" plan "$tmp/bigparam.json"
+one_line_at "$tmp/bigparam.json" "/graph/layers/0/params/0/shape"
+# 9. run and check read plans whole: wrong types anywhere are refused.
+for edit in 'p["tensors"][0]["bogus"] = 1' 'p["tensors"][0]["layer"] = "true"' 'p["schedule"][0][0] = "x"'; do
+  python3 - "$tmp/gpt.plan.json" "$tmp/edited.plan.json" "$edit" <<'PY'
+import json, sys
+p = json.load(open(sys.argv[1])); exec(sys.argv[3]); json.dump(p, open(sys.argv[2], "w"))
+PY
+  expect_exit 2 "run an edited plan: $edit" "$memplan" run "$tmp/edited.plan.json" -q -o "$tmp/m9.json"
+  grep -qF "edited.plan.json: /" "$tmp/err" && [ ! -e "$tmp/m9.json" ] && ok || bad "edited plan: $(cat "$tmp/err")"
+  expect_exit 2 "check an edited plan: $edit" "$memplan" check "$tmp/edited.plan.json" "$tmp/llama.measured.json"
+done
+
 echo "cli: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]

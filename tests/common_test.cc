@@ -1,8 +1,12 @@
 #include <doctest/doctest.h>
 
+#include <unistd.h>
+
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 
 #include "memplan/common/json_util.h"
 #include "memplan/common/table.h"
@@ -99,4 +103,151 @@ TEST_CASE("tables align numbers right") {
         "------------\n"
         "a       1.00\n"
         "long  123.45\n");
+}
+
+// --- Hostile input (docs/design.md, "Input limits and hostile input") -----
+
+namespace {
+std::string ParseMessage(std::string_view text, const JsonLimits& limits = {}) {
+  auto j = ParseJsonText(text, "in.json", limits);
+  return j.ok() ? std::string() : j.error().message;
+}
+}  // namespace
+
+TEST_CASE("the JSON reader refuses what the parser alone would accept, at its pointer") {
+  struct Case {
+    std::string text;
+    std::string message;
+  } cases[] = {
+      {R"({"a": {"b": 1, "b": 2}})", "in.json: /a/b: duplicate key \"b\""},
+      {R"({"a": [1, 2, 1e99999]})", "in.json: /a/2: number out of range: 1e99999"},
+      {R"({"a": [[1], -1e400]})", "in.json: /a/1: number out of range"},
+      {R"({"n": "a\u0000b"})", "in.json: /n: string contains U+0000"},
+      {R"({"a\u0000": 1})", "in.json: /a"},
+      {std::string(R"({"x": [)") + std::string(100, '[') + std::string(100, ']') + "]}",
+       "in.json: /x/0/0/0"},
+      {R"({"a": 1,})", "in.json: /a: invalid JSON"},
+      {R"({"s": ")" + std::string(70000, 'y') + "\"}", "in.json: /s: string of 70000 bytes exceeds the limit of 65536"},
+  };
+  int checked = 0;
+  for (const auto& c : cases) {
+    CAPTURE(c.text.substr(0, 60));
+    std::string m = ParseMessage(c.text);
+    CHECK(m.starts_with(c.message));
+    CHECK(m.find('\n') == std::string::npos);
+    ++checked;
+  }
+  CHECK(checked == 8);
+  // Depth: the limit, not the stack, decides; 10^6 levels cost no recursion.
+  JsonLimits limits;
+  CHECK(ParseMessage(std::string(64, '[') + std::string(64, ']'), limits).empty());
+  CHECK(ParseMessage(std::string(65, '[') + std::string(65, ']'), limits).find("nesting deeper than 64") !=
+        std::string::npos);
+  CHECK(ParseMessage(std::string(1000000, '[') + std::string(1000000, ']')).find("nesting") != std::string::npos);
+  // Size.
+  limits.max_bytes = 10;
+  CHECK(ParseMessage("[1, 2, 3, 4, 5]", limits) == "in.json: /: input exceeds the limit of 10 bytes");
+  // A UTF-8 byte-order mark is skipped; the document is the same.
+  auto bom = ParseJsonText("\xEF\xBB\xBF{\"a\": 1}", "in.json");
+  REQUIRE(bom.ok());
+  CHECK((*bom)["a"] == 1);
+  // Well-formed documents come back intact, key order and all.
+  auto ok = ParseJsonText(R"({"b": [1, 2.5, "x", null, true, {"c": {}}], "a": -3})", "in.json");
+  REQUIRE(ok.ok());
+  CHECK(ok->dump() == R"({"a":-3,"b":[1,2.5,"x",null,true,{"c":{}}]})");
+}
+
+TEST_CASE("explicit nulls are refused unless a key is documented nullable") {
+  Json j = Json::parse(R"({"a": null, "b": null})");
+  ObjectReader r(j, JsonLocation{"m.json", ""});
+  CHECK(r.OptIntNullable("a", 0, 10) == std::nullopt);
+  try {
+    r.OptInt("b", 0, 10);
+    FAIL("null accepted");
+  } catch (const ErrorException& e) {
+    CHECK(std::string(e.what()) == "m.json: /b: expected a value, got null (omit the key to use its default)");
+  }
+}
+
+TEST_CASE("no non-finite number is ever written") {
+  Json j = Json::parse(R"({"a": [1, {"b": 2.5}]})");
+  CHECK_FALSE(FindNonFinite(j).has_value());
+  j["a"][1]["b"] = std::numeric_limits<double>::infinity();
+  CHECK(FindNonFinite(j) == std::optional<std::string>("/a/1/b"));
+  OrderedJson o;
+  o["x/y"] = std::nan("");
+  CHECK(FindNonFinite(o) == std::optional<std::string>("/x~1y"));
+}
+
+TEST_CASE("outputs are all or nothing; links are written through, devices written straight") {
+  namespace fs = std::filesystem;
+  auto dir = fs::temp_directory_path() / ("memplan_output_test_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  auto count_entries = [&] {
+    int n = 0;
+    for ([[maybe_unused]] auto& e : fs::directory_iterator(dir)) ++n;
+    return n;
+  };
+  {  // Nothing lands before Commit, nothing stays without it.
+    OutputFiles out;
+    REQUIRE(out.Stage((dir / "a.json").string(), "a").ok());
+    REQUIRE(out.Stage((dir / "b.json").string(), "b").ok());
+    CHECK_FALSE(fs::exists(dir / "a.json"));
+  }
+  CHECK(count_entries() == 0);
+  {  // A failing device write fails the commit and lands nothing.
+    OutputFiles out;
+    REQUIRE(out.Stage((dir / "a.json").string(), "a").ok());
+    REQUIRE(out.Stage("/dev/full", "x").ok());
+    auto st = out.Commit();
+    REQUIRE_FALSE(st.ok());
+    CHECK(st.error().code == ErrorCode::kRuntime);
+    CHECK(st.error().message.starts_with("/dev/full: write failed"));
+  }
+  CHECK(count_entries() == 0);
+  CHECK(fs::is_character_file("/dev/full"));
+  // A symbolic link stays; its (dangling) target receives the bytes; an
+  // existing file keeps its permission bits.
+  fs::create_symlink(dir / "target.json", dir / "link.json");
+  REQUIRE(WriteFileAtomic((dir / "link.json").string(), "one").ok());
+  CHECK(fs::is_symlink(dir / "link.json"));
+  fs::permissions(dir / "target.json", fs::perms(0640));
+  REQUIRE(WriteFileAtomic((dir / "link.json").string(), "two").ok());
+  CHECK(fs::is_symlink(dir / "link.json"));
+  CHECK((fs::status(dir / "target.json").permissions() & fs::perms::all) == fs::perms(0640));
+  std::ifstream in(dir / "target.json");
+  std::string s;
+  std::getline(in, s);
+  CHECK(s == "two");
+  // A link loop and a directory are refused.
+  fs::create_symlink(dir / "loop2", dir / "loop1");
+  fs::create_symlink(dir / "loop1", dir / "loop2");
+  CHECK(WriteFileAtomic((dir / "loop1").string(), "x").error().message.find("too many levels") != std::string::npos);
+  CHECK(WriteFileAtomic(dir.string(), "x").error().message.find("is a directory") != std::string::npos);
+  CHECK_FALSE(OutputFiles::CheckWritable((dir / "no/such/x.json").string()).ok());
+  CHECK(OutputFiles::CheckWritable("/dev/null").ok());
+  // A staged directory replaces a previous dump, never other files.
+  {
+    OutputFiles out;
+    auto staged = out.StageDirectory((dir / "dump").string());
+    REQUIRE(staged.ok());
+    fs::create_directories(fs::path(*staged) / "grads");
+    std::ofstream(fs::path(*staged) / "grads" / "w.npy") << "x";
+    REQUIRE(out.Commit().ok());
+  }
+  CHECK(fs::exists(dir / "dump" / "grads" / "w.npy"));
+  {
+    OutputFiles out;
+    REQUIRE(out.StageDirectory((dir / "dump").string()).ok());
+    REQUIRE(out.Commit().ok());
+  }
+  CHECK_FALSE(fs::exists(dir / "dump" / "grads"));
+  std::ofstream(dir / "dump" / "notes.txt") << "mine";
+  {
+    OutputFiles out;
+    CHECK_FALSE(out.StageDirectory((dir / "dump").string()).ok());
+  }
+  CHECK(fs::exists(dir / "dump" / "notes.txt"));
+  fs::remove_all(dir);
 }

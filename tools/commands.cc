@@ -30,7 +30,7 @@ int Fail(const Error& e) {
 // error raised where no location was known (a total overflowing deep in
 // the accounting, say) is attributed to the whole input file.
 Error Located(Error e, const std::string& file) {
-  if (e.code == ErrorCode::kBadInput && e.message.rfind(file + ": /", 0) != 0 &&
+  if (e.code == ErrorCode::kBadInput && e.message.rfind(file + ": ", 0) != 0 &&
       e.message.rfind(file + " /", 0) != 0) {
     e.message = file + ": /: " + e.message;
   }
