@@ -62,7 +62,7 @@ Expected<Command> ParseCommandLine(const std::vector<std::string>& args) {
       c.text = out.str() + err.str();
       return c;
     }
-    return Error{ErrorCode::kBadInput, std::string(e.what()) + " (see memplan --help)"};
+    return Error{ErrorCode::kBadInput, OneLine(e.what()) + " (see memplan --help)"};
   }
   if (plan->parsed()) {
     c.verb = Verb::kPlan;

@@ -22,7 +22,7 @@ namespace memplan::cli {
 namespace {
 
 int Fail(const Error& e) {
-  std::fprintf(stderr, "memplan: %s\n", e.message.c_str());
+  std::fprintf(stderr, "memplan: %s\n", OneLine(e.message).c_str());
   return static_cast<int>(e.code);
 }
 

@@ -10,7 +10,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> args(argv + 1, argv + argc);
   auto command = memplan::cli::ParseCommandLine(args);
   if (!command) {
-    std::fprintf(stderr, "memplan: %s\n", command.error().message.c_str());
+    std::fprintf(stderr, "memplan: %s\n", memplan::OneLine(command.error().message).c_str());
     return static_cast<int>(command.error().code);
   }
   return memplan::cli::RunCommand(*command);

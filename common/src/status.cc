@@ -18,6 +18,28 @@ std::string_view ErrorCodeName(ErrorCode code) {
   return "unknown";
 }
 
+std::string OneLine(std::string_view text) {
+  std::string out;
+  out.reserve(text.size());
+  for (char c : text) {
+    auto u = static_cast<unsigned char>(c);
+    if (c == '\n') {
+      out += "\\n";
+    } else if (c == '\r') {
+      out += "\\r";
+    } else if (c == '\t') {
+      out += "\\t";
+    } else if (u < 0x20 || u == 0x7f) {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\x%02x", u);
+      out += buf;
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
 namespace internal {
 void CheckFailed(const char* file, int line, const char* expr, const char* message) {
   std::fprintf(stderr, "memplan: internal error at %s:%d: %s (%s)\n", file, line, message, expr);

@@ -114,6 +114,8 @@ class Executor {
   Executor(const Json& plan, const RunOptions& options) : plan_json_(plan), options_(options) {}
 
   Expected<RunResult> Run();
+  // Reads and checks the plan (Setup) without executing anything.
+  Expected<std::monostate> Validate();
 
  private:
   Expected<std::monostate> Setup();
@@ -1324,14 +1326,18 @@ Expected<RunResult> Executor::Finish(double grad_norm, double step_s) {
   return out;
 }
 
-Expected<RunResult> Executor::Run() {
+Expected<std::monostate> Executor::Validate() {
   try {
-    if (auto s = Setup(); !s.ok()) return s.error();
+    return Setup();
   } catch (const Json::exception& e) {
     return BadInput(options_.plan_file + ": not a memplan plan (" + e.what() + ")");
   } catch (const ErrorException& e) {
     return e.error();
   }
+}
+
+Expected<RunResult> Executor::Run() {
+  if (auto s = Validate(); !s.ok()) return s.error();
   backend_ = options_.backend == BackendKind::kCuda ? MakeCudaBackend() : MakeHostBackend(options_.copy_jitter_us);
   if (!backend_) {
     return Error{ErrorCode::kRuntime, "--backend cuda: no CUDA device is visible, or this memplan was built without CUDA"};
@@ -1392,6 +1398,13 @@ Expected<RunResult> Executor::Run() {
 Expected<RunResult> RunPlan(const Json& plan, const RunOptions& options) {
   Executor e(plan, options);
   return e.Run();
+}
+
+Expected<std::monostate> ValidatePlan(const Json& plan, const std::string& plan_file) {
+  RunOptions options;
+  options.plan_file = plan_file;
+  Executor e(plan, options);
+  return e.Validate();
 }
 
 }  // namespace memplan::runtime

@@ -27,6 +27,10 @@ enum class ErrorCode : int {
 
 std::string_view ErrorCodeName(ErrorCode code);
 
+// `text` with every control character (a newline in a file name or an
+// argument, say) written as a C escape, so a message stays one line.
+std::string OneLine(std::string_view text);
+
 // One user-actionable, single-line message plus its category.
 struct Error {
   ErrorCode code = ErrorCode::kBadInput;

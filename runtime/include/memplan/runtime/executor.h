@@ -77,4 +77,9 @@ struct RunResult {
 // match this planner; kRuntime for device failures (exhausted memory...).
 Expected<RunResult> RunPlan(const Json& plan, const RunOptions& options);
 
+// What RunPlan checks before it executes anything: the plan against its
+// schema, the embedded model, the digest, what this runtime can execute,
+// and that this planner rebuilds the same bytes. Errors as RunPlan's.
+Expected<std::monostate> ValidatePlan(const Json& plan, const std::string& plan_file);
+
 }  // namespace memplan::runtime

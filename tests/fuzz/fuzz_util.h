@@ -1,0 +1,35 @@
+// What every fuzz target asserts about memplan's answer to hostile input:
+// an Error is a value (never a crash, hang or exception), its message is
+// one line, and a bad-input message names the file and a JSON pointer.
+// A broken property aborts, which libFuzzer and the replay driver report
+// with the input that caused it.
+#pragma once
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <string_view>
+
+#include "memplan/common/status.h"
+
+namespace memplan::fuzz {
+
+inline constexpr const char* kFile = "fuzz.json";
+
+[[noreturn]] inline void Broken(std::string_view what, const std::string& message) {
+  std::fprintf(stderr, "fuzz property broken: %.*s: %s\n", static_cast<int>(what.size()), what.data(),
+               message.c_str());
+  std::abort();
+}
+
+// One line; bad input names `file` (or a file-less usage message for CLI
+// errors, where `file` is empty).
+inline void CheckError(const Error& e, const std::string& file = kFile) {
+  if (e.message.empty() || e.message.find('\n') != std::string::npos) Broken("error is not one line", e.message);
+  if (e.code == ErrorCode::kBadInput && !file.empty() && e.message.rfind(file + ":", 0) != 0 &&
+      e.message.rfind(file + " /", 0) != 0) {
+    Broken("bad-input error does not name the file", e.message);
+  }
+}
+
+}  // namespace memplan::fuzz
