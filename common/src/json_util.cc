@@ -328,7 +328,7 @@ class BoundedDomBuilder {
   bool Fail(const std::string& message) {
     if (!error_) {
       std::string pointer = Pointer();
-      error_ = Error{ErrorCode::kBadInput, file_ + ": " + (pointer.empty() ? "/" : pointer) + ": " + message};
+      error_ = Error{ErrorCode::kBadInput, OneLine(file_ + ": " + (pointer.empty() ? "/" : pointer) + ": " + message)};
     }
     return false;
   }

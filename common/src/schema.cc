@@ -72,7 +72,7 @@ Expected<bool> ValidateSchema(const Json& doc, SchemaKind kind, const std::strin
     const Json::json_pointer at(pointer);
     if (doc.contains(at) && !doc.at(at).is_structured()) what += ", got " + Brief(doc.at(at));
   }
-  return Error{ErrorCode::kBadInput, file + ": " + pointer + ": " + what +
+  return Error{ErrorCode::kBadInput, OneLine(file + ": " + pointer + ": " + what) +
                                          " (schema " + (kind == SchemaKind::kPlan       ? "memplan.plan/1"
                                                         : kind == SchemaKind::kMeasured ? "memplan.measured/1"
                                                                                         : "memplan.model/1") +

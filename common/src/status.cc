@@ -40,6 +40,10 @@ std::string OneLine(std::string_view text) {
   return out;
 }
 
+void ThrowError(ErrorCode code, std::string message) {
+  throw ErrorException(Error{code, OneLine(message)});
+}
+
 namespace internal {
 void CheckFailed(const char* file, int line, const char* expr, const char* message) {
   std::fprintf(stderr, "memplan: internal error at %s:%d: %s (%s)\n", file, line, message, expr);

@@ -49,9 +49,9 @@ class ErrorException : public std::runtime_error {
   Error error_;
 };
 
-[[noreturn]] inline void ThrowError(ErrorCode code, std::string message) {
-  throw ErrorException(Error{code, std::move(message)});
-}
+// `message` is made one line (OneLine): names and keys taken from input
+// may hold newlines.
+[[noreturn]] void ThrowError(ErrorCode code, std::string message);
 
 // A value or an Error (std::expected arrives only with C++23).
 template <class T>
