@@ -29,8 +29,6 @@ struct Solved {
   RebalanceResult rebalance;
 };
 
-// Stages 6-8 for one budget: rebalance, decide, bound; re-solve with a
-// margin where the placed peak (fragmentation) exceeds the budget.
 // Reports a stage's wall time to options.on_stage (bench/, MEMPLAN_TIMING).
 class StageClock {
  public:
@@ -47,6 +45,10 @@ class StageClock {
   std::chrono::steady_clock::time_point last_ = std::chrono::steady_clock::now();
 };
 
+// Stages 6-8 for one budget: decide, rebalance across pipeline ranks
+// (pp_balance, pp > 1) and decide again if tensors moved, then bound;
+// re-solve with a margin where the placed peak (fragmentation) exceeds the
+// budget, and run the verifier when asked.
 Solved SolveForBudget(const PlanningProblem& problem, int64_t budget, const PlanOptions& options, StageClock& clock) {
   const Model& model = *problem.model;
   Solved out{Assignment::Annotated(problem), {}, {}};

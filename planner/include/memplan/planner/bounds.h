@@ -8,8 +8,9 @@
 //                         fragmentation included, the number the host
 //                         runtime's arena reaches.
 //   any_plan_lower_bound  the lower bound when every instance takes its
-//                         smallest footprint (resident only while produced
-//                         and during its layer's backward); no plan can do
+//                         smallest footprint (resident from its production
+//                         to its last forward reader and again during its
+//                         layer's backward); no plan can do
 //                         better, so a budget below it is infeasible.
 //
 // The verifier checks the result instead of trusting it: every instance is

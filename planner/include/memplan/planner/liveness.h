@@ -336,7 +336,8 @@ class ProgramWalker {
 };
 
 // Per rank: the any-plan profile, every instance at its smallest footprint
-// (resident only while produced and during its layer's backward).
+// (resident from its production to its last forward reader, and during its
+// layer's backward).
 std::vector<std::vector<int64_t>> AnyPlanProfiles(const PlanningProblem& p);
 
 // Seconds one instance of tensor t adds under storage s, by the separable

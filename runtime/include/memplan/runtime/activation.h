@@ -2,7 +2,7 @@
 // instance (one per microbatch) bound to the storage the plan chose —
 // keep, recompute, fp8, offload_host, offload_remote, or fp8 composed with
 // an offload — and the model code only asks for instances; it never names a
-// policy (mission-notes.md, "unified activation manager").
+// policy (docs/runtime.md, "How it executes a plan"; docs/design.md, Layout).
 //
 // Memory follows the plan's memory program (planner::ProgramWalker) rank by
 // rank: BeginStep allocates every buffer that starts at the rank's next
