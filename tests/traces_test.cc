@@ -33,8 +33,8 @@ Measured Sample() {
   m.step_s = 0.25;
   m.loss = 10.5;
   m.grad_norm = 0.125;
-  m.ranks = {{0, 900, 1000, 400, {{0, 400}, {12.5, 900}, {30, 400}}, {{"alloc", 3}, {"kernel", 17}}},
-             {1, 800, 950, 300, {}, {}}};
+  m.ranks = {{0, 900, 1000, 400, {{0, 400}, {12.5, 900}, {30, 400}}, {{"alloc", 3}, {"kernel", 17}}, {}, {}},
+             {1, 800, 950, 300, {}, {}, {}, {}}};
   return m;
 }
 
@@ -50,7 +50,7 @@ Measured OneRank(std::string backend, int64_t peak, int64_t allocated_peak) {
   Measured m;
   m.backend = std::move(backend);
   m.plan_digest = kDigest;
-  m.ranks = {{0, allocated_peak, peak, 0, {}, {}}};
+  m.ranks = {{0, allocated_peak, peak, 0, {}, {}, {}, {}}};
   return m;
 }
 
@@ -190,7 +190,7 @@ TEST_CASE("check table: units, verdicts, failures only") {
   PlanBounds plan = Bounds(1000, 800);
   plan.ranks.push_back({1, 900, 700});
   Measured m = OneRank("host", 1000, 800);
-  m.ranks.push_back({1, 700, 901, 0, {}, {}});
+  m.ranks.push_back({1, 700, 901, 0, {}, {}, {}, {}});
   auto r = Check(plan, m);
   REQUIRE(r.ok());
   CHECK_FALSE(r->pass);
@@ -382,4 +382,97 @@ TEST_CASE("footprint: sort, ties, pools, releases, filters") {
   CHECK(w.warnings.size() == 2);
   CHECK(w.allocated_bytes == 16);
   CHECK(w.allocated_peak == 16);
+}
+
+TEST_CASE("MEASURED.json sources: allocator, CUPTI bytes per rank, pool marks, the process") {
+  // A file written before these fields existed reads as its run was made.
+  Json old = Json::parse(MeasuredToJson(Sample()).dump());
+  old.erase("source");
+  auto back = ParseMeasured(old, "m.json");
+  REQUIRE(back.ok());
+  CHECK(back->source == "runtime");
+  CHECK(AllocatorOf(*back) == "pool");  // Sample() is a cuda run
+  Measured host = OneRank("host", 1000, 600);
+  CHECK(AllocatorOf(host) == "arena");
+  // Every new field round-trips and is schema-valid.
+  Measured m = Sample();
+  m.allocator = "pool";
+  m.ranks[0].cupti = CuptiRankBytes{900, 1000, {{0, 100}, {5, 900}}};
+  m.ranks[0].pool = PoolMarks{1000, 900};
+  m.process = MeasuredProcess{2100, 500, 150};
+  Json j = Json::parse(MeasuredToJson(m).dump());
+  auto again = ParseMeasured(j, "m.json");
+  REQUIRE(again.ok());
+  CHECK(MeasuredToJson(*again).dump() == MeasuredToJson(m).dump());
+#ifdef MEMPLAN_HAVE_VALIJSON
+  CHECK(SchemaErrors("schemas/measured.schema.json", j) == "");
+  CHECK(SchemaErrors("schemas/measured.schema.json", old) == "");
+#endif
+  // Bad input at its pointer.
+  struct Case {
+    const char* pointer;
+    Json value;
+    const char* message;
+  } cases[] = {
+      {"/allocator", "slab", "m.json: /allocator: expected one of arena|pool"},
+      {"/source", "nsys", "m.json: /source: expected one of runtime|cupti-injection"},
+      {"/ranks/0/cupti/reserved_peak", 10, "m.json: /ranks/0/cupti/reserved_peak: expected at least allocated_peak"},
+      {"/ranks/0/pool/reserved_peak", 10, "m.json: /ranks/0/pool/reserved_peak: expected at least used_peak"},
+      {"/ranks/0/cupti/extra", 1, "m.json: /ranks/0/cupti/extra: unknown key"},
+      {"/process/context_bytes", -1, "m.json: /process/context_bytes: expected a byte count"},
+      {"/allocator", "arena", "m.json: /ranks/0/pool: pool marks in a measurement whose allocator is \"arena\""},
+  };
+  int checked = 0;
+  for (const auto& c : cases) {
+    CAPTURE(c.pointer);
+    Json bad = j;
+    bad[Json::json_pointer(c.pointer)] = c.value;
+    std::string e = ParseError(bad);
+    CAPTURE(e);
+    CHECK(e.starts_with(c.message));
+    ++checked;
+  }
+  CHECK(checked == 7);
+}
+
+TEST_CASE("check compares CUPTI's bytes with the allocator's, and the process total") {
+  PlanBounds plan = Bounds(1000, 600);
+  // Arena: CUPTI's live allocations are the arenas, exactly.
+  Measured arena = OneRank("cuda", 1000, 600);
+  arena.allocator = "arena";
+  arena.ranks[0].cupti = CuptiRankBytes{1000, 1000, {}};
+  auto r = Check(plan, arena, {});
+  REQUIRE(r.ok());
+  CHECK(r->tolerance == 0);
+  CHECK(r->pass);
+  CHECK(r->ranks[0].cupti_bytes == 1000);
+  CHECK(RenderCheckTable(*r).find("cupti(MiB)") != std::string::npos);
+  arena.ranks[0].cupti->allocated_peak = 1001;
+  r = Check(plan, arena, {});
+  REQUIRE(r.ok());
+  CHECK_FALSE(r->pass);
+  CHECK(r->ranks[0].verdict.find("CUPTI +1 B off the arena") != std::string::npos);
+  // Pool: CUPTI's reserved bytes against the pool's mark, at 2 %.
+  Measured pool = OneRank("cuda", 1000, 600);
+  pool.ranks[0].cupti = CuptiRankBytes{600, 1015, {}};
+  r = Check(plan, pool, {});
+  REQUIRE(r.ok());
+  CHECK(r->allocator == "pool");
+  CHECK(r->pass);
+  pool.ranks[0].cupti->reserved_peak = 1030;
+  CHECK_FALSE(Passes(plan, pool));
+  // The process: ranks + profiler; the context is reported, not counted.
+  Measured proc = OneRank("host", 1000, 600);
+  proc.process = MeasuredProcess{1200, 300, 200};
+  r = Check(plan, proc, {});
+  REQUIRE(r.ok());
+  REQUIRE(r->process.has_value());
+  CHECK(r->process->expected_bytes == 1200);
+  CHECK(r->pass);
+  CHECK(RenderCheckTable(*r).find("process: CUPTI") != std::string::npos);
+  proc.process->device_bytes_peak = 1300;
+  r = Check(plan, proc, {});
+  REQUIRE(r.ok());
+  CHECK_FALSE(r->pass);
+  CHECK(r->process->verdict.find("+100 B") != std::string::npos);
 }

@@ -128,8 +128,9 @@ int RunCheck(const Command& c) {
                                               std::to_string(result->ranks.size()) +
                                               " ranks outside the plan's bounds (tolerance " + tol + ")"});
   }
-  std::printf("check passed: %zu ranks within the plan's bounds (tolerance %s, %s backend)\n", result->ranks.size(),
-              tol.c_str(), measured->backend.c_str());
+  std::printf("check passed: %zu ranks within the plan's bounds (tolerance %s, %s backend, %s allocator, %s)\n",
+              result->ranks.size(), tol.c_str(), measured->backend.c_str(), result->allocator.c_str(),
+              result->source.c_str());
   return 0;
 }
 

@@ -1303,6 +1303,9 @@ Expected<RunResult> Executor::Finish(double grad_norm, double step_s) {
   RunResult out;
   traces::Measured& m = out.measured;
   m.backend = std::string(BackendName(options_.backend));
+  // The host arena follows the planner's placement; the cuda backend uses a
+  // stream-ordered pool per rank.
+  m.allocator = options_.backend == BackendKind::kCuda ? "pool" : "arena";
   m.device = backend_->device_name();
   m.plan_digest = plan_json_.value("digest", std::string());
   m.step_s = step_s;

@@ -59,7 +59,9 @@ Expected<PlanBounds> ParsePlanBounds(const Json& json, const std::string& file) 
 
 Expected<CheckResult> Check(const PlanBounds& plan, const Measured& measured, const CheckOptions& options) {
   CheckResult result;
-  result.tolerance = options.tolerance.value_or(measured.backend == "cuda" ? kCudaTolerance : kHostTolerance);
+  result.allocator = AllocatorOf(measured);
+  result.tolerance = options.tolerance.value_or(result.allocator == "pool" ? kCudaTolerance : kHostTolerance);
+  result.source = measured.source;
   if (!std::isfinite(result.tolerance) || result.tolerance < 0 || result.tolerance > 1) {
     return Error{ErrorCode::kBadInput,
                  "--tolerance: expected a fraction in [0, 1], got " + FormatFixed(result.tolerance, 4)};
@@ -83,7 +85,7 @@ Expected<CheckResult> Check(const PlanBounds& plan, const Measured& measured, co
   result.pass = true;
   for (const auto& p : plan.ranks) {
     const MeasuredRank& m = *by_rank.at(p.pp_rank);
-    RankCheck c{p.pp_rank, p.peak, m.peak, p.lower_bound, m.allocated_peak, true, ""};
+    RankCheck c{p.pp_rank, p.peak, m.peak, p.lower_bound, m.allocated_peak, std::nullopt, true, ""};
     std::vector<std::string> why;
     if (m.allocated_peak < p.lower_bound) {
       why.push_back("allocated " + std::to_string(p.lower_bound - m.allocated_peak) + " B below lower bound");
@@ -94,11 +96,34 @@ Expected<CheckResult> Check(const PlanBounds& plan, const Measured& measured, co
     if (int64_t limit = Limit(p.peak, result.tolerance); m.peak > limit) {
       why.push_back("peak " + std::to_string(m.peak - limit) + " B over");
     }
+    if (m.cupti) {
+      // Arena: the rank's device allocations are its arenas. Pool: what
+      // the driver reserved is the pool's reserved mark.
+      c.cupti_bytes = result.allocator == "arena" ? m.cupti->allocated_peak : m.cupti->reserved_peak;
+      if (int64_t diff = *c.cupti_bytes - m.peak; std::abs(diff) > Limit(m.peak, result.tolerance) - m.peak) {
+        why.push_back("CUPTI " + std::string(diff > 0 ? "+" : "") + std::to_string(diff) + " B off the " +
+                      result.allocator);
+      }
+    }
     c.pass = why.empty();
     for (const auto& w : why) c.verdict += (c.verdict.empty() ? "FAIL: " : "; ") + w;
     if (c.pass) c.verdict = "pass";
     result.pass = result.pass && c.pass;
     result.ranks.push_back(std::move(c));
+  }
+  if (measured.process) {
+    ProcessCheck pc;
+    pc.cupti_device_bytes = measured.process->device_bytes_peak;
+    pc.context_bytes = measured.process->context_bytes;
+    pc.expected_bytes = measured.process->profiler_bytes;
+    for (const auto& r : measured.ranks) pc.expected_bytes += r.peak;
+    int64_t diff = pc.cupti_device_bytes - pc.expected_bytes;
+    pc.pass = std::abs(diff) <= Limit(pc.expected_bytes, result.tolerance) - pc.expected_bytes;
+    pc.verdict = pc.pass ? "pass"
+                         : "FAIL: CUPTI saw " + std::string(diff > 0 ? "+" : "") + std::to_string(diff) +
+                               " B beside the ranks and the profiler";
+    result.pass = result.pass && pc.pass;
+    result.process = pc;
   }
   return result;
 }
@@ -111,13 +136,28 @@ std::string RenderCheckTable(const CheckResult& result, bool failures_only) {
   auto cell = [&](int64_t bytes) {
     return FormatFixed(static_cast<double>(bytes) / static_cast<double>(mib ? kMiB : kGiB), 2);
   };
-  Table t({"pp_rank", "peak" + u, "measured" + u, "lower_bd" + u, "allocated" + u, "verdict"});
+  bool cupti = false;
+  for (const auto& r : result.ranks) cupti = cupti || r.cupti_bytes.has_value();
+  std::vector<std::string> header{"pp_rank", "peak" + u, "measured" + u, "lower_bd" + u, "allocated" + u};
+  if (cupti) header.push_back("cupti" + u);
+  header.push_back("verdict");
+  Table t(header);
   for (const auto& r : result.ranks) {
     if (failures_only && r.pass) continue;
-    t.AddRow({std::to_string(r.pp_rank), cell(r.predicted_peak), cell(r.measured_peak), cell(r.lower_bound),
-              cell(r.allocated_peak), r.verdict});
+    std::vector<std::string> row{std::to_string(r.pp_rank), cell(r.predicted_peak), cell(r.measured_peak),
+                                 cell(r.lower_bound), cell(r.allocated_peak)};
+    if (cupti) row.push_back(r.cupti_bytes ? cell(*r.cupti_bytes) : "-");
+    row.push_back(r.verdict);
+    t.AddRow(row);
   }
-  return t.Render();
+  std::string out = t.Render();
+  if (result.process && !(failures_only && result.process->pass)) {
+    const auto& pc = *result.process;
+    out += "process: CUPTI " + cell(pc.cupti_device_bytes) + u.substr(1, 3) + " against ranks + profiler " +
+           cell(pc.expected_bytes) + u.substr(1, 3) + " (context " + cell(pc.context_bytes) + u.substr(1, 3) +
+           ", not counted): " + pc.verdict + "\n";
+  }
+  return out;
 }
 
 }  // namespace memplan::traces

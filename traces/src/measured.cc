@@ -35,6 +35,56 @@ bool IsDigest(const std::string& s) {
   return true;
 }
 
+// [[t_us, bytes], ...] with t_us non-decreasing.
+std::vector<TimelinePoint> ParseTimeline(const Json& json, const JsonLocation& where) {
+  const Json& timeline = ExpectArray(json, where);
+  std::vector<TimelinePoint> out;
+  for (size_t i = 0; i < timeline.size(); ++i) {
+    JsonLocation at = where.Child(i);
+    const Json& pair = timeline[i];
+    if (!pair.is_array() || pair.size() != 2) ThrowAt(at, "expected [t_us, allocated_bytes], got " + Brief(pair));
+    TimelinePoint p{NonNegative(pair[0], at.Child(size_t{0})), ByteCount(pair[1], at.Child(1))};
+    if (!out.empty() && p.t_us < out.back().t_us) {
+      ThrowAt(at.Child(size_t{0}), "timeline goes back in time (" + Brief(pair[0]) + " after " +
+                                       Brief(timeline[i - 1][0]) + ")");
+    }
+    out.push_back(p);
+  }
+  return out;
+}
+
+CuptiRankBytes ParseCupti(const Json& json, const JsonLocation& where) {
+  ObjectReader r(json, where);
+  CuptiRankBytes c;
+  c.allocated_peak = ByteCount(r, "allocated_peak");
+  c.reserved_peak = ByteCount(r, "reserved_peak");
+  if (c.reserved_peak < c.allocated_peak) {
+    ThrowAt(r.At("reserved_peak"), "expected at least allocated_peak (" + std::to_string(c.allocated_peak) +
+                                       "), got " + std::to_string(c.reserved_peak));
+  }
+  c.timeline = ParseTimeline(r.Required("timeline"), r.At("timeline"));
+  r.Finish();
+  return c;
+}
+
+PoolMarks ParsePool(const Json& json, const JsonLocation& where) {
+  ObjectReader r(json, where);
+  PoolMarks p{ByteCount(r, "reserved_peak"), ByteCount(r, "used_peak")};
+  if (p.reserved_peak < p.used_peak) {
+    ThrowAt(r.At("reserved_peak"), "expected at least used_peak (" + std::to_string(p.used_peak) + "), got " +
+                                       std::to_string(p.reserved_peak));
+  }
+  r.Finish();
+  return p;
+}
+
+MeasuredProcess ParseProcess(const Json& json, const JsonLocation& where) {
+  ObjectReader r(json, where);
+  MeasuredProcess p{ByteCount(r, "device_bytes_peak"), ByteCount(r, "context_bytes"), ByteCount(r, "profiler_bytes")};
+  r.Finish();
+  return p;
+}
+
 MeasuredRank ParseRank(const Json& json, const JsonLocation& where) {
   ObjectReader r(json, where);
   MeasuredRank rank;
@@ -42,18 +92,7 @@ MeasuredRank ParseRank(const Json& json, const JsonLocation& where) {
   rank.allocated_peak = ByteCount(r, "allocated_peak");
   rank.peak = ByteCount(r, "peak");
   rank.static_bytes = ByteCount(r, "static");
-  const Json& timeline = ExpectArray(r.Required("timeline"), r.At("timeline"));
-  for (size_t i = 0; i < timeline.size(); ++i) {
-    JsonLocation at = r.At("timeline").Child(i);
-    const Json& pair = timeline[i];
-    if (!pair.is_array() || pair.size() != 2) ThrowAt(at, "expected [t_us, allocated_bytes], got " + Brief(pair));
-    TimelinePoint p{NonNegative(pair[0], at.Child(size_t{0})), ByteCount(pair[1], at.Child(1))};
-    if (!rank.timeline.empty() && p.t_us < rank.timeline.back().t_us) {
-      ThrowAt(at.Child(size_t{0}), "timeline goes back in time (" + Brief(pair[0]) + " after " +
-                                       Brief(timeline[i - 1][0]) + ")");
-    }
-    rank.timeline.push_back(p);
-  }
+  rank.timeline = ParseTimeline(r.Required("timeline"), r.At("timeline"));
   const Json& events = r.Required("events");
   if (!events.is_object()) ThrowAt(r.At("events"), "expected an object of event counts, got " + Brief(events));
   for (auto it = events.begin(); it != events.end(); ++it) {
@@ -64,6 +103,8 @@ MeasuredRank ParseRank(const Json& json, const JsonLocation& where) {
     }
     rank.events[it.key()] = ExpectInt(count, at, 0, kMaxBytes);
   }
+  if (const Json* c = r.Get("cupti")) rank.cupti = ParseCupti(*c, r.At("cupti"));
+  if (const Json* p = r.Get("pool")) rank.pool = ParsePool(*p, r.At("pool"));
   r.Finish();
   return rank;
 }
@@ -79,6 +120,8 @@ Expected<Measured> ParseMeasured(const Json& json, const std::string& file) {
     }
     Measured m;
     m.backend = r.Enum("backend", {"host", "cuda"});
+    m.source = r.Enum("source", {"runtime", "cupti-injection"}, "runtime");
+    m.allocator = r.Enum("allocator", {"arena", "pool"}, "");
     m.device = r.String("device");
     m.plan_digest = r.String("plan_digest");
     if (!IsDigest(m.plan_digest)) {
@@ -97,12 +140,24 @@ Expected<Measured> ParseMeasured(const Json& json, const std::string& file) {
                 "pp_rank " + std::to_string(m.ranks.back().pp_rank) + " appears twice");
       }
     }
+    for (size_t i = 0; i < m.ranks.size(); ++i) {
+      if (m.ranks[i].pool && AllocatorOf(m) != "pool") {
+        ThrowAt(r.At("ranks").Child(i).Child("pool"), "pool marks in a measurement whose allocator is \"" +
+                                                          AllocatorOf(m) + "\"");
+      }
+    }
+    if (const Json* p = r.Get("process")) m.process = ParseProcess(*p, r.At("process"));
     r.Finish();
     // The reader above gives the specific messages; the schema is the net
     // for anything it does not look at.
     if (auto valid = ValidateSchema(json, SchemaKind::kMeasured, file); !valid.ok()) throw ErrorException(valid.error());
     return m;
   });
+}
+
+std::string AllocatorOf(const Measured& m) {
+  if (!m.allocator.empty()) return m.allocator;
+  return m.backend == "cuda" ? "pool" : "arena";
 }
 
 Expected<Measured> LoadMeasured(const std::string& path) {
@@ -115,6 +170,8 @@ OrderedJson MeasuredToJson(const Measured& m) {
   OrderedJson j;
   j["schema"] = kMeasuredSchema;
   j["backend"] = m.backend;
+  j["source"] = m.source;
+  if (!m.allocator.empty()) j["allocator"] = m.allocator;
   j["device"] = m.device;
   j["plan_digest"] = m.plan_digest;
   j["step_s"] = m.step_s;
@@ -131,7 +188,21 @@ OrderedJson MeasuredToJson(const Measured& m) {
     for (const auto& p : rank.timeline) r["timeline"].push_back({p.t_us, p.allocated_bytes});
     r["events"] = OrderedJson::object();
     for (const auto& [name, count] : rank.events) r["events"][name] = count;
+    if (rank.cupti) {
+      OrderedJson c;
+      c["allocated_peak"] = rank.cupti->allocated_peak;
+      c["reserved_peak"] = rank.cupti->reserved_peak;
+      c["timeline"] = OrderedJson::array();
+      for (const auto& p : rank.cupti->timeline) c["timeline"].push_back({p.t_us, p.allocated_bytes});
+      r["cupti"] = std::move(c);
+    }
+    if (rank.pool) r["pool"] = {{"reserved_peak", rank.pool->reserved_peak}, {"used_peak", rank.pool->used_peak}};
     j["ranks"].push_back(std::move(r));
+  }
+  if (m.process) {
+    j["process"] = {{"device_bytes_peak", m.process->device_bytes_peak},
+                    {"context_bytes", m.process->context_bytes},
+                    {"profiler_bytes", m.process->profiler_bytes}};
   }
   return j;
 }

@@ -6,8 +6,18 @@
 // The first says the allocator-independent prediction is exact (no plan can
 // beat its lower bound; a measurement below it means the plan or the
 // measurement misses allocations); the second that the allocator does no
-// worse than the planner's simulation of it. The default tolerance is 0 on
-// the deterministic host backend and 2 % on CUDA.
+// worse than the planner's simulation of it. The default tolerance follows
+// the measurement's allocator: 0 for an arena (one block per rank at the
+// planner's offsets, host or cuda: exact by construction), 2 % for a pool.
+//
+// Where the measurement carries CUPTI's view, two more sources are checked
+// at the same tolerance (docs/runtime.md, "What is measured"):
+//   - per rank, CUPTI's bytes equal the allocator's: in arena mode the
+//     rank's live device allocations (its arenas) equal its measured peak;
+//     in pool mode CUPTI's reserved bytes equal the pool's reserved mark;
+//   - per process, every device byte CUPTI saw equals the ranks' measured
+//     peaks plus the profiler's own bytes (the CUDA context is reported,
+//     not counted: CUPTI sees no allocation for it).
 //
 // Only the plan's schema, digest and ranks[].{pp_rank, peak, lower_bound}
 // are read here, so traces/ does not depend on the planner library;
@@ -25,8 +35,8 @@
 
 namespace memplan::traces {
 
-inline constexpr double kHostTolerance = 0.0;
-inline constexpr double kCudaTolerance = 0.02;
+inline constexpr double kHostTolerance = 0.0;  // allocator "arena"
+inline constexpr double kCudaTolerance = 0.02;  // allocator "pool"
 
 struct PlanRankBounds {
   int64_t pp_rank = 0;
@@ -59,14 +69,27 @@ struct RankCheck {
   int64_t measured_peak = 0;
   int64_t lower_bound = 0;
   int64_t allocated_peak = 0;
+  std::optional<int64_t> cupti_bytes;  // CUPTI's bytes compared with measured_peak
   bool pass = false;
   std::string verdict;  // "pass", or why not, with the excess in bytes
 };
 
+// The process-wide comparison (measurements with a `process` object).
+struct ProcessCheck {
+  int64_t cupti_device_bytes = 0;  // every device allocation CUPTI saw
+  int64_t expected_bytes = 0;      // sum of the ranks' measured peaks + profiler bytes
+  int64_t context_bytes = 0;       // reported only
+  bool pass = false;
+  std::string verdict;
+};
+
 struct CheckResult {
   double tolerance = 0;
-  bool pass = false;             // every rank passes
+  std::string allocator;         // the measurement's ("arena" | "pool")
+  std::string source;            // the measurement's ("runtime" | "cupti-injection")
+  bool pass = false;             // every rank (and the process) passes
   std::vector<RankCheck> ranks;  // in the plan's rank order
+  std::optional<ProcessCheck> process;
 };
 
 // Compares plan and measurement rank by rank. Errors: kDigestMismatch when
@@ -76,8 +99,9 @@ struct CheckResult {
 Expected<CheckResult> Check(const PlanBounds& plan, const Measured& measured, const CheckOptions& options = {});
 
 // Aligned table: pp_rank, predicted peak, measured peak, lower bound,
-// allocated peak (MiB when all below 1 GiB, else GiB) and the verdict.
-// With `failures_only`, only the ranks that fail.
+// allocated peak, CUPTI's bytes when present (MiB when all below 1 GiB,
+// else GiB) and the verdict; then the process line when present. With
+// `failures_only`, only the ranks that fail.
 std::string RenderCheckTable(const CheckResult& result, bool failures_only = false);
 
 }  // namespace memplan::traces

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -26,6 +27,24 @@ struct TimelinePoint {
   int64_t allocated_bytes = 0;
 };
 
+// CUPTI's view of one rank's device memory: MEMORY2 / MEMORY_POOL records
+// attributed to the rank by address (footprint.h). In arena mode the rank's
+// arenas are its only device allocations, so allocated_peak == the rank's
+// `peak`; in pool mode reserved_peak is what the driver set aside.
+struct CuptiRankBytes {
+  int64_t allocated_peak = 0;  // bytes of live device allocations, maximum
+  int64_t reserved_peak = 0;   // plus pool reservations, maximum
+  std::vector<TimelinePoint> timeline;  // [t_us, allocated_bytes], t_us non-decreasing
+};
+
+// A stream-ordered pool's own marks (allocator "pool"): what it reserved
+// from the driver and what its allocations used; the difference at the
+// peak is the fragmentation the driver added.
+struct PoolMarks {
+  int64_t reserved_peak = 0;  // bytes
+  int64_t used_peak = 0;      // bytes
+};
+
 struct MeasuredRank {
   int64_t pp_rank = 0;
   int64_t allocated_peak = 0;  // bytes
@@ -33,17 +52,39 @@ struct MeasuredRank {
   int64_t static_bytes = 0;    // JSON key "static"
   std::vector<TimelinePoint> timeline;  // t_us non-decreasing
   std::map<std::string, int64_t> events;  // name -> count
+  std::optional<CuptiRankBytes> cupti;    // when CUPTI was collected
+  std::optional<PoolMarks> pool;          // allocator "pool" only
+};
+
+// Device bytes of the whole process (CUPTI and cudaMemGetInfo): everything
+// the ranks hold, plus what lies outside any plan.
+struct MeasuredProcess {
+  int64_t device_bytes_peak = 0;  // every device allocation CUPTI saw, maximum
+  int64_t context_bytes = 0;      // cudaMemGetInfo used bytes before the first allocation
+  int64_t profiler_bytes = 0;     // CUPTI's own device bytes
 };
 
 struct Measured {
   std::string backend = "host";  // "host" | "cuda"
+  // Where the numbers come from: "runtime" (memplan run) or
+  // "cupti-injection" (memplan profile of another program).
+  std::string source = "runtime";
+  // "arena" (one block per rank at the planner's offsets: exact) or "pool"
+  // (a stream-ordered pool); empty in files written before the field
+  // existed, which means what those runs used: see AllocatorOf.
+  std::string allocator;
   std::string device;
   std::string plan_digest;  // "sha256:<64 hex>"
   double step_s = 0;
   double loss = 0;
   double grad_norm = 0;
   std::vector<MeasuredRank> ranks;  // pp_rank unique
+  std::optional<MeasuredProcess> process;
 };
+
+// The measurement's allocator: `allocator`, or where it is empty "arena"
+// on host and "pool" on cuda.
+std::string AllocatorOf(const Measured& measured);
 
 // Parses and validates a MEASURED.json document. Unknown keys, missing keys,
 // out-of-range values, a timeline going back in time and duplicate pp ranks
