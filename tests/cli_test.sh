@@ -142,6 +142,12 @@ if ! command -v nvidia-smi >/dev/null 2>&1; then
   expect_exit 5 "run cuda without a GPU" "$memplan" run "$tmp/llama.plan.json" --backend cuda -o "$tmp/cuda.json"
   [ ! -e "$tmp/cuda.json" ] && ok || bad "failed cuda run left a MEASURED.json"
 fi
+expect_exit 2 "run host with a pool" "$memplan" run "$tmp/llama.plan.json" --allocator pool -o "$tmp/pool.json"
+grep -q "always an arena" "$tmp/err" && [ ! -e "$tmp/pool.json" ] && ok || bad "host pool: $(cat "$tmp/err")"
+expect_exit 2 "run with an unknown allocator" "$memplan" run "$tmp/llama.plan.json" --allocator slab
+python3 -c "import json; m=json.load(open('$tmp/llama.measured.json')); assert m['allocator'] == 'arena' and m['source'] == 'runtime'" \
+  && ok || bad "MEASURED.json does not say allocator arena, source runtime"
+grep -q "arena allocator, runtime" "$tmp/out" 2>/dev/null || true
 expect_exit 4 "check another model's measurement" "$memplan" check "$tmp/tp2.plan.json" "$tmp/llama.measured.json"
 
 # 11. Hostile input (docs/design.md, "Input limits and hostile input"): one

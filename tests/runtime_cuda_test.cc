@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "kernels/gpu_test_main.h"
+#include "memplan/common/best_fit_heap.h"
 #include "memplan/runtime/cuda_device.h"
 
 using namespace memplan;
@@ -325,4 +326,48 @@ TEST_CASE("host arena: allocate and release hooks") {
     arena.Free(b);
   }
   CHECK(releases == 1);
+}
+
+TEST_CASE("cuda arena: one block, the planner's placement, exact high water") {
+  // A fixed program of allocations and frees: the arena must place each
+  // buffer where the planner's BestFitHeap does, and reach its high water.
+  CudaDevice::Options o;
+  o.capacity_bytes = 8 * kMiB;
+  o.name = "arena";
+  o.arena = true;
+  auto made = CudaDevice::Create(o);
+  REQUIRE_MESSAGE(made.ok(), (made.ok() ? "" : made.error().message));
+  CudaDevice& dev = **made;
+  auto [base, block_bytes] = dev.arena_block();
+  REQUIRE(base != nullptr);
+  CHECK(block_bytes == 8 * kMiB);
+  CHECK(dev.pool() == nullptr);
+  BestFitHeap heap(256);
+  const int64_t sizes[] = {3 * kMiB, 1000, kMiB + 1, 2 * kMiB, 77};
+  std::vector<Buffer> live;
+  int checked = 0;
+  for (int64_t s : sizes) {
+    Buffer b = MustAllocate(dev, s);
+    CHECK(b.offset == heap.Allocate(s));
+    CHECK(static_cast<std::byte*>(b.ptr) == static_cast<std::byte*>(base) + b.offset);
+    FillOnCompute(dev, b, 0x5A);
+    live.push_back(b);
+    ++checked;
+  }
+  dev.Free(live[1]);
+  heap.Free(live[1].offset);
+  dev.Free(live[3]);
+  heap.Free(live[3].offset);
+  Buffer again = MustAllocate(dev, 1500 * 1024);
+  CHECK(again.offset == heap.Allocate(1500 * 1024));
+  CHECK(dev.high_water() == heap.high_water());
+  CHECK(dev.used_high_water() == dev.high_water());
+  CHECK(checked == 5);
+  // Past the block: an error, the device unchanged.
+  CHECK_FALSE(dev.Allocate(8 * kMiB).ok());
+  CHECK(dev.high_water() == heap.high_water());
+  dev.Free(again);
+  for (int i : {0, 2, 4}) dev.Free(live[static_cast<size_t>(i)]);
+  dev.Synchronize();
+  CHECK(dev.allocated_bytes() == 0);
 }

@@ -45,6 +45,10 @@ Expected<Command> ParseCommandLine(const std::vector<std::string>& args) {
   run->add_option("plan", run_plan, "plan file (memplan.plan/1)")->required();
   run->add_option("--backend", c.backend, "host (default: CPU reference kernels) or cuda")
       ->check(CLI::IsMember({"host", "cuda"}));
+  run->add_option("--allocator", c.allocator,
+                  "cuda: arena (default; one block per rank, the planner's placement: exact bytes) or pool "
+                  "(stream-ordered pool, framework-like)")
+      ->check(CLI::IsMember({"arena", "pool"}));
   run->add_option("-o,--output", run_out, "write MEASURED.json (memplan.measured/1)");
   run->add_option("--trace", c.trace, "write a Chrome trace (chrome://tracing, Perfetto)");
   run->add_option("--dump", c.dump, "write initial weights, batch and gradients as .npy files into DIR");

@@ -31,6 +31,7 @@ struct Command {
 
   // run
   std::string backend = "host";
+  std::string allocator = "arena";  // cuda: arena (exact) or pool
   std::string trace;
   std::string dump;
 

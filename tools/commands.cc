@@ -154,12 +154,16 @@ void PrintRunTable(const Json& plan_json, const traces::Measured& m) {
 // Executes one training step of PLAN.json; writes MEASURED.json, the trace
 // and the dump together, or none of them.
 int RunExecute(const Command& c) {
+  if (c.backend == "host" && c.allocator == "pool") {
+    return Fail({ErrorCode::kBadInput, "--allocator pool: the host backend is always an arena (pools are cuda's)"});
+  }
   if (auto ok = CheckOutputs({&c.output, &c.trace}); !ok) return Fail(ok.error());
   auto plan_json = ReadJsonFile(c.input);
   if (!plan_json) return Fail(plan_json.error());
   OutputFiles out;
   runtime::RunOptions options;
   options.backend = c.backend == "cuda" ? runtime::BackendKind::kCuda : runtime::BackendKind::kHost;
+  options.cuda_pool = c.allocator == "pool";
   options.plan_file = c.input;
   options.trace = !c.trace.empty();
   if (!c.dump.empty()) {

@@ -24,6 +24,8 @@ void Check(cudaError_t e, const char* what) {
 
 class CudaBackend final : public Backend {
  public:
+  explicit CudaBackend(bool arena) : arena_(arena) {}
+
   std::string device_name() const override {
     cudaDeviceProp prop{};
     if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) return "cuda";
@@ -34,6 +36,7 @@ class CudaBackend final : public Backend {
     CudaDevice::Options o;
     o.name = name;
     o.capacity_bytes = capacity_bytes;
+    o.arena = arena_;
     auto d = CudaDevice::Create(o);
     if (!d.ok()) return d.error();
     return std::unique_ptr<Device>(std::move(*d));
@@ -76,13 +79,16 @@ class CudaBackend final : public Backend {
   }
 
   void Finish(Device& d) override { Check(cudaStreamSynchronize(StreamOf(d)), "cudaStreamSynchronize"); }
+
+ private:
+  bool arena_;  // one block per device placed by the planner's heap, or a pool
 };
 
 }  // namespace
 
-std::unique_ptr<Backend> MakeCudaBackend() {
+std::unique_ptr<Backend> MakeCudaBackend(bool arena) {
   if (!CudaRuntimeAvailable()) return nullptr;
-  return std::make_unique<CudaBackend>();
+  return std::make_unique<CudaBackend>(arena);
 }
 
 }  // namespace memplan::runtime

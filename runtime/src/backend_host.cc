@@ -65,7 +65,7 @@ std::unique_ptr<Backend> MakeHostBackend(int64_t copy_jitter_us) {
 }
 
 #ifndef MEMPLAN_HAVE_CUDA_RUNTIME
-std::unique_ptr<Backend> MakeCudaBackend() { return nullptr; }
+std::unique_ptr<Backend> MakeCudaBackend(bool) { return nullptr; }
 #endif
 
 }  // namespace memplan::runtime

@@ -13,11 +13,13 @@
 #include <algorithm>
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "memplan/common/best_fit_heap.h"
 #include "memplan/common/check.h"
 
 #define MEMPLAN_CUDART_CHECK(expr)                                                                          \
@@ -109,6 +111,10 @@ struct CudaDeviceState {
 
   CudaDevice::Options options;
   cudaMemPool_t pool = nullptr;
+  // Arena mode: one block and the planner's heap over it.
+  std::byte* arena_base = nullptr;
+  std::optional<BestFitHeap> heap;
+  int64_t arena_high_water = 0;
   cudaStream_t compute = nullptr;
   cudaStream_t queues[kQueueCount] = {};
 
@@ -124,6 +130,7 @@ struct CudaDeviceState {
       if (s != nullptr) cudaStreamDestroy(s);
     }
     if (pool != nullptr) cudaMemPoolDestroy(pool);
+    if (arena_base != nullptr) cudaFree(arena_base);
   }
 
   // Registers `event` on the live block holding [ptr, ptr + bytes), which
@@ -175,6 +182,37 @@ internal::CudaDeviceState* OwnerOf(const void* ptr) {
   return nullptr;
 }
 
+// The stream-ordered pool of pool mode, on the current device. `failed`
+// turns a CUDA error into the caller's Error.
+template <class Failed>
+Expected<bool> CreatePool(internal::CudaDeviceState& state, Failed& failed) {
+  internal::CudaDeviceState* impl = &state;
+  cudaMemPoolProps props{};
+  props.allocType = cudaMemAllocationTypePinned;
+  props.handleTypes = cudaMemHandleTypeNone;
+  props.location.type = cudaMemLocationTypeDevice;
+  props.location.id = impl->options.device;
+  if (cudaError_t err = cudaMemPoolCreate(&impl->pool, &props); err != cudaSuccess) {
+    impl->pool = nullptr;
+    return failed("cudaMemPoolCreate", err);
+  }
+  // Freed memory stays reserved (never trimmed on synchronization): the
+  // reserved high-water mark is then the rank's footprint.
+  uint64_t keep = UINT64_MAX;
+  if (cudaError_t err = cudaMemPoolSetAttribute(impl->pool, cudaMemPoolAttrReleaseThreshold, &keep);
+      err != cudaSuccess) {
+    return failed("cudaMemPoolSetAttribute(ReleaseThreshold)", err);
+  }
+  // Reuse follows stream order only (all frees are on the compute stream),
+  // not whichever free happens to have completed: deterministic placement.
+  int off = 0;
+  if (cudaError_t err = cudaMemPoolSetAttribute(impl->pool, cudaMemPoolReuseAllowOpportunistic, &off);
+      err != cudaSuccess) {
+    return failed("cudaMemPoolSetAttribute(ReuseAllowOpportunistic)", err);
+  }
+  return true;
+}
+
 }  // namespace
 
 // ------------------------------------------------------------- CudaDevice
@@ -211,28 +249,15 @@ Expected<std::unique_ptr<CudaDevice>> CudaDevice::Create(Options options) {
   auto impl = std::make_unique<internal::CudaDeviceState>();
   impl->options = std::move(options);
   auto result = [&]() -> Expected<std::unique_ptr<CudaDevice>> {
-    cudaMemPoolProps props{};
-    props.allocType = cudaMemAllocationTypePinned;
-    props.handleTypes = cudaMemHandleTypeNone;
-    props.location.type = cudaMemLocationTypeDevice;
-    props.location.id = impl->options.device;
-    if (cudaError_t err = cudaMemPoolCreate(&impl->pool, &props); err != cudaSuccess) {
-      impl->pool = nullptr;
-      return failed("cudaMemPoolCreate", err);
-    }
-    // Freed memory stays reserved (never trimmed on synchronization): the
-    // reserved high-water mark is then the rank's footprint.
-    uint64_t keep = UINT64_MAX;
-    if (cudaError_t err = cudaMemPoolSetAttribute(impl->pool, cudaMemPoolAttrReleaseThreshold, &keep);
-        err != cudaSuccess) {
-      return failed("cudaMemPoolSetAttribute(ReleaseThreshold)", err);
-    }
-    // Reuse follows stream order only (all frees are on the compute stream),
-    // not whichever free happens to have completed: deterministic placement.
-    int off = 0;
-    if (cudaError_t err = cudaMemPoolSetAttribute(impl->pool, cudaMemPoolReuseAllowOpportunistic, &off);
-        err != cudaSuccess) {
-      return failed("cudaMemPoolSetAttribute(ReuseAllowOpportunistic)", err);
+    if (impl->options.arena) {
+      void* base = nullptr;
+      if (cudaError_t err = cudaMalloc(&base, static_cast<size_t>(impl->options.capacity_bytes)); err != cudaSuccess) {
+        return failed("cudaMalloc(arena)", err);
+      }
+      impl->arena_base = static_cast<std::byte*>(base);
+      impl->heap.emplace(impl->options.alignment);
+    } else if (auto made = CreatePool(*impl, failed); !made.ok()) {
+      return made.error();
     }
     if (cudaError_t err = cudaStreamCreateWithFlags(&impl->compute, cudaStreamNonBlocking); err != cudaSuccess) {
       impl->compute = nullptr;
@@ -249,6 +274,7 @@ Expected<std::unique_ptr<CudaDevice>> CudaDevice::Create(Options options) {
   cudaSetDevice(previous);
   return result;
 }
+
 
 CudaDevice::CudaDevice(std::unique_ptr<internal::CudaDeviceState> state) : impl_(std::move(state)) {
   std::lock_guard<std::mutex> lock(RegistryMutex());
@@ -272,7 +298,7 @@ CudaDevice::~CudaDevice() {
         e.Wait();
       }
     }
-    cudaFreeAsync(reinterpret_cast<void*>(address), impl_->compute);
+    if (!impl_->heap) cudaFreeAsync(reinterpret_cast<void*>(address), impl_->compute);
   }
   impl_->live.clear();
   cudaStreamSynchronize(impl_->compute);
@@ -284,6 +310,29 @@ CudaDevice::~CudaDevice() {
 
 std::string_view CudaDevice::name() const { return impl_->options.name; }
 
+namespace {
+
+// Arena mode: the planner's heap places the buffer (the caller holds d.mu).
+Expected<Buffer> AllocateInArena(internal::CudaDeviceState& d, int64_t bytes) {
+  const int64_t aligned = d.heap->AlignedSize(bytes);
+  const int64_t offset = d.heap->Allocate(bytes);
+  if (offset + aligned > d.options.capacity_bytes) {
+    // Only growth from the top passes the capacity; freeing restores it.
+    d.heap->Free(offset);
+    return Error{ErrorCode::kRuntime, d.options.name + " arena exhausted: " + Describe(bytes) + " requested with " +
+                                          Describe(d.allocated_bytes) + " in use, capacity is " +
+                                          Describe(d.options.capacity_bytes)};
+  }
+  std::byte* ptr = d.arena_base + offset;
+  d.live.emplace(reinterpret_cast<uintptr_t>(ptr), internal::CudaDeviceState::Block{bytes, {}});
+  d.arena_high_water = std::max(d.arena_high_water, offset + aligned);
+  d.allocated_bytes += bytes;
+  d.allocated_peak = std::max(d.allocated_peak, d.allocated_bytes);
+  return Buffer{ptr, offset, bytes};
+}
+
+}  // namespace
+
 Expected<Buffer> CudaDevice::Allocate(int64_t bytes) {
   MEMPLAN_CHECK(bytes >= 0, "negative allocation");
   if (bytes == 0) return Buffer{};
@@ -294,6 +343,7 @@ Expected<Buffer> CudaDevice::Allocate(int64_t bytes) {
                                           Describe(d.allocated_bytes) + " in use, capacity is " +
                                           Describe(d.options.capacity_bytes)};
   }
+  if (d.heap) return AllocateInArena(d, bytes);
   DeviceScope scope(d.options.device);
   void* ptr = nullptr;
   if (cudaError_t err = cudaMallocFromPoolAsync(&ptr, static_cast<size_t>(bytes), d.pool, d.compute);
@@ -325,18 +375,35 @@ void CudaDevice::Free(Buffer buffer) {
   DeviceScope scope(d.options.device);
   // Without the lock: a host event may block, and other callers may fence.
   for (const Event& e : fences) Wait(e);
-  MEMPLAN_CUDART_CHECK(cudaFreeAsync(buffer.ptr, d.compute));
+  // Pool: freed in stream order. Arena: back to the heap now; later users
+  // of the range are ordered after this point on the compute stream.
+  if (!d.heap) MEMPLAN_CUDART_CHECK(cudaFreeAsync(buffer.ptr, d.compute));
   std::lock_guard<std::mutex> lock(d.mu);
   auto it = d.live.find(address);
   MEMPLAN_CHECK(it != d.live.end(), "buffer freed twice concurrently");
   d.allocated_bytes -= it->second.bytes;
   d.live.erase(it);
+  if (d.heap) d.heap->Free(static_cast<int64_t>(buffer.ptr - d.arena_base));
 }
 
 int64_t CudaDevice::capacity_bytes() const { return impl_->options.capacity_bytes; }
-int64_t CudaDevice::high_water() const { return PoolAttribute(impl_->pool, cudaMemPoolAttrReservedMemHigh); }
-int64_t CudaDevice::used_high_water() const { return PoolAttribute(impl_->pool, cudaMemPoolAttrUsedMemHigh); }
-int64_t CudaDevice::reserved_bytes() const { return PoolAttribute(impl_->pool, cudaMemPoolAttrReservedMemCurrent); }
+int64_t CudaDevice::high_water() const {
+  if (impl_->heap) {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    return impl_->arena_high_water;
+  }
+  return PoolAttribute(impl_->pool, cudaMemPoolAttrReservedMemHigh);
+}
+int64_t CudaDevice::used_high_water() const {
+  return impl_->heap ? high_water() : PoolAttribute(impl_->pool, cudaMemPoolAttrUsedMemHigh);
+}
+int64_t CudaDevice::reserved_bytes() const {
+  return impl_->heap ? impl_->options.capacity_bytes : PoolAttribute(impl_->pool, cudaMemPoolAttrReservedMemCurrent);
+}
+std::pair<void*, int64_t> CudaDevice::arena_block() const {
+  if (!impl_->heap) return {nullptr, 0};
+  return {impl_->arena_base, impl_->options.capacity_bytes};
+}
 int64_t CudaDevice::allocated_bytes() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   return impl_->allocated_bytes;

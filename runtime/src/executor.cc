@@ -426,10 +426,11 @@ Expected<std::monostate> Executor::MakeRanks() {
     const auto& rb = eval_.ranks[static_cast<size_t>(r)];
     int64_t act = rb.peak - p_.statics[static_cast<size_t>(r)].total;
     std::string name = "pp" + std::to_string(r);
-    // The host arenas hold exactly the plan's bytes: an allocation the plan
-    // did not predict fails the run instead of hiding in slack. A CUDA pool
-    // reserves in granules beyond its used bytes, hence its headroom.
-    const bool exact = options_.backend == BackendKind::kHost;
+    // Arenas (host, and cuda by default) hold exactly the plan's bytes: an
+    // allocation the plan did not predict fails the run instead of hiding
+    // in slack. A CUDA pool reserves in granules beyond its used bytes,
+    // hence its headroom.
+    const bool exact = options_.backend == BackendKind::kHost || !options_.cuda_pool;
     const int64_t statics = p_.statics[static_cast<size_t>(r)].total;
     auto dev = backend_->MakeDevice(name, exact ? std::max<int64_t>(act, 1) : 2 * act + 64 * kMiB);
     if (!dev.ok()) return dev.error();
@@ -1303,9 +1304,8 @@ Expected<RunResult> Executor::Finish(double grad_norm, double step_s) {
   RunResult out;
   traces::Measured& m = out.measured;
   m.backend = std::string(BackendName(options_.backend));
-  // The host arena follows the planner's placement; the cuda backend uses a
-  // stream-ordered pool per rank.
-  m.allocator = options_.backend == BackendKind::kCuda ? "pool" : "arena";
+  // Arenas follow the planner's placement; a pool is the driver's.
+  m.allocator = options_.backend == BackendKind::kCuda && options_.cuda_pool ? "pool" : "arena";
   m.device = backend_->device_name();
   m.plan_digest = plan_json_.value("digest", std::string());
   m.step_s = step_s;
@@ -1317,6 +1317,9 @@ Expected<RunResult> Executor::Finish(double grad_norm, double step_s) {
     mr.static_bytes = r->static_bytes;
     mr.allocated_peak = r->static_bytes + r->dev->allocated_peak();
     mr.peak = r->static_bytes + r->dev->high_water();
+    if (m.allocator == "pool") {
+      mr.pool = traces::PoolMarks{mr.peak, r->static_bytes + r->dev->used_high_water()};
+    }
     mr.timeline = std::move(r->timeline);
     mr.events = r->events;
     for (const auto& [k, v] : acts_->events(r->index)) mr.events[k] += v;
@@ -1341,7 +1344,8 @@ Expected<std::monostate> Executor::Validate() {
 
 Expected<RunResult> Executor::Run() {
   if (auto s = Validate(); !s.ok()) return s.error();
-  backend_ = options_.backend == BackendKind::kCuda ? MakeCudaBackend() : MakeHostBackend(options_.copy_jitter_us);
+  backend_ = options_.backend == BackendKind::kCuda ? MakeCudaBackend(!options_.cuda_pool)
+                                                     : MakeHostBackend(options_.copy_jitter_us);
   if (!backend_) {
     return Error{ErrorCode::kRuntime, "--backend cuda: no CUDA device is visible, or this memplan was built without CUDA"};
   }

@@ -24,13 +24,27 @@
 //            that touch it, and Free first makes the compute stream wait for
 //            them: a free waits for its copy, in stream order.
 //
+// Two allocators (Options::arena):
+//   pool     (arena = false) as above: the framework-like stream-ordered
+//            pool; its reserved mark comes in the driver's granules.
+//   arena    (arena = true) one cudaMalloc of exactly capacity_bytes made at
+//            Create, buffers placed in it by BestFitHeap (the planner's own
+//            allocator, same alignment): driven by the plan's program, the
+//            placement is the planner's, so high_water is the plan's peak
+//            byte for byte, as on the host backend. A free is immediate in
+//            host order; the memory is reused only by work issued later on
+//            the compute stream, or by copies ordered after it (CopyAsync
+//            waits for the compute stream), so stream order protects it.
+//
 // Accounting (device.h's names):
 //   allocated_bytes / allocated_peak   live requested bytes and their maximum,
 //                                      counted by the class in call order;
 //   high_water (= peak)                the pool's cudaMemPoolAttrReservedMemHigh;
+//                                      arena: the heap's offset + size maximum;
 //   used_high_water                    the pool's cudaMemPoolAttrUsedMemHigh
 //                                      (high_water - used_high_water is the
-//                                      fragmentation the driver added).
+//                                      fragmentation the driver added); arena:
+//                                      high_water.
 // capacity_bytes bounds allocated_bytes (the class refuses an allocation that
 // would pass it), not the pool's reservation, which the driver rounds up.
 //
@@ -47,6 +61,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "memplan/common/status.h"
 #include "memplan/runtime/device.h"
@@ -67,7 +82,9 @@ class CudaDevice final : public Device {
   struct Options {
     int device = 0;                             // CUDA device ordinal
     std::string name = "cuda";                  // used in error messages
-    int64_t capacity_bytes = int64_t{1} << 30;  // bound on live requested bytes
+    int64_t capacity_bytes = int64_t{1} << 30;  // bound on live requested bytes (arena: its size)
+    bool arena = false;                         // one block placed by BestFitHeap
+    int64_t alignment = 256;                    // arena: BestFitHeap rounding, the planner's
   };
 
   // A device with its pool, streams and events created on `options.device`.
@@ -110,7 +127,7 @@ class CudaDevice final : public Device {
 
   // The pool's cudaMemPoolAttrUsedMemHigh: the most bytes its live buffers
   // occupied at once, after the driver's rounding.
-  int64_t used_high_water() const;
+  int64_t used_high_water() const override;
   // The pool's cudaMemPoolAttrReservedMemCurrent.
   int64_t reserved_bytes() const;
   int64_t live_buffers() const;
@@ -119,8 +136,11 @@ class CudaDevice final : public Device {
   void* compute_stream() const;
   // cudaStream_t of `queue`'s copy stream.
   void* queue_stream(Queue queue) const;
-  // cudaMemPool_t of the device's pool.
+  // cudaMemPool_t of the device's pool (nullptr in arena mode).
   void* pool() const;
+  // Arena mode: the block's base address and size (CUPTI attributes device
+  // allocations to ranks by address); {nullptr, 0} in pool mode.
+  std::pair<void*, int64_t> arena_block() const;
 
  private:
   explicit CudaDevice(std::unique_ptr<internal::CudaDeviceState> state);

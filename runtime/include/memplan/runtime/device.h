@@ -129,6 +129,10 @@ class Device {
 
   virtual int64_t capacity_bytes() const = 0;
   virtual int64_t high_water() const = 0;
+  // The most bytes live buffers occupied at once after the allocator's own
+  // rounding (a pool's used mark); high_water() - used_high_water() is
+  // what the allocator's placement added. Arenas: high_water().
+  virtual int64_t used_high_water() const { return high_water(); }
   // MEASURED.json's `peak`: the same as high_water().
   int64_t peak() const { return high_water(); }
   virtual int64_t allocated_bytes() const = 0;

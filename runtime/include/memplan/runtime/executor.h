@@ -50,6 +50,10 @@ std::string_view BackendName(BackendKind kind);  // "host", "cuda"
 
 struct RunOptions {
   BackendKind backend = BackendKind::kHost;
+  // cuda: each rank's memory is one block of exactly the plan's bytes with
+  // buffers at the planner's offsets (arena, exact), or a stream-ordered
+  // pool (framework-like). The host backend is always an arena.
+  bool cuda_pool = false;
   std::string plan_file = "PLAN.json";  // named in error messages
   // Seed of the initial weights, the batch and the dropout masks.
   uint64_t seed = 1234;
