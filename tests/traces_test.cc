@@ -476,3 +476,33 @@ TEST_CASE("check compares CUPTI's bytes with the allocator's, and the process to
   CHECK_FALSE(r->pass);
   CHECK(r->process->verdict.find("+100 B") != std::string::npos);
 }
+
+TEST_CASE("footprint by owner: arenas by address range, pools by pool, the rest apart") {
+  // Rank 0 owns an arena block [0x1000, 0x5000); rank 1 allocates from pool
+  // 0xP; a cuBLAS-like workspace belongs to nobody.
+  const uint64_t pool = 0xB0000;
+  std::vector<MemoryRecord> memory = {
+      {10, 0x1000, 0x4000, MemoryOp::kAllocation, MemoryKind::kDevice, 0, 0, 0},
+      {20, 0xC0000, 1000, MemoryOp::kAllocation, MemoryKind::kDevice, 0, pool, 4096},
+      {30, 0x90000, 512, MemoryOp::kAllocation, MemoryKind::kDevice, 0, 0, 0},
+      {40, 0xC0000, 0, MemoryOp::kRelease, MemoryKind::kDevice, 0, pool, 4096},
+      {50, 0x8000, 64, MemoryOp::kAllocation, MemoryKind::kPinned, 0, 0, 0},  // host: not device bytes
+  };
+  std::vector<PoolRecord> pools = {{5, pool, 0, PoolOp::kCreated, 0}, {60, pool, 0, PoolOp::kTrimmed, 0}};
+  std::vector<OwnerRegions> regions = {{0, {{0x1000, 0x5000}}, {}}, {1, {}, {pool}}, {2, {}, {}}};
+  AttributedFootprint f = ReconstructByOwner(memory, pools, regions);
+  REQUIRE(f.by_owner.size() == 3);
+  CHECK(f.by_owner[0].allocated_peak == 0x4000);
+  CHECK(f.by_owner[0].reserved_peak == 0x4000);
+  CHECK(f.by_owner[1].allocated_peak == 1000);
+  CHECK(f.by_owner[1].reserved_peak == 4096);
+  CHECK(f.by_owner[1].reserved_bytes == 0);  // trimmed
+  CHECK(f.by_owner[2].allocated_peak == 0);
+  CHECK(f.unattributed.allocated_peak == 512);
+  CHECK(f.total.allocated_peak == 0x4000 + 1000 + 512);
+  CHECK(f.total.reserved_peak == 0x4000 + 4096 + 512);
+  // Every device record is counted once: the owners plus the rest make the total.
+  int64_t sum = f.unattributed.allocated_bytes;
+  for (const auto& [o, fp] : f.by_owner) sum += fp.allocated_bytes;
+  CHECK(sum == f.total.allocated_bytes);
+}

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <map>
+#include <optional>
 #include <unordered_map>
 
 namespace memplan::traces {
@@ -108,6 +109,52 @@ Footprint ReconstructFootprint(std::vector<MemoryRecord> memory, std::vector<Poo
   f.allocated_bytes = allocated;
   f.reserved_bytes = unpooled + pooled_reserved;
   return f;
+}
+
+AttributedFootprint ReconstructByOwner(const std::vector<MemoryRecord>& memory, const std::vector<PoolRecord>& pools,
+                                       const std::vector<OwnerRegions>& regions, const FootprintOptions& options) {
+  // Ranges sorted by begin for a binary search; pools in a map.
+  std::map<uint64_t, std::pair<uint64_t, int64_t>> ranges;  // begin -> (end, owner)
+  std::unordered_map<uint64_t, int64_t> pool_owner;
+  for (const auto& r : regions) {
+    for (const auto& [begin, end] : r.ranges) ranges.try_emplace(begin, end, r.owner);
+    for (uint64_t p : r.pools) pool_owner.try_emplace(p, r.owner);
+  }
+  auto owner_of = [&](const MemoryRecord& m) -> std::optional<int64_t> {
+    if (m.pool_address != 0) {
+      if (auto it = pool_owner.find(m.pool_address); it != pool_owner.end()) return it->second;
+    }
+    auto it = ranges.upper_bound(m.address);
+    if (it == ranges.begin()) return std::nullopt;
+    --it;
+    if (m.address < it->second.first) return it->second.second;
+    return std::nullopt;
+  };
+  std::map<int64_t, std::vector<MemoryRecord>> mine;
+  std::map<int64_t, std::vector<PoolRecord>> mine_pools;
+  std::vector<MemoryRecord> rest;
+  std::vector<PoolRecord> rest_pools;
+  for (const auto& m : memory) {
+    if (auto o = owner_of(m)) {
+      mine[*o].push_back(m);
+    } else {
+      rest.push_back(m);
+    }
+  }
+  for (const auto& p : pools) {
+    if (auto it = pool_owner.find(p.address); it != pool_owner.end()) {
+      mine_pools[it->second].push_back(p);
+    } else {
+      rest_pools.push_back(p);
+    }
+  }
+  AttributedFootprint out;
+  for (const auto& r : regions) {
+    out.by_owner[r.owner] = ReconstructFootprint(mine[r.owner], mine_pools[r.owner], options);
+  }
+  out.unattributed = ReconstructFootprint(std::move(rest), std::move(rest_pools), options);
+  out.total = ReconstructFootprint(memory, pools, options);
+  return out;
 }
 
 Footprint ReconstructFootprint(MemoryRecordSource& source, const FootprintOptions& options) {

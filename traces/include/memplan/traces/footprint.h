@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -106,5 +107,28 @@ struct Footprint {
 Footprint ReconstructFootprint(std::vector<MemoryRecord> memory, std::vector<PoolRecord> pools,
                                const FootprintOptions& options = {});
 Footprint ReconstructFootprint(MemoryRecordSource& source, const FootprintOptions& options = {});
+
+// Where one owner's (a pipeline rank's) device memory lies: the blocks it
+// allocated itself ([begin, end) address ranges: arena mode) and the pools
+// it allocates from (pool addresses: pool mode).
+struct OwnerRegions {
+  int64_t owner = 0;
+  std::vector<std::pair<uint64_t, uint64_t>> ranges;
+  std::vector<uint64_t> pools;
+};
+
+struct AttributedFootprint {
+  std::map<int64_t, Footprint> by_owner;  // every owner of `regions`, records or not
+  Footprint unattributed;                 // records no owner claims (cuBLAS, kernel scratch...)
+  Footprint total;                        // every record: the process's view
+};
+
+// Splits the records by owner (an allocation belongs to the owner whose
+// range holds its address or whose pool served it; a pool event to the
+// owner of that pool) and reconstructs each part, the rest, and the whole.
+// Overlapping regions are a caller's bug: the first owner listed wins.
+AttributedFootprint ReconstructByOwner(const std::vector<MemoryRecord>& memory, const std::vector<PoolRecord>& pools,
+                                       const std::vector<OwnerRegions>& regions,
+                                       const FootprintOptions& options = {});
 
 }  // namespace memplan::traces
