@@ -461,16 +461,17 @@ TEST_CASE("check compares CUPTI's bytes with the allocator's, and the process to
   CHECK(r->pass);
   pool.ranks[0].cupti->reserved_peak = 1030;
   CHECK_FALSE(Passes(plan, pool));
-  // The process: ranks + profiler; the context is reported, not counted.
+  // The process: CUPTI's bytes are the ranks'; context and profiler are
+  // reported, not counted.
   Measured proc = OneRank("host", 1000, 600);
-  proc.process = MeasuredProcess{1200, 300, 200};
+  proc.process = MeasuredProcess{1000, 300, 200};
   r = Check(plan, proc, {});
   REQUIRE(r.ok());
   REQUIRE(r->process.has_value());
-  CHECK(r->process->expected_bytes == 1200);
+  CHECK(r->process->expected_bytes == 1000);
   CHECK(r->pass);
   CHECK(RenderCheckTable(*r).find("process: CUPTI") != std::string::npos);
-  proc.process->device_bytes_peak = 1300;
+  proc.process->device_bytes_peak = 1100;
   r = Check(plan, proc, {});
   REQUIRE(r.ok());
   CHECK_FALSE(r->pass);
@@ -489,7 +490,7 @@ TEST_CASE("footprint by owner: arenas by address range, pools by pool, the rest 
       {50, 0x8000, 64, MemoryOp::kAllocation, MemoryKind::kPinned, 0, 0, 0},  // host: not device bytes
   };
   std::vector<PoolRecord> pools = {{5, pool, 0, PoolOp::kCreated, 0}, {60, pool, 0, PoolOp::kTrimmed, 0}};
-  std::vector<OwnerRegions> regions = {{0, {{0x1000, 0x5000}}, {}}, {1, {}, {pool}}, {2, {}, {}}};
+  std::vector<OwnerRegions> regions = {{0, {{0x1000, 0x5000}}, {}, {}}, {1, {}, {pool}, {}}, {2, {}, {}, {}}};
   AttributedFootprint f = ReconstructByOwner(memory, pools, regions);
   REQUIRE(f.by_owner.size() == 3);
   CHECK(f.by_owner[0].allocated_peak == 0x4000);
@@ -505,4 +506,11 @@ TEST_CASE("footprint by owner: arenas by address range, pools by pool, the rest 
   int64_t sum = f.unattributed.allocated_bytes;
   for (const auto& [o, fp] : f.by_owner) sum += fp.allocated_bytes;
   CHECK(sum == f.total.allocated_bytes);
+  // Pool mode without the pool's base: the owner's allocation addresses
+  // claim the pool, and with it the pool's events.
+  std::vector<OwnerRegions> by_address = {{1, {}, {}, {0xC0000}}};
+  AttributedFootprint g = ReconstructByOwner(memory, pools, by_address);
+  CHECK(g.by_owner[1].reserved_peak == 4096);
+  CHECK(g.by_owner[1].reserved_bytes == 0);
+  CHECK(g.unattributed.allocated_peak == 0x4000 + 512);
 }

@@ -49,6 +49,7 @@ Expected<Command> ParseCommandLine(const std::vector<std::string>& args) {
                   "cuda: arena (default; one block per rank, the planner's placement: exact bytes) or pool "
                   "(stream-ordered pool, framework-like)")
       ->check(CLI::IsMember({"arena", "pool"}));
+  run->add_flag("--no-cupti", c.no_cupti, "cuda: do not collect CUPTI's memory records");
   run->add_option("-o,--output", run_out, "write MEASURED.json (memplan.measured/1)");
   run->add_option("--trace", c.trace, "write a Chrome trace (chrome://tracing, Perfetto)");
   run->add_option("--dump", c.dump, "write initial weights, batch and gradients as .npy files into DIR");

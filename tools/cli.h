@@ -32,6 +32,7 @@ struct Command {
   // run
   std::string backend = "host";
   std::string allocator = "arena";  // cuda: arena (exact) or pool
+  bool no_cupti = false;            // cuda: do not collect CUPTI records
   std::string trace;
   std::string dump;
 

@@ -164,6 +164,7 @@ int RunExecute(const Command& c) {
   runtime::RunOptions options;
   options.backend = c.backend == "cuda" ? runtime::BackendKind::kCuda : runtime::BackendKind::kHost;
   options.cuda_pool = c.allocator == "pool";
+  options.cupti = !c.no_cupti;
   options.plan_file = c.input;
   options.trace = !c.trace.empty();
   if (!c.dump.empty()) {
@@ -178,6 +179,7 @@ int RunExecute(const Command& c) {
   }
   auto result = runtime::RunPlan(*plan_json, options);
   if (!result) return Fail(Located(result.error(), c.input));
+  for (const auto& w : result->warnings) std::fprintf(stderr, "memplan: warning: %s\n", OneLine(w).c_str());
   const auto& m = result->measured;
   if (!c.output.empty()) {
     if (auto st = StageJson(out, c.output, traces::MeasuredToJson(m), 2); !st) return Fail(st.error());

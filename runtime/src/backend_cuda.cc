@@ -80,6 +80,16 @@ class CudaBackend final : public Backend {
 
   void Finish(Device& d) override { Check(cudaStreamSynchronize(StreamOf(d)), "cudaStreamSynchronize"); }
 
+  int64_t DeviceBytesInUse() override {
+    cudaFree(nullptr);  // creates the context if nothing has yet
+    size_t free_bytes = 0, total_bytes = 0;
+    if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) {
+      cudaGetLastError();
+      return 0;
+    }
+    return static_cast<int64_t>(total_bytes - free_bytes);
+  }
+
  private:
   bool arena_;  // one block per device placed by the planner's heap, or a pool
 };

@@ -120,6 +120,7 @@ struct CudaDeviceState {
 
   mutable std::mutex mu;            // guards what follows
   std::map<uintptr_t, Block> live;  // address -> block
+  std::vector<uintptr_t> allocated_addresses;  // pool mode: every address, for AddRegions
   int64_t allocated_bytes = 0;
   int64_t allocated_peak = 0;
 
@@ -356,6 +357,7 @@ Expected<Buffer> CudaDevice::Allocate(int64_t bytes) {
                      " in use (" + cudaGetErrorString(err) + ")"};
   }
   d.live.emplace(reinterpret_cast<uintptr_t>(ptr), internal::CudaDeviceState::Block{bytes, {}});
+  d.allocated_addresses.push_back(reinterpret_cast<uintptr_t>(ptr));
   d.allocated_bytes += bytes;
   d.allocated_peak = std::max(d.allocated_peak, d.allocated_bytes);
   return Buffer{static_cast<std::byte*>(ptr), 0, bytes};
@@ -400,6 +402,16 @@ int64_t CudaDevice::used_high_water() const {
 int64_t CudaDevice::reserved_bytes() const {
   return impl_->heap ? impl_->options.capacity_bytes : PoolAttribute(impl_->pool, cudaMemPoolAttrReservedMemCurrent);
 }
+void CudaDevice::AddRegions(traces::OwnerRegions& regions) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  if (impl_->heap) {
+    auto begin = reinterpret_cast<uint64_t>(impl_->arena_base);
+    regions.ranges.emplace_back(begin, begin + static_cast<uint64_t>(impl_->options.capacity_bytes));
+    return;
+  }
+  for (uintptr_t a : impl_->allocated_addresses) regions.addresses.push_back(static_cast<uint64_t>(a));
+}
+
 std::pair<void*, int64_t> CudaDevice::arena_block() const {
   if (!impl_->heap) return {nullptr, 0};
   return {impl_->arena_base, impl_->options.capacity_bytes};

@@ -27,7 +27,10 @@
 #include "memplan/runtime/activation.h"
 #include "memplan/runtime/backend.h"
 #include "memplan/runtime/npy.h"
+#include "memplan/traces/cupti_source.h"
 #include "memplan/traces/chrome_trace.h"
+
+#include "cupti_measure.h"
 
 namespace memplan::runtime {
 
@@ -203,6 +206,10 @@ class Executor {
   int64_t steps_total_ = 0, steps_done_ = 0;
   std::chrono::steady_clock::time_point t0_;
   traces::ChromeTrace trace_;
+  // cuda: CUPTI's view of the step (started before any device memory).
+  std::unique_ptr<traces::CuptiSource> cupti_;
+  int64_t context_bytes_ = 0;
+  std::vector<std::string> warnings_;
 };
 
 // --- Setup ----------------------------------------------------------------------
@@ -1325,10 +1332,25 @@ Expected<RunResult> Executor::Finish(double grad_norm, double step_s) {
     for (const auto& [k, v] : acts_->events(r->index)) mr.events[k] += v;
     m.ranks.push_back(std::move(mr));
   }
+  if (cupti_) {
+    CuptiMeasureInput in;
+    in.context_bytes = context_bytes_;
+    for (auto& r : ranks_) {
+      traces::OwnerRegions regions;
+      regions.owner = r->index;
+      r->dev->AddRegions(regions);
+      r->stat->AddRegions(regions);
+      in.regions.push_back(std::move(regions));
+    }
+    in.used_at_end = backend_->DeviceBytesInUse();
+    cupti_->Flush();
+    AttachCupti(*cupti_, in, m);
+  }
   if (options_.trace) {
     for (auto& r : ranks_) trace_.AddRank(r->index);
     out.trace = trace_.ToJson();
   }
+  out.warnings = warnings_;
   return out;
 }
 
@@ -1348,6 +1370,18 @@ Expected<RunResult> Executor::Run() {
                                                      : MakeHostBackend(options_.copy_jitter_us);
   if (!backend_) {
     return Error{ErrorCode::kRuntime, "--backend cuda: no CUDA device is visible, or this memplan was built without CUDA"};
+  }
+  if (options_.backend == BackendKind::kCuda && options_.cupti) {
+    // Before any allocation: the context's bytes, and CUPTI sees the arenas
+    // made. A profiler that cannot start is a warning, never a failed run.
+    context_bytes_ = backend_->DeviceBytesInUse();
+    traces::CuptiOptions co;
+    co.gpu_timeline = false;
+    if (auto s = traces::CuptiSource::Start(co); s.ok()) {
+      cupti_ = std::move(*s);
+    } else {
+      warnings_.push_back(s.error().message + "; measured without CUPTI");
+    }
   }
   try {
     if (auto s = MakeRanks(); !s.ok()) return s.error();

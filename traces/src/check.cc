@@ -115,13 +115,13 @@ Expected<CheckResult> Check(const PlanBounds& plan, const Measured& measured, co
     ProcessCheck pc;
     pc.cupti_device_bytes = measured.process->device_bytes_peak;
     pc.context_bytes = measured.process->context_bytes;
-    pc.expected_bytes = measured.process->profiler_bytes;
+    pc.profiler_bytes = measured.process->profiler_bytes;
     for (const auto& r : measured.ranks) pc.expected_bytes += r.peak;
     int64_t diff = pc.cupti_device_bytes - pc.expected_bytes;
     pc.pass = std::abs(diff) <= Limit(pc.expected_bytes, result.tolerance) - pc.expected_bytes;
     pc.verdict = pc.pass ? "pass"
                          : "FAIL: CUPTI saw " + std::string(diff > 0 ? "+" : "") + std::to_string(diff) +
-                               " B beside the ranks and the profiler";
+                               " B beside the ranks' planned memory";
     result.pass = result.pass && pc.pass;
     result.process = pc;
   }
@@ -153,9 +153,10 @@ std::string RenderCheckTable(const CheckResult& result, bool failures_only) {
   std::string out = t.Render();
   if (result.process && !(failures_only && result.process->pass)) {
     const auto& pc = *result.process;
-    out += "process: CUPTI " + cell(pc.cupti_device_bytes) + u.substr(1, 3) + " against ranks + profiler " +
+    out += "process: CUPTI " + cell(pc.cupti_device_bytes) + u.substr(1, 3) + " against the ranks' " +
            cell(pc.expected_bytes) + u.substr(1, 3) + " (context " + cell(pc.context_bytes) + u.substr(1, 3) +
-           ", not counted): " + pc.verdict + "\n";
+           " and profiler " + cell(pc.profiler_bytes) + u.substr(1, 3) + " reported, not counted): " + pc.verdict +
+           "\n";
   }
   return out;
 }

@@ -116,14 +116,24 @@ AttributedFootprint ReconstructByOwner(const std::vector<MemoryRecord>& memory, 
   // Ranges sorted by begin for a binary search; pools in a map.
   std::map<uint64_t, std::pair<uint64_t, int64_t>> ranges;  // begin -> (end, owner)
   std::unordered_map<uint64_t, int64_t> pool_owner;
+  std::unordered_map<uint64_t, int64_t> address_owner;
   for (const auto& r : regions) {
     for (const auto& [begin, end] : r.ranges) ranges.try_emplace(begin, end, r.owner);
     for (uint64_t p : r.pools) pool_owner.try_emplace(p, r.owner);
+    for (uint64_t a : r.addresses) address_owner.try_emplace(a, r.owner);
+  }
+  // A pool whose allocation an owner made is that owner's.
+  for (const auto& m : memory) {
+    if (m.pool_address == 0) continue;
+    if (auto it = address_owner.find(m.address); it != address_owner.end()) {
+      pool_owner.try_emplace(m.pool_address, it->second);
+    }
   }
   auto owner_of = [&](const MemoryRecord& m) -> std::optional<int64_t> {
     if (m.pool_address != 0) {
       if (auto it = pool_owner.find(m.pool_address); it != pool_owner.end()) return it->second;
     }
+    if (auto it = address_owner.find(m.address); it != address_owner.end()) return it->second;
     auto it = ranges.upper_bound(m.address);
     if (it == ranges.begin()) return std::nullopt;
     --it;

@@ -43,6 +43,10 @@ class Backend {
   virtual void FromHost(Device& device, void* dst, const void* src, int64_t bytes) = 0;
   // Waits until everything issued on `device` is done.
   virtual void Finish(Device& device) = 0;
+  // Bytes in use on the backend's device right now (cudaMemGetInfo's total
+  // minus free, which counts the context and the driver's page granules);
+  // 0 on the host backend.
+  virtual int64_t DeviceBytesInUse() { return 0; }
 };
 
 // `copy_jitter_us` (tests): each copy first sleeps a pseudo-random 0..N us.

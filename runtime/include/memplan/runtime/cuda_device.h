@@ -128,6 +128,8 @@ class CudaDevice final : public Device {
   // The pool's cudaMemPoolAttrUsedMemHigh: the most bytes its live buffers
   // occupied at once, after the driver's rounding.
   int64_t used_high_water() const override;
+  // Arena: the block's range. Pool: every address allocated so far.
+  void AddRegions(traces::OwnerRegions& regions) const override;
   // The pool's cudaMemPoolAttrReservedMemCurrent.
   int64_t reserved_bytes() const;
   int64_t live_buffers() const;

@@ -37,6 +37,7 @@
 #include <string_view>
 
 #include "memplan/common/status.h"
+#include "memplan/traces/footprint.h"
 
 namespace memplan::runtime {
 
@@ -133,6 +134,11 @@ class Device {
   // rounding (a pool's used mark); high_water() - used_high_water() is
   // what the allocator's placement added. Arenas: high_water().
   virtual int64_t used_high_water() const { return high_water(); }
+  // Adds where this device's memory lies to `regions`, so that a
+  // profiler's allocation records can be attributed to it: a block's
+  // address range (arenas), or every address it allocated (pools). Host
+  // devices: nothing (a profiler sees no device memory of theirs).
+  virtual void AddRegions(traces::OwnerRegions& regions) const { (void)regions; }
   // MEASURED.json's `peak`: the same as high_water().
   int64_t peak() const { return high_water(); }
   virtual int64_t allocated_bytes() const = 0;

@@ -54,6 +54,9 @@ struct RunOptions {
   // buffers at the planner's offsets (arena, exact), or a stream-ordered
   // pool (framework-like). The host backend is always an arena.
   bool cuda_pool = false;
+  // cuda: collect CUPTI's memory records (MEASURED.json's per-rank `cupti`
+  // and `process`); a CUPTI that cannot start is a warning.
+  bool cupti = true;
   std::string plan_file = "PLAN.json";  // named in error messages
   // Seed of the initial weights, the batch and the dropout masks.
   uint64_t seed = 1234;
@@ -74,6 +77,7 @@ struct RunOptions {
 struct RunResult {
   traces::Measured measured;  // memplan.measured/1
   OrderedJson trace;          // Chrome Trace Event document (options.trace)
+  std::vector<std::string> warnings;  // one line each (e.g. CUPTI could not start)
 };
 
 // Executes one training step of `plan` (a parsed PLAN.json).

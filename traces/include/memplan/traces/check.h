@@ -15,9 +15,10 @@
 //   - per rank, CUPTI's bytes equal the allocator's: in arena mode the
 //     rank's live device allocations (its arenas) equal its measured peak;
 //     in pool mode CUPTI's reserved bytes equal the pool's reserved mark;
-//   - per process, every device byte CUPTI saw equals the ranks' measured
-//     peaks plus the profiler's own bytes (the CUDA context is reported,
-//     not counted: CUPTI sees no allocation for it).
+//   - per process, every device byte CUPTI saw equals the sum of the ranks'
+//     measured peaks: nothing outside the plan took device memory (the
+//     CUDA context and the profiler's own bytes are reported, not counted:
+//     CUPTI records no allocation for them).
 //
 // Only the plan's schema, digest and ranks[].{pp_rank, peak, lower_bound}
 // are read here, so traces/ does not depend on the planner library;
@@ -77,8 +78,9 @@ struct RankCheck {
 // The process-wide comparison (measurements with a `process` object).
 struct ProcessCheck {
   int64_t cupti_device_bytes = 0;  // every device allocation CUPTI saw
-  int64_t expected_bytes = 0;      // sum of the ranks' measured peaks + profiler bytes
+  int64_t expected_bytes = 0;      // sum of the ranks' measured peaks
   int64_t context_bytes = 0;       // reported only
+  int64_t profiler_bytes = 0;      // reported only
   bool pass = false;
   std::string verdict;
 };

@@ -109,12 +109,16 @@ Footprint ReconstructFootprint(std::vector<MemoryRecord> memory, std::vector<Poo
 Footprint ReconstructFootprint(MemoryRecordSource& source, const FootprintOptions& options = {});
 
 // Where one owner's (a pipeline rank's) device memory lies: the blocks it
-// allocated itself ([begin, end) address ranges: arena mode) and the pools
-// it allocates from (pool addresses: pool mode).
+// allocated itself ([begin, end) address ranges: arena mode), the pools it
+// allocates from (pool base addresses, as CUPTI reports them), and the
+// addresses its allocations had (pool mode, where the pool's base is not
+// known up front: a pool is then the owner's once one of its allocations
+// is).
 struct OwnerRegions {
   int64_t owner = 0;
   std::vector<std::pair<uint64_t, uint64_t>> ranges;
   std::vector<uint64_t> pools;
+  std::vector<uint64_t> addresses;
 };
 
 struct AttributedFootprint {
@@ -124,8 +128,9 @@ struct AttributedFootprint {
 };
 
 // Splits the records by owner (an allocation belongs to the owner whose
-// range holds its address or whose pool served it; a pool event to the
-// owner of that pool) and reconstructs each part, the rest, and the whole.
+// range holds its address, whose pool served it, or who allocated that
+// address; a pool event to the owner of that pool) and reconstructs each
+// part, the rest, and the whole.
 // Overlapping regions are a caller's bug: the first owner listed wins.
 AttributedFootprint ReconstructByOwner(const std::vector<MemoryRecord>& memory, const std::vector<PoolRecord>& pools,
                                        const std::vector<OwnerRegions>& regions,

@@ -1,0 +1,37 @@
+#include "cupti_measure.h"
+
+#include <algorithm>
+
+namespace memplan::runtime {
+namespace {
+
+std::vector<traces::TimelinePoint> Timeline(const traces::Footprint& f, int64_t t0_ns) {
+  std::vector<traces::TimelinePoint> out;
+  out.reserve(f.samples.size());
+  for (const auto& s : f.samples) {
+    out.push_back({static_cast<double>(std::max<int64_t>(0, s.timestamp_ns - t0_ns)) / 1000.0, s.allocated_bytes});
+  }
+  return out;
+}
+
+}  // namespace
+
+void AttachCupti(traces::MemoryRecordSource& source, const CuptiMeasureInput& input, traces::Measured& measured) {
+  std::vector<traces::MemoryRecord> memory;
+  std::vector<traces::PoolRecord> pools;
+  source.Drain(memory, pools);
+  traces::AttributedFootprint f = traces::ReconstructByOwner(memory, pools, input.regions);
+  const int64_t t0 = f.total.samples.empty() ? 0 : f.total.samples.front().timestamp_ns;
+  for (auto& rank : measured.ranks) {
+    auto it = f.by_owner.find(rank.pp_rank);
+    if (it == f.by_owner.end()) continue;
+    rank.cupti = traces::CuptiRankBytes{it->second.allocated_peak, it->second.reserved_peak, Timeline(it->second, t0)};
+  }
+  traces::MeasuredProcess process;
+  process.device_bytes_peak = f.total.reserved_peak;
+  process.context_bytes = input.context_bytes;
+  process.profiler_bytes = std::max<int64_t>(0, input.used_at_end - input.context_bytes - f.total.reserved_bytes);
+  measured.process = process;
+}
+
+}  // namespace memplan::runtime

@@ -1,0 +1,59 @@
+// What `memplan run --backend cuda` makes of CUPTI's records (runtime/src/
+// cupti_measure.h), fed synthetic records: two ranks in arena mode, one
+// unplanned workspace, the context and profiler bytes.
+#include <doctest/doctest.h>
+
+#include "cupti_measure.h"
+#include "memplan/traces/check.h"
+
+using namespace memplan;
+using namespace memplan::traces;
+
+TEST_CASE("CUPTI records become per-rank bytes and the process total; check flags the unplanned") {
+  const uint64_t a0 = 0x10000000, s0 = 0x20000000, a1 = 0x30000000, s1 = 0x40000000;
+  VectorRecordSource source;
+  // Each rank: a static arena and an activation arena (arena mode), made
+  // once; a cuBLAS-like workspace outside any rank.
+  source.Add(MemoryRecord{1000, s0, 300, MemoryOp::kAllocation, MemoryKind::kDevice, 0, 0, 0});
+  source.Add(MemoryRecord{1100, a0, 700, MemoryOp::kAllocation, MemoryKind::kDevice, 0, 0, 0});
+  source.Add(MemoryRecord{1200, s1, 200, MemoryOp::kAllocation, MemoryKind::kDevice, 0, 0, 0});
+  source.Add(MemoryRecord{1300, a1, 500, MemoryOp::kAllocation, MemoryKind::kDevice, 0, 0, 0});
+  source.Add(MemoryRecord{1400, 0x50000000, 64, MemoryOp::kAllocation, MemoryKind::kDevice, 0, 0, 0});
+  runtime::CuptiMeasureInput in;
+  in.regions = {{0, {{a0, a0 + 700}, {s0, s0 + 300}}, {}, {}}, {1, {{a1, a1 + 500}, {s1, s1 + 200}}, {}, {}}};
+  in.context_bytes = 500 << 20;
+  in.used_at_end = (500 << 20) + 1764 + 4096;
+  Measured m;
+  m.backend = "cuda";
+  m.allocator = "arena";
+  m.plan_digest = "sha256:" + std::string(64, 'b');
+  m.ranks = {{0, 900, 1000, 300, {}, {}, {}, {}}, {1, 650, 700, 200, {}, {}, {}, {}}};
+  runtime::AttachCupti(source, in, m);
+  REQUIRE(m.ranks[0].cupti.has_value());
+  REQUIRE(m.ranks[1].cupti.has_value());
+  CHECK(m.ranks[0].cupti->allocated_peak == 1000);
+  CHECK(m.ranks[1].cupti->allocated_peak == 700);
+  CHECK(m.ranks[0].cupti->timeline.size() == 2);
+  CHECK(m.ranks[0].cupti->timeline.front().t_us == 0);
+  CHECK(m.ranks[1].cupti->timeline.back().t_us == doctest::Approx(0.3));
+  REQUIRE(m.process.has_value());
+  CHECK(m.process->device_bytes_peak == 1764);
+  CHECK(m.process->context_bytes == 500 << 20);
+  CHECK(m.process->profiler_bytes == 4096);
+  // The plan: each rank's peak is its arenas. The ranks pass; the process
+  // does not (64 B of device memory outside the plan).
+  PlanBounds plan{m.plan_digest, {{0, 1000, 900}, {1, 700, 650}}};
+  auto r = Check(plan, m, {});
+  REQUIRE(r.ok());
+  CHECK(r->ranks[0].pass);
+  CHECK(r->ranks[1].pass);
+  REQUIRE(r->process.has_value());
+  CHECK_FALSE(r->process->pass);
+  CHECK(r->process->verdict.find("+64 B") != std::string::npos);
+  CHECK_FALSE(r->pass);
+  // The measurement round-trips with its CUPTI objects.
+  Json j = Json::parse(MeasuredToJson(m).dump());
+  auto back = ParseMeasured(j, "m.json");
+  REQUIRE(back.ok());
+  CHECK(MeasuredToJson(*back).dump() == MeasuredToJson(m).dump());
+}
