@@ -11,6 +11,7 @@
 #include "memplan/traces/chrome_trace.h"
 #include "memplan/traces/footprint.h"
 #include "memplan/traces/measured.h"
+#include "memplan/traces/profile.h"
 #include "json_test_util.h"
 
 using namespace memplan;
@@ -513,4 +514,55 @@ TEST_CASE("footprint by owner: arenas by address range, pools by pool, the rest 
   CHECK(g.by_owner[1].reserved_peak == 4096);
   CHECK(g.by_owner[1].reserved_bytes == 0);
   CHECK(g.unattributed.allocated_peak == 0x4000 + 512);
+}
+
+TEST_CASE("a profile has one entry per device; check maps devices to ranks only when asked") {
+  // Device 0: 1 MiB then 2 MiB live; device 1: a pool allocation.
+  std::vector<MemoryRecord> memory = {
+      {100, 0x1000, 1 << 20, MemoryOp::kAllocation, MemoryKind::kDevice, 0, 0, 0},
+      {200, 0x900000, 2 << 20, MemoryOp::kAllocation, MemoryKind::kDevice, 0, 0, 0},
+      {300, 0x1000, 0, MemoryOp::kRelease, MemoryKind::kDevice, 0, 0, 0},
+      {150, 0xA000000, 4096, MemoryOp::kAllocation, MemoryKind::kDevice, 1, 0xA000000, 1 << 21},
+      {160, 0x5000, 64, MemoryOp::kAllocation, MemoryKind::kPinned, 0, 0, 0},
+  };
+  Measured m = ProfileFromRecords(memory, {});
+  REQUIRE(m.ranks.size() == 2);
+  CHECK(m.source == "cupti-injection");
+  CHECK(m.plan_digest.empty());
+  CHECK(m.ranks[0].pp_rank == 0);
+  CHECK(m.ranks[0].allocated_peak == 3 << 20);
+  CHECK(m.ranks[0].events["allocations"] == 2);
+  CHECK(m.ranks[0].events["releases"] == 1);
+  CHECK(m.ranks[0].timeline.front().t_us == 0);
+  CHECK(m.ranks[1].allocated_peak == 4096);
+  CHECK(m.ranks[1].peak == 1 << 21);
+  // It is a valid MEASURED.json (no digest: a profile ran no plan).
+  Json j = Json::parse(MeasuredToJson(m).dump());
+  auto back = ParseMeasured(j, "p.json");
+  REQUIRE(back.ok());
+#ifdef MEMPLAN_HAVE_VALIJSON
+  CHECK(SchemaErrors("schemas/measured.schema.json", j) == "");
+#endif
+  // A runtime measurement still needs its digest.
+  j["source"] = "runtime";
+  CHECK(ParseError(j).starts_with("m.json: /plan_digest: expected \"sha256:\""));
+  // check: devices stand for ranks in order, only with --ranks-from devices.
+  PlanBounds plan{kDigest, {{0, 4 << 20, 3 << 20}, {1, 2 << 20, 4096}}};
+  auto refused = Check(plan, m, {});
+  REQUIRE_FALSE(refused.ok());
+  CHECK(refused.error().message.find("--ranks-from devices") != std::string::npos);
+  CheckOptions o;
+  o.ranks_from_devices = true;
+  auto r = Check(plan, m, o);
+  REQUIRE(r.ok());
+  CHECK(r->source == "cupti-injection");
+  CHECK(r->pass);
+  CHECK(r->ranks[1].device == 1);
+  CHECK(RenderCheckTable(*r).find("device") != std::string::npos);
+  PlanBounds one{kDigest, {{0, 4 << 20, 3 << 20}}};
+  auto counts = Check(one, m, o);
+  REQUIRE_FALSE(counts.ok());
+  CHECK(counts.error().message.find("2 devices profiled") != std::string::npos);
+  auto runtime_with_flag = Check(Bounds(1000, 600), OneRank("host", 1000, 600), o);
+  REQUIRE_FALSE(runtime_with_flag.ok());
 }

@@ -39,6 +39,17 @@ Expected<Command> ParseCommandLine(const std::vector<std::string>& args) {
                                           "relative tolerance (default 0 for host, 0.02 for cuda measurements)")
                             ->check(CLI::Range(0.0, 1.0));
 
+  std::string ranks_from;
+  check->add_option("--ranks-from", ranks_from,
+                    "devices: the measurement is a profile (memplan profile); device i stands for rank i")
+      ->check(CLI::IsMember({"devices"}));
+
+  std::string profile_out;
+  auto* profile = app.add_subcommand(
+      "profile", "Run a program with CUPTI attached and write its device-memory profile (memplan.measured/1)");
+  profile->add_option("-o,--output", profile_out, "write the profile (MEASURED.json, source cupti-injection)");
+  profile->add_option("command", c.child, "the program and its arguments, after --")->required()->expected(-1);
+
   std::string run_plan, run_out;
   bool run_quiet = false;
   auto* run = app.add_subcommand("run", "Execute one training step of PLAN.json and measure its memory");
@@ -88,6 +99,10 @@ Expected<Command> ParseCommandLine(const std::vector<std::string>& args) {
     c.input = check_plan;
     c.measured = check_measured;
     if (tolerance_opt->count()) c.tolerance = tolerance;
+    c.ranks_from_devices = ranks_from == "devices";
+  } else if (profile->parsed()) {
+    c.verb = Verb::kProfile;
+    c.output = profile_out;
   } else {
     return Error{ErrorCode::kBadInput, "a subcommand is required (see memplan --help)"};
   }

@@ -11,7 +11,7 @@
 
 namespace memplan::cli {
 
-enum class Verb { kPlan, kExpand, kRun, kCheck, kPrint };
+enum class Verb { kPlan, kExpand, kRun, kCheck, kProfile, kPrint };
 
 struct Command {
   Verb verb = Verb::kPrint;
@@ -38,14 +38,19 @@ struct Command {
 
   // check
   std::optional<double> tolerance;
+  bool ranks_from_devices = false;  // --ranks-from devices
+
+  // profile: the program and its arguments (after --)
+  std::vector<std::string> child;
 };
 
 // Errors: kBadInput with CLI11's message ("... (see memplan --help)").
 Expected<Command> ParseCommandLine(const std::vector<std::string>& args);
 
 // Executes `command`; returns the process exit status (design: 0 success,
-// 1 check failed, 2 bad input, 3 infeasible, 4 digest mismatch, 5 runtime)
-// after printing any error as one line on stderr.
+// 1 check failed, 2 bad input, 3 infeasible, 4 digest mismatch, 5 runtime;
+// `profile` returns its program's status) after printing any error as one
+// line on stderr.
 int RunCommand(const Command& command);
 
 }  // namespace memplan::cli

@@ -3,8 +3,14 @@
 // exit codes"). Outputs are written all or nothing (common/output.h): every
 // output path is checked before any work, and nothing is written unless
 // the whole command succeeds.
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <filesystem>
 #include <string>
 
 #include "cli.h"
@@ -117,7 +123,12 @@ int RunCheck(const Command& c) {
   if (!bounds) return Fail(bounds.error());
   auto measured = traces::LoadMeasured(c.measured);
   if (!measured) return Fail(measured.error());
-  auto result = traces::Check(*bounds, *measured, {c.tolerance, c.input, c.measured});
+  traces::CheckOptions options;
+  options.tolerance = c.tolerance;
+  options.ranks_from_devices = c.ranks_from_devices;
+  options.plan_file = c.input;
+  options.measured_file = c.measured;
+  auto result = traces::Check(*bounds, *measured, options);
   if (!result) return Fail(result.error());
   std::fputs(traces::RenderCheckTable(*result, !result->pass).c_str(), stdout);
   const std::string tol = FormatFixed(100 * result->tolerance, 2) + " %";
@@ -192,6 +203,77 @@ int RunExecute(const Command& c) {
   return 0;
 }
 
+// The profiled program's exit status as a shell reports it.
+int ChildStatus(int status) {
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+  return 1;
+}
+
+// Runs the program with libmemplan_inject.so (beside this executable) as
+// its CUDA injection library; the library writes the profile when the
+// program exits. Exit status: the program's; 5 when it succeeded but left
+// no profile (it never allocated device memory, or CUPTI could not attach,
+// which the library says on stderr); 127 when it could not be run.
+int RunProfile(const Command& c) {
+  namespace fs = std::filesystem;
+  if (auto ok = CheckOutputs({&c.output}); !ok) return Fail(ok.error());
+  std::error_code ec;
+  fs::path lib = fs::read_symlink("/proc/self/exe", ec).parent_path() / "libmemplan_inject.so";
+  if (ec || !fs::exists(lib)) {
+    return Fail({ErrorCode::kRuntime, lib.string() + ": the CUPTI injection library is missing (memplan built without "
+                                                     "CUPTI?)"});
+  }
+  std::string dir_template = (fs::temp_directory_path() / "memplan-profile-XXXXXX").string();
+  if (::mkdtemp(dir_template.data()) == nullptr) {
+    return Fail({ErrorCode::kRuntime, "profile: cannot create a temporary directory: " + std::string(std::strerror(errno))});
+  }
+  const fs::path dir(dir_template);
+  const std::string profile = (dir / "profile.json").string();
+  std::fflush(nullptr);
+  pid_t pid = ::fork();
+  if (pid < 0) {
+    fs::remove_all(dir, ec);
+    return Fail({ErrorCode::kRuntime, "profile: fork failed: " + std::string(std::strerror(errno))});
+  }
+  if (pid == 0) {
+    ::setenv("CUDA_INJECTION64_PATH", lib.c_str(), 1);
+    ::setenv("MEMPLAN_PROFILE_OUT", profile.c_str(), 1);
+    std::vector<char*> argv;
+    for (const auto& a : c.child) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    ::execvp(argv[0], argv.data());
+    std::fprintf(stderr, "memplan: profile: cannot run %s: %s\n", OneLine(c.child[0]).c_str(), std::strerror(errno));
+    std::_Exit(127);
+  }
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  const int child = ChildStatus(status);
+  auto measured = fs::exists(profile) ? traces::LoadMeasured(profile) : Expected<traces::Measured>(Error{});
+  fs::remove_all(dir, ec);
+  if (!measured) {
+    if (child != 0) return child;
+    return Fail({ErrorCode::kRuntime, "profile: " + OneLine(c.child[0]) +
+                                          " made no device allocation CUPTI saw (no CUDA, or CUPTI could not "
+                                          "attach); no profile written"});
+  }
+  if (!c.output.empty()) {
+    OutputFiles out;
+    if (auto st = StageJson(out, c.output, traces::MeasuredToJson(*measured), 2); !st) return Fail(st.error());
+    if (auto st = out.Commit(); !st) return Fail(st.error());
+  }
+  Table t({"device", "allocated_peak(MiB)", "reserved_peak(MiB)", "allocations", "releases"});
+  for (const auto& r : measured->ranks) {
+    auto count = [&](const char* k) { auto it = r.events.find(k); return it == r.events.end() ? 0 : it->second; };
+    t.AddRow({std::to_string(r.pp_rank), FormatFixed(static_cast<double>(r.allocated_peak) / (1 << 20), 3),
+              FormatFixed(static_cast<double>(r.peak) / (1 << 20), 3), std::to_string(count("allocations")),
+              std::to_string(count("releases"))});
+  }
+  std::fputs(t.Render().c_str(), stdout);
+  return child;
+}
+
 }  // namespace
 
 int RunCommand(const Command& c) {
@@ -206,6 +288,7 @@ int RunCommand(const Command& c) {
       case Verb::kExpand: return RunExpand(c);
       case Verb::kRun: return RunExecute(c);
       case Verb::kCheck: return RunCheck(c);
+      case Verb::kProfile: return RunProfile(c);
     }
   } catch (const std::bad_alloc&) {
     return Fail({ErrorCode::kRuntime, "out of host memory"});

@@ -66,6 +66,37 @@ Expected<CheckResult> Check(const PlanBounds& plan, const Measured& measured, co
     return Error{ErrorCode::kBadInput,
                  "--tolerance: expected a fraction in [0, 1], got " + FormatFixed(result.tolerance, 4)};
   }
+  const bool profile = measured.source == "cupti-injection";
+  if (profile != options.ranks_from_devices) {
+    return Error{ErrorCode::kBadInput,
+                 profile ? options.measured_file + ": /source: a profile of another program has one entry per device: "
+                                                   "compare it with --ranks-from devices"
+                         : "--ranks-from devices: " + options.measured_file +
+                               " is a memplan run measurement (source runtime): its entries are ranks already"};
+  }
+  if (profile) {
+    // Devices in order stand for the plan's ranks in order.
+    if (measured.ranks.size() != plan.ranks.size()) {
+      return Error{ErrorCode::kBadInput, options.measured_file + ": /ranks: " + std::to_string(measured.ranks.size()) +
+                                             " devices profiled, but " + options.plan_file + " has " +
+                                             std::to_string(plan.ranks.size()) + " ranks"};
+    }
+    Measured mapped = measured;
+    std::vector<int64_t> devices;
+    for (size_t i = 0; i < mapped.ranks.size(); ++i) {
+      devices.push_back(mapped.ranks[i].pp_rank);
+      mapped.ranks[i].pp_rank = plan.ranks[i].pp_rank;
+    }
+    mapped.plan_digest = plan.digest;
+    mapped.source = "runtime";
+    CheckOptions o = options;
+    o.ranks_from_devices = false;
+    auto result = Check(plan, mapped, o);
+    if (!result) return result.error();
+    result->source = "cupti-injection";
+    for (size_t i = 0; i < result->ranks.size(); ++i) result->ranks[i].device = devices[i];
+    return result;
+  }
   if (measured.plan_digest != plan.digest) {
     return Error{ErrorCode::kDigestMismatch, options.measured_file + ": /plan_digest: measured for plan " +
                                                  measured.plan_digest + ", but " + options.plan_file +
@@ -85,7 +116,7 @@ Expected<CheckResult> Check(const PlanBounds& plan, const Measured& measured, co
   result.pass = true;
   for (const auto& p : plan.ranks) {
     const MeasuredRank& m = *by_rank.at(p.pp_rank);
-    RankCheck c{p.pp_rank, p.peak, m.peak, p.lower_bound, m.allocated_peak, std::nullopt, true, ""};
+    RankCheck c{p.pp_rank, std::nullopt, p.peak, m.peak, p.lower_bound, m.allocated_peak, std::nullopt, true, ""};
     std::vector<std::string> why;
     if (m.allocated_peak < p.lower_bound) {
       why.push_back("allocated " + std::to_string(p.lower_bound - m.allocated_peak) + " B below lower bound");
@@ -138,14 +169,19 @@ std::string RenderCheckTable(const CheckResult& result, bool failures_only) {
   };
   bool cupti = false;
   for (const auto& r : result.ranks) cupti = cupti || r.cupti_bytes.has_value();
-  std::vector<std::string> header{"pp_rank", "peak" + u, "measured" + u, "lower_bd" + u, "allocated" + u};
+  bool devices = false;
+  for (const auto& r : result.ranks) devices = devices || r.device.has_value();
+  std::vector<std::string> header{"pp_rank"};
+  if (devices) header.push_back("device");
+  for (const char* h : {"peak", "measured", "lower_bd", "allocated"}) header.push_back(h + u);
   if (cupti) header.push_back("cupti" + u);
   header.push_back("verdict");
   Table t(header);
   for (const auto& r : result.ranks) {
     if (failures_only && r.pass) continue;
-    std::vector<std::string> row{std::to_string(r.pp_rank), cell(r.predicted_peak), cell(r.measured_peak),
-                                 cell(r.lower_bound), cell(r.allocated_peak)};
+    std::vector<std::string> row{std::to_string(r.pp_rank)};
+    if (devices) row.push_back(r.device ? std::to_string(*r.device) : "-");
+    for (int64_t b : {r.predicted_peak, r.measured_peak, r.lower_bound, r.allocated_peak}) row.push_back(cell(b));
     if (cupti) row.push_back(r.cupti_bytes ? cell(*r.cupti_bytes) : "-");
     row.push_back(r.verdict);
     t.AddRow(row);

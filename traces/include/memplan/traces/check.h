@@ -61,11 +61,17 @@ struct CheckOptions {
   // Names used in messages.
   std::string plan_file = "PLAN.json";
   std::string measured_file = "MEASURED.json";
+  // A profile of another program (source cupti-injection) has one entry
+  // per device, not per rank: with `ranks_from_devices`, the measurement's
+  // i-th entry (devices in order) stands for the plan's i-th rank, and no
+  // digest is compared. Without it, such a measurement is refused.
+  bool ranks_from_devices = false;
 };
 
 // One rank's comparison; bytes throughout.
 struct RankCheck {
   int64_t pp_rank = 0;
+  std::optional<int64_t> device;  // ranks_from_devices: the device standing for the rank
   int64_t predicted_peak = 0;
   int64_t measured_peak = 0;
   int64_t lower_bound = 0;
