@@ -230,6 +230,25 @@ expect_exit 5 "dump over a directory of other files" "$memplan" run "$tmp/gpt.pl
 expect_exit 0 "dump twice into the same directory" "$memplan" run "$tmp/gpt.plan.json" -q --dump "$tmp/dump2"
 expect_exit 0 "dump again" "$memplan" run "$tmp/gpt.plan.json" -q --dump "$tmp/dump2"
 [ -f "$tmp/dump2/grads/layer0.attn.qkv.weight.npy" ] && ok || bad "second dump missing"
+# 5b. Outputs that collide, empty paths, the input as output, descriptors.
+expect_exit 2 "one file as two outputs" "$memplan" run "$tmp/gpt.plan.json" -q -o "$tmp/twice" --dump "$tmp/twice"
+[ ! -e "$tmp/twice" ] && grep -q "given twice" "$tmp/err" && ok || bad "twice: $(cat "$tmp/err")"
+expect_exit 2 "-o ''" "$memplan" plan "$gpt" -q -o ''
+expect_exit 2 "output over the input" "$memplan" plan "$tmp/gpt.plan.json" -q -o "$tmp/gpt.plan.json"
+python3 -c "import json; json.load(open('$tmp/gpt.plan.json'))" && ok || bad "the input was overwritten"
+"$memplan" plan "$gpt" -q -o /dev/stdout 2>"$tmp/err" | python3 -c "import json, sys; json.load(sys.stdin)" \
+  && ok || bad "-o /dev/stdout into a pipe: $(cat "$tmp/err")"
+echo previous >"$tmp/appended.txt"
+"$memplan" plan "$gpt" -q -o /dev/stdout >>"$tmp/appended.txt" && [ "$(head -1 "$tmp/appended.txt")" = previous ] \
+  && ok || bad "-o /dev/stdout >> FILE did not append"
+mkfifo "$tmp/fifo"
+expect_exit 5 "a FIFO nobody reads" timeout 10 "$memplan" plan "$gpt" -q -o "$tmp/fifo"
+grep -q "nobody reads" "$tmp/err" && ok || bad "fifo: $(cat "$tmp/err")"
+mkdir "$tmp/realdump" && ln -s realdump "$tmp/dumplink"
+expect_exit 0 "dump through a link with a slash" "$memplan" run "$tmp/gpt.plan.json" -q --dump "$tmp/dumplink/"
+[ -L "$tmp/dumplink" ] && [ -d "$tmp/realdump/grads" ] && ok || bad "dump replaced the link"
+ls -a "$tmp" | grep -q "\.tmp$" && bad "temporary left behind: $(ls -a "$tmp")" || ok
+
 # 6. Duplicate keys, nulls and U+0000 are refused; a BOM is skipped.
 python3 - "$gpt" "$tmp/dup.json" <<'PY'
 import json, sys

@@ -80,6 +80,18 @@ Expected<Command> ParseCommandLine(const std::vector<std::string>& args) {
     }
     return Error{ErrorCode::kBadInput, OneLine(e.what()) + " (see memplan --help)"};
   }
+  // An empty path is a mistake (a shell variable that was not set), not
+  // "no output".
+  for (const auto* app_part : {plan, expand, check, run, profile}) {
+    for (const CLI::Option* opt : app_part->get_options()) {
+      if (opt->count() == 0 || opt->get_type_size() == 0) continue;
+      for (const std::string& v : opt->results()) {
+        if (v.empty()) {
+          return Error{ErrorCode::kBadInput, opt->get_name() + ": expected a value, got an empty string (see memplan --help)"};
+        }
+      }
+    }
+  }
   if (plan->parsed()) {
     c.verb = Verb::kPlan;
     c.input = plan_model;

@@ -3,6 +3,7 @@
 // exit codes"). Outputs are written all or nothing (common/output.h): every
 // output path is checked before any work, and nothing is written unless
 // the whole command succeeds.
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -11,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <string>
 
 #include "cli.h"
@@ -43,10 +45,37 @@ Error Located(Error e, const std::string& file) {
   return e;
 }
 
-// Every output path of a command, checked before the command works.
-Expected<bool> CheckOutputs(std::initializer_list<const std::string*> paths) {
+bool SameFile(const std::string& a, const std::string& b) {
+  struct stat sa {}, sb {};
+  return ::stat(a.c_str(), &sa) == 0 && ::stat(b.c_str(), &sb) == 0 && sa.st_dev == sb.st_dev &&
+         sa.st_ino == sb.st_ino && S_ISREG(sa.st_mode);
+}
+
+// No two outputs of one command may be the same file (checked up front;
+// OutputFiles refuses it again at staging).
+Expected<bool> CheckDistinct(std::initializer_list<const std::string*> paths) {
+  namespace fs = std::filesystem;
+  std::map<std::string, const std::string*> seen;
   for (const std::string* p : paths) {
     if (p->empty()) continue;
+    std::error_code ec;
+    std::string key = fs::weakly_canonical(*p, ec).string();
+    if (ec) key = *p;
+    if (auto [it, fresh] = seen.emplace(key, p); !fresh) {
+      return Error{ErrorCode::kBadInput, *p + ": given twice as an output (also as " + *it->second + ")"};
+    }
+  }
+  return true;
+}
+
+// Every output path of a command, checked before the command works; none
+// may be the command's input.
+Expected<bool> CheckOutputs(std::initializer_list<const std::string*> paths, const std::string& input = "") {
+  for (const std::string* p : paths) {
+    if (p->empty()) continue;
+    if (!input.empty() && SameFile(*p, input)) {
+      return Error{ErrorCode::kBadInput, *p + ": is the command's input " + input + "; refusing to overwrite it"};
+    }
     if (auto ok = OutputFiles::CheckWritable(*p); !ok) return ok.error();
   }
   return true;
@@ -64,7 +93,7 @@ Expected<bool> StageJson(OutputFiles& out, const std::string& path, const J& doc
 }
 
 int RunPlan(const Command& c) {
-  if (auto ok = CheckOutputs({&c.output}); !ok) return Fail(ok.error());
+  if (auto ok = CheckOutputs({&c.output}, c.input); !ok) return Fail(ok.error());
   auto model = planner::LoadModel(c.input);
   if (!model) return Fail(Located(model.error(), c.input));
   planner::PlanOptions options;
@@ -99,7 +128,7 @@ int RunPlan(const Command& c) {
 }
 
 int RunExpand(const Command& c) {
-  if (auto ok = CheckOutputs({&c.output}); !ok) return Fail(ok.error());
+  if (auto ok = CheckOutputs({&c.output}, c.input); !ok) return Fail(ok.error());
   auto model = planner::LoadModel(c.input);
   if (!model) return Fail(Located(model.error(), c.input));
   auto expanded = planner::ExpandedModelJson(*model);
@@ -168,7 +197,8 @@ int RunExecute(const Command& c) {
   if (c.backend == "host" && c.allocator == "pool") {
     return Fail({ErrorCode::kBadInput, "--allocator pool: the host backend is always an arena (pools are cuda's)"});
   }
-  if (auto ok = CheckOutputs({&c.output, &c.trace}); !ok) return Fail(ok.error());
+  if (auto ok = CheckDistinct({&c.output, &c.trace, &c.dump}); !ok) return Fail(ok.error());
+  if (auto ok = CheckOutputs({&c.output, &c.trace}, c.input); !ok) return Fail(ok.error());
   auto plan_json = ReadJsonFile(c.input);
   if (!plan_json) return Fail(plan_json.error());
   OutputFiles out;

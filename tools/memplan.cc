@@ -1,5 +1,6 @@
 // memplan: the command line. Parses argv into a Command (cli.cc) and runs
 // it (commands.cc); both are libraries so that tests and fuzzers reach them.
+#include <csignal>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -7,6 +8,9 @@
 #include "cli.h"
 
 int main(int argc, char** argv) {
+  // A reader that goes away (`memplan plan ... -o /dev/stdout | head`) is a
+  // failed write (exit 5, outputs rolled back), not a killed process.
+  std::signal(SIGPIPE, SIG_IGN);
   std::vector<std::string> args(argv + 1, argv + argc);
   auto command = memplan::cli::ParseCommandLine(args);
   if (!command) {

@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <optional>
 
 namespace memplan {
 
@@ -21,12 +22,12 @@ Error RuntimeError(const std::string& path, const std::string& what) {
 
 std::string Errno(int err) { return std::strerror(err); }
 
-// A name no other writer in this or another process picks.
+// A short name no other writer in this or another process picks, beside
+// `target` (a long target name must not make the temporary's too long).
 std::string TemporaryBeside(const std::string& target) {
   static std::atomic<int> counter{0};
   fs::path p(target);
-  std::string name = "." + p.filename().string() + ".tmp." + std::to_string(::getpid()) + "." +
-                     std::to_string(counter.fetch_add(1));
+  std::string name = ".memplan." + std::to_string(::getpid()) + "." + std::to_string(counter.fetch_add(1)) + ".tmp";
   return (p.parent_path() / name).string();
 }
 
@@ -50,15 +51,33 @@ bool WriteAll(int fd, std::string_view content) {
   return true;
 }
 
-// What sits at a resolved path.
-enum class Kind { kMissing, kRegular, kDirectory, kStream, kOther };
+// How an output reaches its bytes.
+struct Target {
+  enum class How { kFile, kStream, kFd };
+  How how = How::kFile;
+  std::string path;  // kFile: the resolved path; kStream: the path as given
+  int fd = -1;       // kFd
+  bool exists = false;
+  bool directory = false;
+};
 
-Kind KindOf(const std::string& path, struct stat* st) {
-  if (::stat(path.c_str(), st) != 0) return Kind::kMissing;
-  if (S_ISREG(st->st_mode)) return Kind::kRegular;
-  if (S_ISDIR(st->st_mode)) return Kind::kDirectory;
-  if (S_ISCHR(st->st_mode) || S_ISFIFO(st->st_mode)) return Kind::kStream;
-  return Kind::kOther;
+// "/dev/stdout", "/dev/fd/3", "/proc/self/fd/1": a descriptor this process
+// already has, written directly (its open flags, O_APPEND included, stay
+// the shell's); following those links would name a pipe or a socket that
+// cannot be opened, or reopen a file with other flags.
+std::optional<int> DescriptorOf(const std::string& path) {
+  if (path == "/dev/stdout") return 1;
+  if (path == "/dev/stderr") return 2;
+  for (const char* prefix : {"/dev/fd/", "/proc/self/fd/"}) {
+    std::string_view p(path);
+    if (!p.starts_with(prefix)) continue;
+    std::string digits(p.substr(std::strlen(prefix)));
+    if (digits.empty() || digits.size() > 6 || digits.find_first_not_of("0123456789") != std::string::npos) {
+      return std::nullopt;
+    }
+    return std::stoi(digits);
+  }
+  return std::nullopt;
 }
 
 Expected<bool> CheckParent(const std::string& target) {
@@ -71,6 +90,43 @@ Expected<bool> CheckParent(const std::string& target) {
   return true;
 }
 
+// Where `path` writes to; `want_directory` for StageDirectory.
+Expected<Target> Classify(std::string path, bool want_directory) {
+  if (path.empty()) return RuntimeError("<empty path>", "cannot write: empty path");
+  const std::string given = path;
+  while (path.size() > 1 && path.back() == '/') path.pop_back();
+  Target t;
+  if (auto fd = DescriptorOf(path); fd && !want_directory) {
+    if (::fcntl(*fd, F_GETFL) < 0) return RuntimeError(given, "cannot write: descriptor " + std::to_string(*fd) + " is not open");
+    t.how = Target::How::kFd;
+    t.fd = *fd;
+    t.path = path;
+    return t;
+  }
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode) && !S_ISDIR(st.st_mode)) {
+    if (want_directory) return RuntimeError(given, "cannot write: not a directory");
+    if (!S_ISCHR(st.st_mode) && !S_ISFIFO(st.st_mode)) {
+      return RuntimeError(given, "cannot write: not a regular file, character device or FIFO");
+    }
+    if (::access(path.c_str(), W_OK) != 0) return RuntimeError(given, "cannot write: " + Errno(errno));
+    t.how = Target::How::kStream;
+    t.path = path;
+    return t;
+  }
+  auto resolved = ResolveOutputPath(path);
+  if (!resolved) return resolved.error();
+  t.path = *resolved;
+  if (::stat(t.path.c_str(), &st) == 0) {
+    t.exists = true;
+    t.directory = S_ISDIR(st.st_mode);
+  }
+  if (t.directory && !want_directory) return RuntimeError(given, "cannot write: is a directory");
+  if (t.exists && !t.directory && want_directory) return RuntimeError(given, "cannot write: not a directory");
+  if (auto ok = CheckParent(t.path); !ok) return ok.error();
+  return t;
+}
+
 // A directory a previous dump wrote: only directories and *.npy files.
 bool LooksLikeDump(const std::string& dir) {
   std::error_code ec;
@@ -81,6 +137,14 @@ bool LooksLikeDump(const std::string& dir) {
     if (!it->is_regular_file(ec) || it->path().extension() != ".npy") return false;
   }
   return !ec;
+}
+
+// The same file or directory, whether it exists yet or not.
+std::string Identity(const Target& t) {
+  if (t.how == Target::How::kFd) return "fd:" + std::to_string(t.fd);
+  std::error_code ec;
+  fs::path p = fs::weakly_canonical(t.path, ec);
+  return ec ? t.path : p.string();
 }
 
 }  // namespace
@@ -102,22 +166,9 @@ Expected<std::string> ResolveOutputPath(const std::string& path) {
 }
 
 Expected<bool> OutputFiles::CheckWritable(const std::string& path) {
-  auto target = ResolveOutputPath(path);
-  if (!target) return target.error();
-  struct stat st {};
-  switch (KindOf(*target, &st)) {
-    case Kind::kDirectory:
-      return RuntimeError(path, "cannot write: is a directory");
-    case Kind::kOther:
-      return RuntimeError(path, "cannot write: not a regular file, character device or FIFO");
-    case Kind::kStream:
-      if (::access(target->c_str(), W_OK) != 0) return RuntimeError(path, "cannot write: " + Errno(errno));
-      return true;
-    case Kind::kRegular:
-    case Kind::kMissing:
-      break;
-  }
-  return CheckParent(*target);
+  auto t = Classify(path, false);
+  if (!t) return t.error();
+  return true;
 }
 
 OutputFiles::~OutputFiles() { Discard(); }
@@ -130,24 +181,40 @@ void OutputFiles::Discard() {
   entries_.clear();
 }
 
-Expected<bool> OutputFiles::Stage(const std::string& path, std::string_view content) {
-  auto target = ResolveOutputPath(path);
-  if (!target) return target.error();
-  struct stat st {};
-  Kind kind = KindOf(*target, &st);
-  if (kind == Kind::kDirectory) return RuntimeError(path, "cannot write: is a directory");
-  if (kind == Kind::kOther) return RuntimeError(path, "cannot write: not a regular file, character device or FIFO");
-  if (kind == Kind::kStream) {
-    entries_.push_back(Entry{*target, "", std::string(content), false, false});
-    return true;
+Expected<bool> OutputFiles::Add(const std::string& given, Entry entry) {
+  for (const Entry& e : entries_) {
+    if (e.identity == entry.identity) {
+      if (!entry.temporary.empty()) {
+        std::error_code ec;
+        fs::remove_all(entry.temporary, ec);
+      }
+      return Error{ErrorCode::kBadInput, given + ": given twice as an output (also as " + e.given + ")"};
+    }
   }
-  if (auto ok = CheckParent(*target); !ok) return ok.error();
-  std::string tmp = TemporaryBeside(*target);
+  entry.given = given;
+  entries_.push_back(std::move(entry));
+  return true;
+}
+
+Expected<bool> OutputFiles::Stage(const std::string& path, std::string_view content) {
+  auto t = Classify(path, false);
+  if (!t) return t.error();
+  Entry e;
+  e.target = t->path;
+  e.identity = Identity(*t);
+  if (t->how != Target::How::kFile) {
+    e.fd = t->fd;
+    e.content = std::string(content);
+    return Add(path, std::move(e));
+  }
   // An existing file keeps its mode; a new one gets 0666 less the umask.
-  mode_t mode = kind == Kind::kRegular ? (st.st_mode & 07777) : 0666;
+  struct stat st {};
+  const bool exists = ::stat(t->path.c_str(), &st) == 0;
+  mode_t mode = exists ? (st.st_mode & 07777) : 0666;
+  std::string tmp = TemporaryBeside(t->path);
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, mode);
   if (fd < 0) return RuntimeError(path, "cannot write: " + Errno(errno));
-  if (kind == Kind::kRegular) (void)::fchmod(fd, mode);
+  if (exists) (void)::fchmod(fd, mode);
   bool ok = WriteAll(fd, content);
   int err = errno;
   if (::close(fd) != 0 && ok) {
@@ -158,71 +225,91 @@ Expected<bool> OutputFiles::Stage(const std::string& path, std::string_view cont
     ::unlink(tmp.c_str());
     return RuntimeError(path, "write failed: " + Errno(err));
   }
-  entries_.push_back(Entry{*target, tmp, "", false, false});
-  return true;
+  e.temporary = tmp;
+  return Add(path, std::move(e));
 }
 
 Expected<std::string> OutputFiles::StageDirectory(const std::string& dir) {
-  auto target = ResolveOutputPath(dir);
-  if (!target) return target.error();
-  struct stat st {};
-  Kind kind = KindOf(*target, &st);
-  if (kind == Kind::kDirectory && !LooksLikeDump(*target)) {
+  auto t = Classify(dir, true);
+  if (!t) return t.error();
+  if (t->how != Target::How::kFile) return RuntimeError(dir, "cannot write: not a directory");
+  if (t->directory && !LooksLikeDump(t->path)) {
     return RuntimeError(dir, "refusing to replace a directory that holds other files than a dump's .npy files");
   }
-  if (kind != Kind::kDirectory && kind != Kind::kMissing) return RuntimeError(dir, "cannot write: not a directory");
-  // The parent of a directory target: strip a trailing slash first.
-  std::string trimmed = *target;
-  while (trimmed.size() > 1 && trimmed.back() == '/') trimmed.pop_back();
-  if (auto ok = CheckParent(trimmed); !ok) return ok.error();
-  std::string tmp = TemporaryBeside(trimmed);
+  std::string tmp = TemporaryBeside(t->path);
   if (::mkdir(tmp.c_str(), 0777) != 0) return RuntimeError(dir, "cannot create: " + Errno(errno));
-  entries_.push_back(Entry{trimmed, tmp, "", true, false});
+  Entry e;
+  e.target = t->path;
+  e.identity = Identity(*t);
+  e.temporary = tmp;
+  e.directory = true;
+  if (auto ok = Add(dir, std::move(e)); !ok) return ok.error();
   return tmp;
 }
 
 Expected<bool> OutputFiles::Commit() {
-  // Devices first: they are the writes that can still fail (a full disk
-  // behind /dev/full, a closed pipe). Once they are written, the renames
-  // below only move names inside directories already checked.
+  // Streams first: they are the writes that can still fail (a full disk
+  // behind /dev/full, a pipe nobody reads). Once they are written, the
+  // renames below only move names inside directories already checked.
   for (Entry& e : entries_) {
     if (!e.temporary.empty()) continue;
-    int fd = ::open(e.target.c_str(), O_WRONLY | O_NOCTTY | O_CLOEXEC);
+    int fd = e.fd;
     if (fd < 0) {
-      Error err = RuntimeError(e.target, "cannot write: " + Errno(errno));
-      Discard();
-      return err;
+      // O_NONBLOCK: a FIFO without a reader fails (ENXIO) instead of
+      // waiting forever; writes then block as usual.
+      fd = ::open(e.target.c_str(), O_WRONLY | O_APPEND | O_NOCTTY | O_CLOEXEC | O_NONBLOCK);
+      if (fd < 0) {
+        Error err = RuntimeError(e.given, errno == ENXIO ? "cannot write: nobody reads this FIFO"
+                                                         : "cannot write: " + Errno(errno));
+        Discard();
+        return err;
+      }
+      ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
     }
     bool ok = WriteAll(fd, e.content);
     int werr = errno;
-    ::close(fd);
+    if (e.fd < 0) ::close(fd);
     if (!ok) {
-      Error err = RuntimeError(e.target, "write failed: " + Errno(werr));
+      Error err = RuntimeError(e.given, "write failed: " + Errno(werr));
       Discard();
       return err;
     }
     e.committed = true;
   }
+  // Files and directories: the previous version is kept aside (a hard link
+  // for a file, the directory itself) until every rename succeeded, so a
+  // failure puts everything back as it was.
+  std::error_code ec;
+  std::vector<Entry*> done;
+  auto rollback = [&](Error err) {
+    for (auto it = done.rbegin(); it != done.rend(); ++it) {
+      Entry& d = **it;
+      fs::remove_all(d.target, ec);
+      if (!d.backup.empty()) (void)::rename(d.backup.c_str(), d.target.c_str());
+    }
+    Discard();
+    return err;
+  };
   for (Entry& e : entries_) {
     if (e.temporary.empty()) continue;
-    std::error_code ec;
-    std::string old;
-    if (e.directory && fs::is_directory(e.target, ec)) {
-      old = TemporaryBeside(e.target);
-      if (::rename(e.target.c_str(), old.c_str()) != 0) {
-        Error err = RuntimeError(e.target, "cannot replace: " + Errno(errno));
-        Discard();
-        return err;
-      }
+    struct stat st {};
+    if (::lstat(e.target.c_str(), &st) == 0) {
+      e.backup = TemporaryBeside(e.target);
+      int rc = e.directory ? ::rename(e.target.c_str(), e.backup.c_str()) : ::link(e.target.c_str(), e.backup.c_str());
+      if (rc != 0) e.backup.clear();  // cannot keep it: this one cannot be put back
     }
     if (::rename(e.temporary.c_str(), e.target.c_str()) != 0) {
-      Error err = RuntimeError(e.target, "cannot rename into place: " + Errno(errno));
-      if (!old.empty()) (void)::rename(old.c_str(), e.target.c_str());
-      Discard();
-      return err;
+      Error err = RuntimeError(e.given, "cannot rename into place: " + Errno(errno));
+      if (!e.backup.empty() && e.directory) (void)::rename(e.backup.c_str(), e.target.c_str());
+      if (!e.backup.empty() && !e.directory) ::unlink(e.backup.c_str());
+      e.backup.clear();
+      return rollback(err);
     }
     e.committed = true;
-    if (!old.empty()) fs::remove_all(old, ec);
+    done.push_back(&e);
+  }
+  for (Entry* d : done) {
+    if (!d->backup.empty()) fs::remove_all(d->backup, ec);
   }
   entries_.clear();
   return true;

@@ -1,6 +1,7 @@
 #include "memplan/common/status.h"
 
 #include <cstdio>
+#include <algorithm>
 #include <cstdlib>
 
 #include "memplan/common/check.h"
@@ -19,8 +20,14 @@ std::string_view ErrorCodeName(ErrorCode code) {
 }
 
 std::string OneLine(std::string_view text) {
+  // A message quotes input (keys, tokens, paths): a hostile one must not
+  // make it megabytes long.
+  constexpr size_t kMaxBytes = 1000;
   std::string out;
-  out.reserve(text.size());
+  out.reserve(std::min(text.size(), kMaxBytes + 32));
+  if (text.size() > kMaxBytes) {
+    return OneLine(text.substr(0, kMaxBytes)) + "... (" + std::to_string(text.size() - kMaxBytes) + " more bytes)";
+  }
   for (char c : text) {
     auto u = static_cast<unsigned char>(c);
     if (c == '\n') {

@@ -1325,7 +1325,9 @@ Expected<RunResult> Executor::Finish(double grad_norm, double step_s) {
     mr.allocated_peak = r->static_bytes + r->dev->allocated_peak();
     mr.peak = r->static_bytes + r->dev->high_water();
     if (m.allocator == "pool") {
-      mr.pool = traces::PoolMarks{mr.peak, r->static_bytes + r->dev->used_high_water()};
+      // Both pools' own marks: the driver rounds the statics' pool too.
+      mr.pool = traces::PoolMarks{r->stat->high_water() + r->dev->high_water(),
+                                  r->stat->used_high_water() + r->dev->used_high_water()};
     }
     mr.timeline = std::move(r->timeline);
     mr.events = r->events;
@@ -1344,7 +1346,12 @@ Expected<RunResult> Executor::Finish(double grad_norm, double step_s) {
     }
     in.used_at_end = backend_->DeviceBytesInUse();
     cupti_->Flush();
-    AttachCupti(*cupti_, in, m);
+    if (int64_t dropped = cupti_->dropped_records(); dropped > 0) {
+      // A partial record set would fail the check for the wrong reason.
+      warnings_.push_back("CUPTI dropped " + std::to_string(dropped) + " records; no CUPTI bytes reported");
+    } else {
+      AttachCupti(*cupti_, in, m);
+    }
   }
   if (options_.trace) {
     for (auto& r : ranks_) trace_.AddRank(r->index);

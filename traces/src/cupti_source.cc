@@ -128,7 +128,16 @@ Expected<std::unique_ptr<CuptiSource>> CuptiSource::Start(const CuptiOptions& op
 CuptiSource::~CuptiSource() {
   DisableAll();
   cuptiActivityFlushAll(CUPTI_ACTIVITY_FLAG_FLUSH_FORCED);
-  delete g_state.exchange(nullptr);
+  // CUPTI's worker thread may still be inside a buffer callback holding
+  // the state: it is left allocated (a few vectors, once per process)
+  // rather than freed under it. Later buffers are freed unread.
+  State* s = g_state.exchange(nullptr);
+  if (s != nullptr) {
+    std::lock_guard<std::mutex> lock(s->mu);
+    s->memory.clear();
+    s->pools.clear();
+    s->activities.clear();
+  }
 }
 
 void CuptiSource::Flush() { cuptiActivityFlushAll(CUPTI_ACTIVITY_FLAG_FLUSH_FORCED); }

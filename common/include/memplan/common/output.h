@@ -9,13 +9,21 @@
 //    an existing file keeps its permission bits;
 //  - a symbolic link is followed (up to 40 links, like the kernel): the
 //    link stays, its target is written as above;
-//  - a character device or FIFO (`/dev/stdout`, `/dev/null`, a pipe) is
-//    written straight through at Commit(), before any rename, and a short
-//    or failed write (`/dev/full`) fails the whole commit; nothing is ever
-//    renamed over a device;
-//  - a directory, socket or block device is refused at Stage().
-// Staged temporaries are removed when the object dies without Commit().
-// Errors are kRuntime ("PATH: what went wrong").
+//  - a character device or FIFO (`/dev/null`, a named pipe) is written
+//    straight through at Commit(), before any rename (appending, so a
+//    shell's `>>` keeps its meaning), and a short or failed write
+//    (`/dev/full`), or a FIFO nobody reads, fails the whole commit; nothing
+//    is ever renamed over a device;
+//  - `/dev/stdout`, `/dev/stderr`, `/dev/fd/N` and `/proc/self/fd/N` are
+//    this process's descriptors, written directly (a pipe or a socket
+//    behind them works; their links are not followed);
+//  - a directory, socket path or block device is refused at Stage().
+// Commit() keeps the previous version of every file aside until all the
+// renames succeeded, so a failing commit leaves every output as it was;
+// streams, written first, cannot be taken back. Staged temporaries are
+// removed when the object dies without Commit(). The same file staged
+// twice (`-o x --trace x`) is refused (kBadInput). Other errors are
+// kRuntime ("PATH: what went wrong").
 #pragma once
 
 #include <cstdint>
@@ -54,12 +62,17 @@ class OutputFiles {
 
  private:
   struct Entry {
+    std::string given;      // the path as the caller gave it (messages)
     std::string target;     // the resolved path that ends up holding the bytes
-    std::string temporary;  // staged file or directory; empty for a device
-    std::string content;    // devices only: written at Commit()
+    std::string identity;   // two entries with one identity are one file
+    std::string temporary;  // staged file or directory; empty for a stream
+    std::string backup;     // Commit: the previous version, kept until all succeeded
+    std::string content;    // streams only: written at Commit()
+    int fd = -1;            // streams that are this process's descriptors
     bool directory = false;
     bool committed = false;
   };
+  Expected<bool> Add(const std::string& given, Entry entry);
   void Discard();
   std::vector<Entry> entries_;
 };

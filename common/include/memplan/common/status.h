@@ -28,7 +28,8 @@ enum class ErrorCode : int {
 std::string_view ErrorCodeName(ErrorCode code);
 
 // `text` with every control character (a newline in a file name or an
-// argument, say) written as a C escape, so a message stays one line.
+// argument, say) written as a C escape, so a message stays one line, and
+// cut after 1000 bytes (saying how many more there were).
 std::string OneLine(std::string_view text);
 
 // One user-actionable, single-line message plus its category.
