@@ -11,7 +11,8 @@
 #include "fuzz_util.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  std::vector<std::string> args(1);
+  // No bytes: no arguments at all (memplan alone).
+  std::vector<std::string> args(size == 0 ? 0 : 1);
   for (size_t i = 0; i < size && args.size() <= 64; ++i) {
     if (data[i] == 0) {
       args.emplace_back();
