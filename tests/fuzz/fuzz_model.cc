@@ -13,11 +13,8 @@
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace memplan;
-  auto doc = ParseJsonText(std::string_view(reinterpret_cast<const char*>(data), size), fuzz::kFile);
-  if (!doc) {
-    fuzz::CheckError(doc.error());
-    return 0;
-  }
+  auto doc = fuzz::Parse(data, size);
+  if (!doc) return 0;
   auto model = planner::ParseModel(*doc, fuzz::kFile);
   if (!model) {
     fuzz::CheckError(model.error());

@@ -11,11 +11,8 @@
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace memplan;
-  auto doc = ParseJsonText(std::string_view(reinterpret_cast<const char*>(data), size), fuzz::kFile);
-  if (!doc) {
-    fuzz::CheckError(doc.error());
-    return 0;
-  }
+  auto doc = fuzz::Parse(data, size);
+  if (!doc) return 0;
   auto bounds = traces::ParsePlanBounds(*doc, fuzz::kFile);
   if (!bounds) fuzz::CheckError(bounds.error());
   auto valid = runtime::ValidatePlan(*doc, fuzz::kFile);

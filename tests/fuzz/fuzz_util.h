@@ -6,10 +6,13 @@
 #pragma once
 
 #include <cstdio>
+#include <cstdint>
 #include <cstdlib>
+#include <optional>
 #include <string>
 #include <string_view>
 
+#include "memplan/common/json_util.h"
 #include "memplan/common/status.h"
 
 namespace memplan::fuzz {
@@ -30,6 +33,16 @@ inline void CheckError(const Error& e, const std::string& file = kFile) {
       e.message.rfind(file + " /", 0) != 0) {
     Broken("bad-input error does not name the file", e.message);
   }
+}
+
+// The input as a document, or nullopt after checking the reader's error.
+inline std::optional<Json> Parse(const uint8_t* data, size_t size) {
+  auto doc = ParseJsonText(std::string_view(reinterpret_cast<const char*>(data), size), kFile);
+  if (!doc) {
+    CheckError(doc.error());
+    return std::nullopt;
+  }
+  return std::move(*doc);
 }
 
 }  // namespace memplan::fuzz
