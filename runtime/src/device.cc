@@ -107,6 +107,8 @@ int CudaDevice::device() const { NoCudaDevice(); }
 void* CudaDevice::compute_stream() const { NoCudaDevice(); }
 void* CudaDevice::queue_stream(Queue) const { NoCudaDevice(); }
 void* CudaDevice::pool() const { NoCudaDevice(); }
+void CudaDevice::AddRegions(traces::OwnerRegions&) const { NoCudaDevice(); }
+std::pair<void*, int64_t> CudaDevice::arena_block() const { NoCudaDevice(); }
 
 Expected<std::unique_ptr<HostArena>> MakePinnedArena(int64_t /*capacity_bytes*/, std::string name) {
   return NoCuda(name);
