@@ -151,19 +151,24 @@ grep -q "arena allocator, runtime" "$tmp/out" 2>/dev/null || true
 expect_exit 4 "check another model's measurement" "$memplan" check "$tmp/tp2.plan.json" "$tmp/llama.measured.json"
 
 # 10b. memplan profile: the program's exit status; no profile without CUDA.
-expect_exit 5 "profile a program without CUDA" "$memplan" profile -o "$tmp/prof.json" -- true
-grep -q "no profile written" "$tmp/err" && [ ! -e "$tmp/prof.json" ] && ok || bad "profile true: $(cat "$tmp/err")"
-expect_exit 3 "profile keeps the program's status" "$memplan" profile -- sh -c 'exit 3'
-expect_exit 127 "profile a missing program" "$memplan" profile -- "$tmp/no-such-program"
-grep -q "cannot run" "$tmp/err" && ok || bad "profile missing: $(cat "$tmp/err")"
-expect_exit 2 "profile without a command" "$memplan" profile
-if [ -e "$(dirname "$memplan")/libmemplan_inject.so" ]; then
+inject="$(dirname "$memplan")/libmemplan_inject.so"
+if [ -e "$inject" ]; then
+  expect_exit 5 "profile a program without CUDA" "$memplan" profile -o "$tmp/prof.json" -- true
+  grep -q "no profile written" "$tmp/err" && [ ! -e "$tmp/prof.json" ] && ok || bad "profile true: $(cat "$tmp/err")"
+  expect_exit 3 "profile keeps the program's status" "$memplan" profile -- sh -c 'exit 3'
+  expect_exit 127 "profile a missing program" "$memplan" profile -- "$tmp/no-such-program"
+  grep -q "cannot run" "$tmp/err" && ok || bad "profile missing: $(cat "$tmp/err")"
   # The injection library itself, loaded as the driver would: without a GPU
   # CUPTI cannot start, which is one line, and the program runs on.
   expect_exit 5 "injection without a GPU" "$memplan" profile -- python3 -c \
-    "import ctypes; ctypes.CDLL('$(dirname "$memplan")/libmemplan_inject.so').InitializeInjection()"
+    "import ctypes; ctypes.CDLL('$inject').InitializeInjection()"
   grep -q "memplan profile: CUPTI: .*no profile" "$tmp/err" && ok || bad "injection message: $(cat "$tmp/err")"
+else
+  # A build without CUPTI says so, in one line.
+  expect_exit 5 "profile without CUPTI built" "$memplan" profile -- true
+  grep -q "injection library is missing" "$tmp/err" && ok || bad "profile without CUPTI: $(cat "$tmp/err")"
 fi
+expect_exit 2 "profile without a command" "$memplan" profile
 
 # 11. Hostile input (docs/design.md, "Input limits and hostile input"): one
 # case per class found by the robustness review; each failed before its fix.
