@@ -12,7 +12,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <map>
 #include <string>
 
 #include "cli.h"
@@ -51,34 +50,19 @@ bool SameFile(const std::string& a, const std::string& b) {
          sa.st_ino == sb.st_ino && S_ISREG(sa.st_mode);
 }
 
-// No two outputs of one command may be the same file (checked up front;
-// OutputFiles refuses it again at staging).
-Expected<bool> CheckDistinct(std::initializer_list<const std::string*> paths) {
-  namespace fs = std::filesystem;
-  std::map<std::string, const std::string*> seen;
-  for (const std::string* p : paths) {
-    if (p->empty()) continue;
-    std::error_code ec;
-    std::string key = fs::weakly_canonical(*p, ec).string();
-    if (ec) key = *p;
-    if (auto [it, fresh] = seen.emplace(key, p); !fresh) {
-      return Error{ErrorCode::kBadInput, *p + ": given twice as an output (also as " + *it->second + ")"};
+// Every output of a command, checked before the command works
+// (OutputFiles::CheckAll: writable, no two the same file); none may be the
+// command's input.
+Expected<bool> CheckOutputs(std::vector<std::string> files, const std::string& input,
+                            std::vector<std::string> directories = {}) {
+  std::erase(files, std::string());
+  std::erase(directories, std::string());
+  for (const auto& p : files) {
+    if (!input.empty() && SameFile(p, input)) {
+      return Error{ErrorCode::kBadInput, p + ": is the command's input " + input + "; refusing to overwrite it"};
     }
   }
-  return true;
-}
-
-// Every output path of a command, checked before the command works; none
-// may be the command's input.
-Expected<bool> CheckOutputs(std::initializer_list<const std::string*> paths, const std::string& input = "") {
-  for (const std::string* p : paths) {
-    if (p->empty()) continue;
-    if (!input.empty() && SameFile(*p, input)) {
-      return Error{ErrorCode::kBadInput, *p + ": is the command's input " + input + "; refusing to overwrite it"};
-    }
-    if (auto ok = OutputFiles::CheckWritable(*p); !ok) return ok.error();
-  }
-  return true;
+  return OutputFiles::CheckAll(files, directories);
 }
 
 // Stages `doc` as `path`; a number JSON cannot spell (NaN, infinity) is a
@@ -93,7 +77,7 @@ Expected<bool> StageJson(OutputFiles& out, const std::string& path, const J& doc
 }
 
 int RunPlan(const Command& c) {
-  if (auto ok = CheckOutputs({&c.output}, c.input); !ok) return Fail(ok.error());
+  if (auto ok = CheckOutputs({c.output}, c.input); !ok) return Fail(ok.error());
   auto model = planner::LoadModel(c.input);
   if (!model) return Fail(Located(model.error(), c.input));
   planner::PlanOptions options;
@@ -128,7 +112,7 @@ int RunPlan(const Command& c) {
 }
 
 int RunExpand(const Command& c) {
-  if (auto ok = CheckOutputs({&c.output}, c.input); !ok) return Fail(ok.error());
+  if (auto ok = CheckOutputs({c.output}, c.input); !ok) return Fail(ok.error());
   auto model = planner::LoadModel(c.input);
   if (!model) return Fail(Located(model.error(), c.input));
   auto expanded = planner::ExpandedModelJson(*model);
@@ -197,8 +181,7 @@ int RunExecute(const Command& c) {
   if (c.backend == "host" && c.allocator == "pool") {
     return Fail({ErrorCode::kBadInput, "--allocator pool: the host backend is always an arena (pools are cuda's)"});
   }
-  if (auto ok = CheckDistinct({&c.output, &c.trace, &c.dump}); !ok) return Fail(ok.error());
-  if (auto ok = CheckOutputs({&c.output, &c.trace}, c.input); !ok) return Fail(ok.error());
+  if (auto ok = CheckOutputs({c.output, c.trace}, c.input, {c.dump}); !ok) return Fail(ok.error());
   auto plan_json = ReadJsonFile(c.input);
   if (!plan_json) return Fail(plan_json.error());
   OutputFiles out;
@@ -247,7 +230,7 @@ int ChildStatus(int status) {
 // which the library says on stderr); 127 when it could not be run.
 int RunProfile(const Command& c) {
   namespace fs = std::filesystem;
-  if (auto ok = CheckOutputs({&c.output}); !ok) return Fail(ok.error());
+  if (auto ok = CheckOutputs({c.output}, ""); !ok) return Fail(ok.error());
   std::error_code ec;
   fs::path lib = fs::read_symlink("/proc/self/exe", ec).parent_path() / "libmemplan_inject.so";
   if (ec || !fs::exists(lib)) {

@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <optional>
 
 namespace memplan {
@@ -168,6 +169,29 @@ Expected<std::string> ResolveOutputPath(const std::string& path) {
 Expected<bool> OutputFiles::CheckWritable(const std::string& path) {
   auto t = Classify(path, false);
   if (!t) return t.error();
+  return true;
+}
+
+Expected<bool> OutputFiles::CheckAll(const std::vector<std::string>& files, const std::vector<std::string>& directories) {
+  struct Checked {
+    const std::string* given;
+    Expected<Target> target;
+  };
+  std::vector<Checked> checked;
+  for (const auto& f : files) checked.push_back({&f, Classify(f, false)});
+  for (const auto& d : directories) checked.push_back({&d, Classify(d, true)});
+  std::map<std::string, const std::string*> seen;
+  for (const auto& c : checked) {
+    std::error_code ec;
+    std::string identity = c.target ? Identity(*c.target) : fs::weakly_canonical(*c.given, ec).string();
+    if (ec) identity = *c.given;
+    if (auto [it, fresh] = seen.emplace(identity, c.given); !fresh) {
+      return Error{ErrorCode::kBadInput, *c.given + ": given twice as an output (also as " + *it->second + ")"};
+    }
+  }
+  for (const auto& c : checked) {
+    if (!c.target) return c.target.error();
+  }
   return true;
 }
 

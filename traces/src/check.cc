@@ -23,6 +23,20 @@ int64_t Limit(int64_t bytes, double tolerance) {
   return bytes + static_cast<int64_t>(extra);
 }
 
+// `value - reference` (INT64_MIN when it does not fit) and whether it lies
+// within `tolerance` of `reference`, above or below.
+struct Deviation {
+  int64_t diff = 0;
+  bool within = false;
+};
+Deviation Deviate(int64_t value, int64_t reference, double tolerance) {
+  int64_t diff = 0;
+  if (__builtin_sub_overflow(value, reference, &diff)) return {INT64_MIN, false};
+  return {diff, std::abs(diff) <= Limit(reference, tolerance) - reference};
+}
+
+std::string Signed(int64_t v) { return (v > 0 ? "+" : "") + std::to_string(v); }
+
 std::string RankList(const std::set<int64_t>& ranks) {
   std::string out;
   for (int64_t r : ranks) out += (out.empty() ? "" : ", ") + std::to_string(r);
@@ -129,16 +143,12 @@ Expected<CheckResult> Check(const PlanBounds& plan, const Measured& measured, co
     }
     if (m.cupti) {
       // Arena: the rank's device allocations are its arenas. Pool: what
-      // the driver reserved is the pool's reserved mark.
-      // Pool mode compares with the pools' own reserved marks when given
-      // (the statics' pool is rounded by the driver too).
+      // the driver reserved, against the pools' own reserved marks when
+      // given (the statics' pool is rounded by the driver too).
       c.cupti_bytes = result.allocator == "arena" ? m.cupti->allocated_peak : m.cupti->reserved_peak;
       const int64_t reference = result.allocator == "pool" && m.pool ? m.pool->reserved_peak : m.peak;
-      int64_t diff = 0;
-      if (__builtin_sub_overflow(*c.cupti_bytes, reference, &diff)) diff = INT64_MIN;
-      if (diff == INT64_MIN || std::abs(diff) > Limit(reference, result.tolerance) - reference) {
-        why.push_back("CUPTI " + std::string(diff > 0 ? "+" : "") + std::to_string(diff) + " B off the " +
-                      result.allocator);
+      if (Deviation d = Deviate(*c.cupti_bytes, reference, result.tolerance); !d.within) {
+        why.push_back("CUPTI " + Signed(d.diff) + " B off the " + result.allocator);
       }
     }
     c.pass = why.empty();
@@ -155,12 +165,9 @@ Expected<CheckResult> Check(const PlanBounds& plan, const Measured& measured, co
     for (const auto& r : measured.ranks) {
       if (__builtin_add_overflow(pc.expected_bytes, r.peak, &pc.expected_bytes)) pc.expected_bytes = kMaxBytes;
     }
-    int64_t diff = 0;
-    if (__builtin_sub_overflow(pc.cupti_device_bytes, pc.expected_bytes, &diff)) diff = INT64_MIN;
-    pc.pass = diff != INT64_MIN && std::abs(diff) <= Limit(pc.expected_bytes, result.tolerance) - pc.expected_bytes;
-    pc.verdict = pc.pass ? "pass"
-                         : "FAIL: CUPTI saw " + std::string(diff > 0 ? "+" : "") + std::to_string(diff) +
-                               " B beside the ranks' planned memory";
+    Deviation d = Deviate(pc.cupti_device_bytes, pc.expected_bytes, result.tolerance);
+    pc.pass = d.within;
+    pc.verdict = pc.pass ? "pass" : "FAIL: CUPTI saw " + Signed(d.diff) + " B beside the ranks' planned memory";
     result.pass = result.pass && pc.pass;
     result.process = pc;
   }

@@ -46,6 +46,11 @@ class OutputFiles {
   // directory) without writing anything: commands call it for every output
   // before doing their work, so a bad path fails in milliseconds.
   static Expected<bool> CheckWritable(const std::string& path);
+  // CheckWritable for every file, StageDirectory's checks for every
+  // directory (except the replace rule), and no two naming one file
+  // (kBadInput, the same refusal Stage makes; reported before any other).
+  static Expected<bool> CheckAll(const std::vector<std::string>& files,
+                                 const std::vector<std::string>& directories = {});
 
   // Stages `content` for `path`. On error nothing is left for this path.
   Expected<bool> Stage(const std::string& path, std::string_view content);
