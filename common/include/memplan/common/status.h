@@ -15,7 +15,7 @@
 
 namespace memplan {
 
-// Exit codes of the memplan command line (design.md, "Command line and exit
+// Exit codes of the memplan command line (docs/design.md, "Command line and exit
 // codes"). The enum value is the process exit status.
 enum class ErrorCode : int {
   kCheckFailed = 1,     // a check verdict failed

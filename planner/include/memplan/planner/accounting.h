@@ -1,7 +1,7 @@
 // Static memory accounting per pipeline rank (stage 3): parameters, weights,
 // gradients, optimizer state, communication/optimizer buffers and host
-// bytes, following design.md's accounting rules (each rule and its source is
-// in docs/accounting.md).
+// bytes, following the accounting rules of docs/accounting.md (each rule
+// there with its source).
 //
 // All byte counts are per device. `grads` holds main gradients only; reduce
 // buckets, double buffers and gather buffers are `buffers`, at their maximum.

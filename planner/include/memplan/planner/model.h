@@ -1,6 +1,6 @@
 // The model IR: a validated, defaults-filled `memplan.model/1` document.
 //
-// Stage 1 of the planner (design.md, "Data flow"): ParseModel() turns the JSON
+// Stage 1 of the planner (docs/design.md, "Data flow"): ParseModel() turns the JSON
 // of a model file into a `Model`, rejecting bad input with one-line errors
 // that name the file and the RFC 6901 pointer ("m.json: /arch/hidden:
 // expected an integer in [1, 1048576], got -4"). Unknown keys are errors.

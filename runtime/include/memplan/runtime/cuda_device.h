@@ -4,7 +4,7 @@
 //
 // CudaDevice is one (emulated) pipeline rank. Several may share a GPU: each
 // has its own pool, so each rank's footprint is measured on its own
-// (design.md, "Backends").
+// (docs/design.md, "Backends").
 //
 //   pool     created with cudaMemPoolCreate on `device`, release threshold
 //            UINT64_MAX (freed memory stays reserved, so the reserved

@@ -8,7 +8,7 @@
 //   queue    a copy engine: d2h (device -> host), h2d (host -> device) and
 //            link (between pipeline ranks, for remote offload). Each queue
 //            runs its copies one at a time, first in first out, overlapped
-//            with the caller (design.md, "Backends").
+//            with the caller (docs/design.md, "Backends").
 //   event    completion flag of one asynchronous copy: a host flag on the
 //            host backend, a native event (cudaEvent_t) on the CUDA backend.
 //

@@ -1,6 +1,6 @@
 // `memplan check`: compares a plan's predictions with a measurement.
 //
-// The rule (design.md): a rank passes when
+// The rule (docs/design.md, docs/formats.md): a rank passes when
 //   lower_bound <= allocated_peak <= lower_bound * (1 + tolerance)   and
 //   measured peak <= predicted peak * (1 + tolerance).
 // The first says the allocator-independent prediction is exact (no plan can

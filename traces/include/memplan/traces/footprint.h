@@ -1,6 +1,6 @@
 // Footprint reconstruction: allocated and reserved device bytes over time,
 // from allocation records (CUPTI MEMORY2 / MEMORY_POOL on a GPU; synthetic
-// ones in tests), following reference/gpu-notes.md section 1.
+// ones in tests), as CUPTI reports them (docs/runtime.md, "Three measurements").
 //
 // Glossary: allocated = bytes of live allocations (PyTorch's "Total
 // Allocated"); reserved = bytes the device has set aside for them: every
