@@ -3,21 +3,25 @@
 // for the rest. Every CUDA or cuBLAS error aborts (cuda_check.h): a failed
 // launch leaves the stream in an unknown state.
 //
-// Resources a CudaOps owns (created once, in MakeCudaOps): a cuBLAS handle
-// bound to the stream, an 8 KiB device buffer that stages DispatchPlan's
-// offsets on their way to host memory, and an 8 KiB device buffer for
-// SquaredNorm's per-block partial sums. Op calls themselves never allocate;
-// cuBLAS uses the caller's workspace when one is passed, otherwise its own
-// default workspace pool.
+// Resources a CudaOps holds (made once, in MakeCudaOps): a cuBLAS handle
+// bound to the stream; a GEMM workspace (GemmWorkspaceBytes) and a scratch
+// buffer (KernelScratchBytes: DispatchPlan's offsets staged on their way to
+// host memory, SquaredNorm's per-block partial sums), both the caller's
+// planned memory when given (ops_cuda.h), else allocated here. Op calls
+// never allocate, and cuBLAS always has a workspace of ours: it never falls
+// back to its own pool.
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "attention_cuda.h"
 #include "cuda_check.h"
+#include "memplan/common/workspace.h"
 #include "memplan/kernels/ops.h"
 #include "memplan/kernels/ops_cuda.h"
 #include "ops_launch.h"
@@ -27,11 +31,11 @@ namespace {
 
 // DispatchPlan copies the E+1 offsets to the host through a device buffer of
 // this many entries, one window at a time.
-constexpr int64_t kStagedOffsets = 1024;
+constexpr int64_t kStagedOffsets = workspace::kStagedOffsets;
 
 class CudaOps final : public Ops {
  public:
-  explicit CudaOps(cudaStream_t stream) {
+  CudaOps(cudaStream_t stream, CudaOpsMemory memory) {
     int device = 0;
     MEMPLAN_CUDA_CHECK(cudaGetDevice(&device));
     ctx_.stream = stream;
@@ -43,20 +47,25 @@ class CudaOps final : public Ops {
     // Plain IEEE fp32: no TF32 tensor-core downconversion (CUBLAS_DEFAULT_MATH
     // never picks TF32 for cublasSgemm unless NVIDIA_TF32_OVERRIDE says so).
     MEMPLAN_CUBLAS_CHECK(cublasSetMathMode(cublas_, CUBLAS_DEFAULT_MATH));
-    void* staged = nullptr;
-    MEMPLAN_CUDA_CHECK(cudaMalloc(&staged, kStagedOffsets * sizeof(int64_t)));
-    staged_offsets_ = static_cast<int64_t*>(staged);
-    void* partials = nullptr;
-    MEMPLAN_CUDA_CHECK(cudaMalloc(&partials, cuda::kSquaredNormPartials * sizeof(double)));
-    norm_partials_ = static_cast<double*>(partials);
+    if (memory.gemm_workspace == nullptr) {
+      MEMPLAN_CUDA_CHECK(cudaMalloc(&memory.gemm_workspace, static_cast<size_t>(GemmWorkspaceBytes())));
+      owned_.push_back(memory.gemm_workspace);
+    }
+    if (memory.scratch == nullptr) {
+      MEMPLAN_CUDA_CHECK(cudaMalloc(&memory.scratch, static_cast<size_t>(KernelScratchBytes())));
+      owned_.push_back(memory.scratch);
+    }
+    default_workspace_ = memory.gemm_workspace;
+    staged_offsets_ = static_cast<int64_t*>(memory.scratch);
+    norm_partials_ = reinterpret_cast<double*>(static_cast<std::byte*>(memory.scratch) + workspace::StagedOffsetsBytes());
+    UseWorkspace(default_workspace_);
   }
 
   // Teardown errors are ignored: at process exit the context may already be
   // gone, and aborting there would only hide the program's real outcome.
   ~CudaOps() override {
     if (cublas_ != nullptr) cublasDestroy(cublas_);
-    if (staged_offsets_ != nullptr) cudaFree(staged_offsets_);
-    if (norm_partials_ != nullptr) cudaFree(norm_partials_);
+    for (void* p : owned_) cudaFree(p);
   }
 
   CudaOps(const CudaOps&) = delete;
@@ -309,33 +318,31 @@ class CudaOps final : public Ops {
   }
 
  private:
-  // Points cuBLAS at the caller's workspace, or back at its default pool
-  // (cublasSetStream resets the workspace) so that it never keeps a pointer
-  // to a workspace the caller may since have freed.
+  // Points cuBLAS at the call's workspace, or at ours (never at cuBLAS's
+  // own pool, and never at a workspace the caller may since have freed).
   void UseWorkspace(void* workspace) {
+    if (workspace == nullptr) workspace = default_workspace_;
     if (workspace == workspace_) return;
-    if (workspace != nullptr) {
-      MEMPLAN_CUBLAS_CHECK(cublasSetWorkspace(cublas_, workspace, static_cast<size_t>(GemmWorkspaceBytes())));
-    } else {
-      MEMPLAN_CUBLAS_CHECK(cublasSetStream(cublas_, ctx_.stream));
-    }
+    MEMPLAN_CUBLAS_CHECK(cublasSetWorkspace(cublas_, workspace, static_cast<size_t>(GemmWorkspaceBytes())));
     workspace_ = workspace;
   }
 
   cuda::LaunchContext ctx_;
   cublasHandle_t cublas_ = nullptr;
-  void* workspace_ = nullptr;          // what cuBLAS was last given; nullptr = its default pool
-  int64_t* staged_offsets_ = nullptr;  // device, kStagedOffsets entries
-  double* norm_partials_ = nullptr;    // device, cuda::kSquaredNormPartials entries
+  void* workspace_ = nullptr;          // what cuBLAS was last given
+  void* default_workspace_ = nullptr;  // planned, or in owned_
+  int64_t* staged_offsets_ = nullptr;  // device, kStagedOffsets entries (scratch)
+  double* norm_partials_ = nullptr;    // device, cuda::kSquaredNormPartials entries (scratch)
+  std::vector<void*> owned_;           // what this CudaOps allocated itself
 };
 
 }  // namespace
 
 // Returns nullptr (rather than aborting) when no device is visible, so a
 // host program can fall back to the reference ops.
-std::unique_ptr<Ops> MakeCudaOps(void* stream) {
+std::unique_ptr<Ops> MakeCudaOps(void* stream, CudaOpsMemory memory) {
   if (!CudaDeviceAvailable()) return nullptr;
-  return std::make_unique<CudaOps>(static_cast<cudaStream_t>(stream));
+  return std::make_unique<CudaOps>(static_cast<cudaStream_t>(stream), memory);
 }
 
 bool CudaDeviceAvailable() {

@@ -19,6 +19,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include "memplan/common/workspace.h"
+
 #include <cstdint>
 
 namespace memplan::kernels::cuda {
@@ -100,7 +102,7 @@ cudaError_t LaunchAdamStep(const LaunchContext& ctx, float* master, const float*
 // sums to `partials` (device, kSquaredNormPartials doubles, owned by the
 // caller), then one block sums them into *out (device). Fixed grid, fixed
 // per-thread ranges and trees: bit-identical run to run for a given n.
-inline constexpr int64_t kSquaredNormPartials = 1024;
+inline constexpr int64_t kSquaredNormPartials = workspace::kNormPartials;
 cudaError_t LaunchSquaredNorm(const LaunchContext& ctx, const float* x, int64_t n, double* partials, double* out);
 
 cudaError_t LaunchRouterFwd(const LaunchContext& ctx, const float* logits, int64_t tokens, int64_t experts,

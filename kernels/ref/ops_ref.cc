@@ -37,6 +37,7 @@ int64_t FlashAttentionBwdWorkspaceBytes(int64_t b, int64_t heads, int64_t s) {
 }
 
 int64_t GemmWorkspaceBytes() { return workspace::GemmBytes(); }
+int64_t KernelScratchBytes() { return workspace::KernelScratchBytes(); }
 
 float AdamBiasCorrection(float beta, int64_t step) {
   return static_cast<float>(1.0 - std::pow(static_cast<double>(beta), static_cast<double>(step)));

@@ -4,6 +4,7 @@
 #include <tuple>
 
 #include "memplan/common/units.h"
+#include "memplan/common/workspace.h"
 
 namespace memplan::planner {
 namespace {
@@ -155,6 +156,10 @@ StaticBreakdown AccountRank(const Model& model, const std::vector<LayerGraph>& l
     }
     if (gather > 0) s.buffer_detail["muon_gather"] = gather;
   }
+  // What the kernels hold for the run (common/workspace.h): every device
+  // byte the runtime uses is in the plan.
+  s.buffer_detail["gemm_workspace"] = workspace::GemmBytes();
+  s.buffer_detail["kernel_scratch"] = workspace::KernelScratchBytes();
   for (const auto& [name, bytes] : s.buffer_detail) s.buffers += bytes;
   s.total = s.weights + s.grads + s.optimizer + s.buffers;
   return s;

@@ -76,7 +76,8 @@ Expected<Hardware> HardwarePreset(std::string_view name) {
 }
 
 int64_t DefaultReserveBytes(int64_t device_memory) {
-  // 2 GiB (context, NCCL, cuBLAS) or 5% of the device, whichever is larger.
+  // 2 GiB (the CUDA context, NCCL's buffers, the allocator's slack) or 5% of
+  // the device, whichever is larger. cuBLAS's workspace is planned, not here.
   return std::max<int64_t>(2 * kGiB, device_memory / 20);
 }
 

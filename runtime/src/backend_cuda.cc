@@ -46,7 +46,12 @@ class CudaBackend final : public Backend {
     return MakePinnedArena(capacity_bytes, name);
   }
 
-  std::unique_ptr<kernels::Ops> MakeOps(Device& d) override { return kernels::MakeCudaOps(StreamOf(d)); }
+  std::unique_ptr<kernels::Ops> MakeOps(Device& d, const OpsMemory& memory) override {
+    MEMPLAN_CHECK(memory.gemm_workspace.bytes >= kernels::GemmWorkspaceBytes() &&
+                      memory.scratch.bytes >= kernels::KernelScratchBytes(),
+                  "the kernels' planned workspace and scratch are missing");
+    return kernels::MakeCudaOps(StreamOf(d), {memory.gemm_workspace.ptr, memory.scratch.ptr});
+  }
 
   void Quantize(Device& d, const float* x, int64_t rows, int64_t cols, uint8_t* values, float* scales) override {
     kernels::Fp8BlockLayout l;

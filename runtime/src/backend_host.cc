@@ -30,7 +30,7 @@ class HostBackend final : public Backend {
     return std::make_unique<HostArena>(o);
   }
 
-  std::unique_ptr<kernels::Ops> MakeOps(Device&) override { return kernels::MakeRefOps(); }
+  std::unique_ptr<kernels::Ops> MakeOps(Device&, const OpsMemory&) override { return kernels::MakeRefOps(); }
 
   void Quantize(Device&, const float* x, int64_t rows, int64_t cols, uint8_t* values, float* scales) override {
     kernels::Fp8BlockLayout l;

@@ -17,6 +17,7 @@
 #include "memplan/common/check.h"
 #include "memplan/common/schema.h"
 #include "memplan/common/units.h"
+#include "memplan/common/workspace.h"
 #include "memplan/kernels/ops.h"
 #include "memplan/planner/accounting.h"
 #include "memplan/planner/bounds.h"
@@ -99,6 +100,7 @@ struct Rank {
   std::unique_ptr<HostArena> host;
   std::unique_ptr<kernels::Ops> ops;
   int64_t static_bytes = 0;
+  OpsMemory ops_memory;  // planned static buffers: cuBLAS workspace, kernel scratch
   std::vector<ParamState> params;
   std::unordered_map<std::string, size_t> param_index;
   std::map<std::pair<int64_t, int32_t>, std::vector<int64_t>> routing;  // (layer, mb) -> expert offsets (host)
@@ -453,7 +455,16 @@ Expected<std::monostate> Executor::MakeRanks() {
     auto host = backend_->MakeHostArena(name + ".host", host_bytes);
     if (!host.ok()) return host.error();
     rank->host = std::move(*host);
-    rank->ops = backend_->MakeOps(*rank->dev);
+    // The kernels' static buffers first (the plan's "gemm_workspace" and
+    // "kernel_scratch"), then the parameters (InitParams).
+    for (auto [buf, bytes] : {std::pair{&rank->ops_memory.gemm_workspace, kernels::GemmWorkspaceBytes()},
+                              std::pair{&rank->ops_memory.scratch, kernels::KernelScratchBytes()}}) {
+      auto b = rank->stat->Allocate(bytes);
+      if (!b.ok()) return b.error();
+      *buf = *b;
+      rank->static_bytes += bytes;
+    }
+    rank->ops = backend_->MakeOps(*rank->dev, rank->ops_memory);
     rank->produced_at.resize(static_cast<size_t>(p_.timelines[static_cast<size_t>(r)].steps));
     for (size_t i = 0; i < p_.instances[static_cast<size_t>(r)].size(); ++i) {
       rank->produced_at[static_cast<size_t>(p_.instances[static_cast<size_t>(r)][i].prod)].push_back(
@@ -1235,16 +1246,17 @@ void Executor::SyncTied() {
 void Executor::Optimize(double* grad_norm) {
   double sum = 0;
   for (auto& r : ranks_) {
-    auto scratch = r->dev->Allocate(8);
-    if (!scratch.ok()) ThrowError(scratch.error().code, scratch.error().message);
+    // The norm's result lands in the kernel scratch's last granule
+    // (common/workspace.h), in the plan like the rest of it.
+    const Buffer& scratch = r->ops_memory.scratch;
+    std::byte* result = scratch.ptr + (scratch.bytes - workspace::kScratchResultBytes);
     for (auto& ps : r->params) {
       if (ps.tied_head && r.get() != ranks_.front().get()) continue;  // counted once, with the embedding
-      r->ops->SquaredNorm(ps.grad.as<float>(), ps.elements, scratch->as<double>());
+      r->ops->SquaredNorm(ps.grad.as<float>(), ps.elements, reinterpret_cast<double*>(result));
       double v = 0;
-      backend_->ToHost(*r->dev, &v, scratch->ptr, 8);
+      backend_->ToHost(*r->dev, &v, result, 8);  // in order with the ops' stream
       sum += v;
     }
-    r->dev->Free(*scratch);
   }
   *grad_norm = std::sqrt(sum);
   kernels::AdamConfig cfg;

@@ -16,9 +16,23 @@ constexpr int64_t AttentionBwdBytes(int64_t b, int64_t heads, int64_t s_q, int64
 // Flash-style attention backward: D = rowsum(dO * O), fp32 [b, heads, s_q].
 constexpr int64_t FlashAttentionBwdBytes(int64_t b, int64_t heads, int64_t s_q) { return b * heads * s_q * 4; }
 
-// cuBLAS workspace handed to GEMMs (NVIDIA's recommendation on Hopper). It
-// is allocated once per device, so the planner counts it in the reserve
-// held back from device memory, not per op.
+// cuBLAS workspace handed to GEMMs (NVIDIA's recommendation on Hopper). One
+// per rank for the whole run: a static buffer of every rank's plan
+// ("gemm_workspace", docs/accounting.md) that the runtime hands to cuBLAS
+// with cublasSetWorkspace, so that cuBLAS allocates nothing of its own.
 constexpr int64_t GemmBytes() { return int64_t{32} << 20; }
+
+// Kernel scratch one rank's ops hold for the whole run, also a static
+// buffer of every plan ("kernel_scratch"): DispatchPlan stages the routing
+// offsets on their way to the host through kStagedOffsets int64 entries,
+// SquaredNorm reduces through kNormPartials double partial sums, and the
+// norm's own result takes one 256-byte granule (the arenas' alignment, so
+// that the buffer ends on a granule).
+inline constexpr int64_t kStagedOffsets = 1024;
+inline constexpr int64_t kNormPartials = 1024;
+inline constexpr int64_t kScratchResultBytes = 256;
+constexpr int64_t StagedOffsetsBytes() { return kStagedOffsets * 8; }
+constexpr int64_t NormPartialsBytes() { return kNormPartials * 8; }
+constexpr int64_t KernelScratchBytes() { return StagedOffsetsBytes() + NormPartialsBytes() + kScratchResultBytes; }
 
 }  // namespace memplan::workspace

@@ -39,6 +39,7 @@ float Uniform01(uint64_t seed, uint64_t offset, uint64_t index);
 int64_t AttentionBwdWorkspaceBytes(int64_t b, int64_t heads, int64_t s);       // standard
 int64_t FlashAttentionBwdWorkspaceBytes(int64_t b, int64_t heads, int64_t s);  // D = rowsum(dO * O)
 int64_t GemmWorkspaceBytes();                                                  // cuBLAS workspace
+int64_t KernelScratchBytes();  // offsets staging + norm partials + one result granule
 
 // Attention shapes: q [b, heads, s, dqk], k [b, kv_heads, s, dqk],
 // v [b, kv_heads, s, dv], o [b, heads, s, dv]; head h reads kv head

@@ -22,6 +22,13 @@
 
 namespace memplan::runtime {
 
+// Device memory the kernels of one rank hold for the whole run:
+// GemmWorkspaceBytes() and KernelScratchBytes() (kernels/ops.h).
+struct OpsMemory {
+  Buffer gemm_workspace;
+  Buffer scratch;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -30,8 +37,10 @@ class Backend {
   virtual Expected<std::unique_ptr<Device>> MakeDevice(const std::string& name, int64_t capacity_bytes) = 0;
   // Host memory that receives host offloads (pinned on CUDA).
   virtual Expected<std::unique_ptr<HostArena>> MakeHostArena(const std::string& name, int64_t capacity_bytes) = 0;
-  // Kernels running in order with `device`'s allocations and frees.
-  virtual std::unique_ptr<kernels::Ops> MakeOps(Device& device) = 0;
+  // Kernels running in order with `device`'s allocations and frees, using
+  // `memory` (planned static buffers, docs/accounting.md) for the cuBLAS
+  // workspace and their scratch; the reference kernels need neither.
+  virtual std::unique_ptr<kernels::Ops> MakeOps(Device& device, const OpsMemory& memory) = 0;
   // FP8 E4M3 1x128 blockwise, on `device`'s compute stream.
   virtual void Quantize(Device& device, const float* x, int64_t rows, int64_t cols, uint8_t* values,
                         float* scales) = 0;
