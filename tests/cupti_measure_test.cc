@@ -57,3 +57,47 @@ TEST_CASE("CUPTI records become per-rank bytes and the process total; check flag
   REQUIRE(back.ok());
   CHECK(MeasuredToJson(*back).dump() == MeasuredToJson(m).dump());
 }
+
+TEST_CASE("CUPTI bytes share the run's time axis and sit in TRACE.json beside the prediction") {
+  const uint64_t a0 = 0x10000000;
+  VectorRecordSource source;
+  // The arena is made before the step (set-up), the rest after the epoch.
+  source.Add(MemoryRecord{1000, a0, 700, MemoryOp::kAllocation, MemoryKind::kDevice, 0, 0, 0});
+  source.Add(MemoryRecord{9000, a0 + 4096, 100, MemoryOp::kAllocation, MemoryKind::kDevice, 0, 0, 0});
+  runtime::CuptiMeasureInput in;
+  in.regions = {{0, {{a0, a0 + (1 << 20)}}, {}, {}}};
+  in.epoch_ns = 5000;
+  Measured m;
+  m.ranks = {{0, 800, 800, 0, {}, {}, {}, {}}};
+  runtime::AttachCupti(source, in, m);
+  REQUIRE(m.ranks[0].cupti.has_value());
+  const auto& tl = m.ranks[0].cupti->timeline;
+  REQUIRE(tl.size() == 2);
+  CHECK(tl[0].t_us == 0);                          // before the epoch: at time 0
+  CHECK(tl[1].t_us == doctest::Approx(4.0));       // (9000 - 5000) ns
+  CHECK(tl[1].allocated_bytes == 800);
+
+  GpuActivity k;
+  k.name = "gemm";
+  k.start_ns = 6000;
+  k.end_ns = 8000;
+  k.stream_id = 3;
+  k.external_id = 1;
+  ChromeTrace trace;
+  GpuTimelineInput gt{{{3, 0, "compute"}}, {{0, "layer0.fwd@mb0"}}, in.epoch_ns};
+  GpuTimelineCounts n = runtime::AddCuptiTrace({k}, gt, m, trace);
+  CHECK(n.spans == 1);
+  CHECK(n.with_op == 1);
+  Json doc = Json::parse(trace.ToJson().dump());
+  int cupti_samples = 0, spans = 0;
+  for (const auto& e : doc["traceEvents"]) {
+    if (e["ph"] == "C" && e["name"] == "cupti_device_memory") ++cupti_samples;
+    if (e["ph"] == "X") {
+      ++spans;
+      CHECK(e["name"] == "layer0.fwd@mb0");
+      CHECK(e["ts"].get<double>() == doctest::Approx(1.0));
+    }
+  }
+  CHECK(cupti_samples == 2);
+  CHECK(spans == 1);
+}

@@ -100,6 +100,23 @@ TEST_CASE("kernel, copy and memset records decode for the GPU timeline") {
   CHECK(cupti::FromActivity(s).bytes == 256);
 }
 
+TEST_CASE("external correlation records tie launches to ScopedGpuOp ids (CUSTOM0 only)") {
+  CUpti_ActivityExternalCorrelation e;
+  std::memset(&e, 0, sizeof e);
+  e.kind = CUPTI_ACTIVITY_KIND_EXTERNAL_CORRELATION;
+  e.externalKind = CUPTI_EXTERNAL_CORRELATION_KIND_CUSTOM0;
+  e.externalId = 17;
+  e.correlationId = 42;
+  cupti::ExternalLink link = cupti::FromActivity(e);
+  CHECK(link.correlation == 42);
+  CHECK(link.external_id == 17);
+  e.externalKind = CUPTI_EXTERNAL_CORRELATION_KIND_OPENACC;  // somebody else's ids
+  CHECK(cupti::FromActivity(e).external_id == 0);
+  // Without a started source a ScopedGpuOp does nothing (and does not crash).
+  ScopedGpuOp op(true, 5);
+  CHECK(CuptiSource::StreamId(nullptr) >= -1);
+}
+
 TEST_CASE("decoded records of a known program reconstruct its footprint exactly") {
   // cudaMalloc 1 MiB; a pool of 2 MiB serving 0.5 + 1 MiB; free all.
   VectorRecordSource source;

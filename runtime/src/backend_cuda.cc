@@ -85,6 +85,15 @@ class CudaBackend final : public Backend {
 
   void Finish(Device& d) override { Check(cudaStreamSynchronize(StreamOf(d)), "cudaStreamSynchronize"); }
 
+  std::vector<std::pair<std::string, void*>> Streams(Device& d) override {
+    auto& cuda = dynamic_cast<CudaDevice&>(d);
+    std::vector<std::pair<std::string, void*>> out{{"compute", cuda.compute_stream()}};
+    for (int q = 0; q < kQueueCount; ++q) {
+      out.emplace_back(std::string(QueueName(static_cast<Queue>(q))), cuda.queue_stream(static_cast<Queue>(q)));
+    }
+    return out;
+  }
+
   int64_t DeviceBytesInUse() override {
     cudaFree(nullptr);  // creates the context if nothing has yet
     size_t free_bytes = 0, total_bytes = 0;

@@ -21,7 +21,8 @@ void AttachCupti(traces::MemoryRecordSource& source, const CuptiMeasureInput& in
   std::vector<traces::PoolRecord> pools;
   source.Drain(memory, pools);
   traces::AttributedFootprint f = traces::ReconstructByOwner(memory, pools, input.regions);
-  const int64_t t0 = f.total.samples.empty() ? 0 : f.total.samples.front().timestamp_ns;
+  const int64_t t0 = input.epoch_ns != 0 || f.total.samples.empty() ? input.epoch_ns
+                                                                      : f.total.samples.front().timestamp_ns;
   for (auto& rank : measured.ranks) {
     auto it = f.by_owner.find(rank.pp_rank);
     if (it == f.by_owner.end()) continue;
@@ -32,6 +33,17 @@ void AttachCupti(traces::MemoryRecordSource& source, const CuptiMeasureInput& in
   process.context_bytes = input.context_bytes;
   process.profiler_bytes = std::max<int64_t>(0, input.used_at_end - input.context_bytes - f.total.reserved_bytes);
   measured.process = process;
+}
+
+traces::GpuTimelineCounts AddCuptiTrace(const std::vector<traces::GpuActivity>& activities,
+                                        const traces::GpuTimelineInput& input, const traces::Measured& measured,
+                                        traces::ChromeTrace& trace) {
+  traces::GpuTimelineCounts counts = traces::AddGpuTimeline(activities, input, trace);
+  for (const auto& rank : measured.ranks) {
+    if (!rank.cupti) continue;
+    for (const auto& p : rank.cupti->timeline) trace.AddCuptiCounter(rank.pp_rank, p.t_us, p.allocated_bytes);
+  }
+  return counts;
 }
 
 }  // namespace memplan::runtime

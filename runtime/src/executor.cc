@@ -30,6 +30,7 @@
 #include "memplan/runtime/npy.h"
 #include "memplan/traces/cupti_source.h"
 #include "memplan/traces/chrome_trace.h"
+#include "memplan/traces/gpu_timeline.h"
 
 #include "cupti_measure.h"
 
@@ -211,6 +212,8 @@ class Executor {
   // cuda: CUPTI's view of the step (started before any device memory).
   std::unique_ptr<traces::CuptiSource> cupti_;
   int64_t context_bytes_ = 0;
+  int64_t cupti_epoch_ns_ = 0;               // CUPTI's clock at t0_
+  std::vector<traces::GpuOpName> gpu_ops_;  // ScopedGpuOp id k -> gpu_ops_[k - 1]
   std::vector<std::string> warnings_;
 };
 
@@ -1105,6 +1108,13 @@ void Executor::Step(Rank& r) {
   const int32_t n = lb.ops;
   const int32_t pos = blk.forward ? local : n - 1 - local;
   const double t_start = NowUs();
+  const OpSpec& op = g.ops[g.TopologicalOrder()[static_cast<size_t>(pos)]];
+  const std::string span_name = op.name + (blk.forward ? ".fwd" : ".bwd") + "@mb" + std::to_string(blk.microbatch);
+  // Every kernel and copy this step launches carries the step's id in CUPTI's
+  // records (the GPU timeline names them by it).
+  const bool gpu_trace = cupti_ && options_.trace;
+  if (gpu_trace) gpu_ops_.push_back({r.index, span_name});
+  traces::ScopedGpuOp gpu_op(gpu_trace, gpu_ops_.size());
   acts_->BeginStep(r.index);
   MEMPLAN_CHECK(acts_->step(r.index) == s, "memory program out of step");
 
@@ -1141,7 +1151,6 @@ void Executor::Step(Rank& r) {
       }
     }
   }
-  const OpSpec& op = g.ops[g.TopologicalOrder()[static_cast<size_t>(pos)]];
   if (blk.forward) {
     Forward(r, bi, pos, [&](int32_t t) { return Value(r, bi, t); }, blk.microbatch);
   } else {
@@ -1180,7 +1189,7 @@ void Executor::Step(Rank& r) {
   if (!blk.forward && local == n - 1) r.routing.erase({blk.layer, blk.microbatch});
   acts_->EndStep(r.index);
   TakeCopies(r);
-  Span(r, op.name + (blk.forward ? ".fwd" : ".bwd") + "@mb" + std::to_string(blk.microbatch), "kernel", t_start);
+  Span(r, span_name, "kernel", t_start);
   RetireCopies(r, false);
   double now = NowUs();
   r.timeline.push_back({now, r.static_bytes + r.dev->allocated_bytes()});
@@ -1349,6 +1358,7 @@ Expected<RunResult> Executor::Finish(double grad_norm, double step_s) {
   if (cupti_) {
     CuptiMeasureInput in;
     in.context_bytes = context_bytes_;
+    in.epoch_ns = cupti_epoch_ns_;
     for (auto& r : ranks_) {
       traces::OwnerRegions regions;
       regions.owner = r->index;
@@ -1363,6 +1373,22 @@ Expected<RunResult> Executor::Finish(double grad_norm, double step_s) {
       warnings_.push_back("CUPTI dropped " + std::to_string(dropped) + " records; no CUPTI bytes reported");
     } else {
       AttachCupti(*cupti_, in, m);
+      if (options_.trace) {
+        traces::GpuTimelineInput gt{{}, std::move(gpu_ops_), cupti_epoch_ns_};
+        for (auto& r : ranks_) {
+          for (Device* d : {r->dev.get(), r->stat.get()}) {
+            for (const auto& [name, stream] : backend_->Streams(*d)) {
+              gt.lanes.push_back({traces::CuptiSource::StreamId(stream), r->index,
+                                  (d == r->stat.get() ? "static " : "") + name});
+            }
+          }
+        }
+        traces::GpuTimelineCounts drawn = AddCuptiTrace(cupti_->DrainActivities(), gt, m, trace_);
+        if (drawn.unowned > 0) {
+          warnings_.push_back("TRACE.json: " + std::to_string(drawn.unowned) +
+                              " GPU activities ran on streams no rank owns");
+        }
+      }
     }
   }
   if (options_.trace) {
@@ -1395,7 +1421,7 @@ Expected<RunResult> Executor::Run() {
     // made. A profiler that cannot start is a warning, never a failed run.
     context_bytes_ = backend_->DeviceBytesInUse();
     traces::CuptiOptions co;
-    co.gpu_timeline = false;
+    co.gpu_timeline = options_.trace;
     if (auto s = traces::CuptiSource::Start(co); s.ok()) {
       cupti_ = std::move(*s);
     } else {
@@ -1410,6 +1436,7 @@ Expected<RunResult> Executor::Run() {
     }
     for (auto& r : ranks_) backend_->Finish(*r->stat);
     t0_ = std::chrono::steady_clock::now();
+    if (cupti_) cupti_epoch_ns_ = traces::CuptiSource::TimestampNs();
     int64_t next_report = 0;
     while (steps_done_ < steps_total_) {
       // The runnable rank whose next step starts first in the plan's

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <map>
 #include <set>
+#include <tuple>
 #include <utility>
 
 #include "memplan/common/check.h"
@@ -41,10 +42,30 @@ void ChromeTrace::AddRank(int64_t pp_rank) {
   if (std::find(ranks_.begin(), ranks_.end(), pp_rank) == ranks_.end()) ranks_.push_back(pp_rank);
 }
 
+void ChromeTrace::AddThread(int64_t pp_rank, int64_t tid, std::string name) {
+  MEMPLAN_CHECK(pp_rank >= kUnownedRank && tid >= kGpuTidBase, "a thread needs a rank and a tid >= kGpuTidBase");
+  if (pp_rank != kUnownedRank) AddRank(pp_rank);
+  for (auto& t : threads_) {
+    if (t.pp_rank == pp_rank && t.tid == tid) {
+      t.name = std::move(name);
+      return;
+    }
+  }
+  threads_.push_back({pp_rank, tid, std::move(name)});
+}
+
 void ChromeTrace::AddSpan(TraceSpan span) {
   MEMPLAN_CHECK(span.ts_us >= 0 && span.dur_us >= 0, "span with negative time");
-  AddRank(span.pp_rank);
+  MEMPLAN_CHECK(span.pp_rank >= kUnownedRank, "negative pp rank");
+  MEMPLAN_CHECK(span.tid == 0 || span.tid >= kGpuTidBase, "a span's own tid must come from AddThread");
+  if (span.pp_rank != kUnownedRank) AddRank(span.pp_rank);
   spans_.push_back(std::move(span));
+}
+
+void ChromeTrace::AddCuptiCounter(int64_t pp_rank, double ts_us, int64_t bytes) {
+  MEMPLAN_CHECK(ts_us >= 0, "counter with negative time");
+  AddRank(pp_rank);
+  cupti_.push_back({pp_rank, ts_us, bytes});
 }
 
 void ChromeTrace::AddCounter(const MemoryCounter& counter) {
@@ -66,6 +87,19 @@ OrderedJson ChromeTrace::ToJson() const {
       events.push_back(Metadata("thread_sort_index", Pid(r), Tid(stream), {{"sort_index", s}}));
     }
   }
+  bool unowned = std::any_of(threads_.begin(), threads_.end(), [](const Thread& t) { return t.pp_rank == kUnownedRank; });
+  for (const auto& s : spans_) unowned = unowned || s.pp_rank == kUnownedRank;
+  if (unowned) {
+    events.push_back(Metadata("process_name", kUnownedPid, -1, {{"name", "GPU work no rank owns"}}));
+    events.push_back(Metadata("process_sort_index", kUnownedPid, -1, {{"sort_index", kUnownedPid}}));
+  }
+  std::vector<Thread> threads = threads_;
+  std::sort(threads.begin(), threads.end(),
+            [](const Thread& a, const Thread& b) { return std::tie(a.pp_rank, a.tid) < std::tie(b.pp_rank, b.tid); });
+  for (const auto& t : threads) {
+    events.push_back(Metadata("thread_name", Pid(t.pp_rank), t.tid, {{"name", t.name}}));
+    events.push_back(Metadata("thread_sort_index", Pid(t.pp_rank), t.tid, {{"sort_index", t.tid}}));
+  }
   // Time order, containing spans first, so viewers (and readers) meet a parent
   // before its children; the stable sort keeps equal events in insertion order.
   std::vector<const TraceSpan*> spans;
@@ -80,7 +114,7 @@ OrderedJson ChromeTrace::ToJson() const {
     e["name"] = s->name;
     e["cat"] = s->cat;
     e["pid"] = Pid(s->pp_rank);
-    e["tid"] = Tid(s->stream);
+    e["tid"] = s->tid != 0 ? s->tid : Tid(s->stream);
     e["ts"] = s->ts_us;
     e["dur"] = s->dur_us;
     if (s->args.is_object() && !s->args.empty()) e["args"] = s->args;
@@ -96,6 +130,18 @@ OrderedJson ChromeTrace::ToJson() const {
     e["pid"] = Pid(c.pp_rank);
     e["ts"] = c.ts_us;
     e["args"] = {{"allocated", c.allocated_bytes}, {"reserved", c.reserved_bytes}, {"predicted", c.predicted_bytes}};
+    events.push_back(std::move(e));
+  }
+  std::vector<CuptiSample> cupti = cupti_;
+  std::stable_sort(cupti.begin(), cupti.end(),
+                   [](const CuptiSample& a, const CuptiSample& b) { return a.ts_us < b.ts_us; });
+  for (const auto& c : cupti) {
+    OrderedJson e;
+    e["ph"] = "C";
+    e["name"] = "cupti_device_memory";
+    e["pid"] = Pid(c.pp_rank);
+    e["ts"] = c.ts_us;
+    e["args"] = {{"cupti", c.bytes}};
     events.push_back(std::move(e));
   }
   OrderedJson doc;

@@ -74,19 +74,30 @@ inline const char* CopyName(uint8_t copy_kind) {
 inline GpuActivity FromActivity(const CUpti_ActivityKernel10& r) {
   return {GpuActivity::Kind::kKernel, r.name ? r.name : "kernel", static_cast<int64_t>(r.start),
           static_cast<int64_t>(r.end), static_cast<int32_t>(r.deviceId), static_cast<int32_t>(r.streamId),
-          r.correlationId, 0};
+          r.correlationId, 0, 0};
 }
 
 inline GpuActivity FromActivity(const CUpti_ActivityMemcpy6& r) {
   return {GpuActivity::Kind::kMemcpy, CopyName(r.copyKind), static_cast<int64_t>(r.start),
           static_cast<int64_t>(r.end), static_cast<int32_t>(r.deviceId), static_cast<int32_t>(r.streamId),
-          r.correlationId, static_cast<int64_t>(r.bytes)};
+          r.correlationId, static_cast<int64_t>(r.bytes), 0};
+}
+
+// EXTERNAL_CORRELATION: the ScopedGpuOp id (CUSTOM0) around the launch
+// whose CUPTI correlation id is `correlation`; 0 for another kind's id.
+struct ExternalLink {
+  uint32_t correlation = 0;
+  uint64_t external_id = 0;
+};
+inline ExternalLink FromActivity(const CUpti_ActivityExternalCorrelation& r) {
+  if (r.externalKind != CUPTI_EXTERNAL_CORRELATION_KIND_CUSTOM0) return {r.correlationId, 0};
+  return {r.correlationId, r.externalId};
 }
 
 inline GpuActivity FromActivity(const CUpti_ActivityMemset4& r) {
   return {GpuActivity::Kind::kMemset, "memset", static_cast<int64_t>(r.start), static_cast<int64_t>(r.end),
           static_cast<int32_t>(r.deviceId), static_cast<int32_t>(r.streamId), r.correlationId,
-          static_cast<int64_t>(r.bytes)};
+          static_cast<int64_t>(r.bytes), 0};
 }
 
 }  // namespace memplan::traces::cupti

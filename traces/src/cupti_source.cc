@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <mutex>
+#include <unordered_map>
 
 #include "cupti_decode.h"
 
@@ -21,6 +22,7 @@ struct State {
   std::vector<MemoryRecord> memory;
   std::vector<PoolRecord> pools;
   std::vector<GpuActivity> activities;
+  std::unordered_map<uint32_t, uint64_t> external;  // correlation id -> ScopedGpuOp id
   std::atomic<int64_t> dropped{0};
   std::atomic<int64_t> host_bytes{0};
 };
@@ -58,6 +60,11 @@ void Decode(State& s, uint8_t* buffer, size_t valid) {
       case CUPTI_ACTIVITY_KIND_MEMSET:
         s.activities.push_back(cupti::FromActivity(*reinterpret_cast<CUpti_ActivityMemset4*>(record)));
         break;
+      case CUPTI_ACTIVITY_KIND_EXTERNAL_CORRELATION: {
+        cupti::ExternalLink link = cupti::FromActivity(*reinterpret_cast<CUpti_ActivityExternalCorrelation*>(record));
+        if (link.external_id != 0) s.external[link.correlation] = link.external_id;
+        break;
+      }
       default:
         break;
     }
@@ -83,7 +90,7 @@ std::string ResultString(CUptiResult r) {
 
 const CUpti_ActivityKind kMemoryKinds[] = {CUPTI_ACTIVITY_KIND_MEMORY2, CUPTI_ACTIVITY_KIND_MEMORY_POOL};
 const CUpti_ActivityKind kTimelineKinds[] = {CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL, CUPTI_ACTIVITY_KIND_MEMCPY,
-                                             CUPTI_ACTIVITY_KIND_MEMSET};
+                                             CUPTI_ACTIVITY_KIND_MEMSET, CUPTI_ACTIVITY_KIND_EXTERNAL_CORRELATION};
 
 void DisableAll() {
   for (auto k : kMemoryKinds) cuptiActivityDisable(k);
@@ -137,6 +144,7 @@ CuptiSource::~CuptiSource() {
     s->memory.clear();
     s->pools.clear();
     s->activities.clear();
+    s->external.clear();
   }
 }
 
@@ -156,7 +164,33 @@ std::vector<GpuActivity> CuptiSource::DrainActivities() {
   std::lock_guard<std::mutex> lock(s.mu);
   std::vector<GpuActivity> out;
   out.swap(s.activities);
+  for (auto& a : out) {
+    if (auto it = s.external.find(a.correlation_id); it != s.external.end()) a.external_id = it->second;
+  }
   return out;
+}
+
+int64_t CuptiSource::TimestampNs() {
+  uint64_t t = 0;
+  return cuptiGetTimestamp(&t) == CUPTI_SUCCESS ? static_cast<int64_t>(t) : 0;
+}
+
+int64_t CuptiSource::StreamId(void* cuda_stream) {
+  uint32_t id = 0;
+  if (cuptiGetStreamIdEx(nullptr, static_cast<CUstream>(cuda_stream), 0, &id) != CUPTI_SUCCESS) return -1;
+  return id;
+}
+
+ScopedGpuOp::ScopedGpuOp(bool active, uint64_t id) {
+  if (active && id != 0 && g_state.load() != nullptr) {
+    pushed_ = cuptiActivityPushExternalCorrelationId(CUPTI_EXTERNAL_CORRELATION_KIND_CUSTOM0, id) == CUPTI_SUCCESS;
+  }
+}
+
+ScopedGpuOp::~ScopedGpuOp() {
+  if (!pushed_) return;
+  uint64_t last = 0;
+  cuptiActivityPopExternalCorrelationId(CUPTI_EXTERNAL_CORRELATION_KIND_CUSTOM0, &last);
 }
 
 int64_t CuptiSource::dropped_records() const { return g_state.load()->dropped.load(); }
@@ -179,6 +213,10 @@ void CuptiSource::Drain(std::vector<MemoryRecord>&, std::vector<PoolRecord>&) {}
 std::vector<GpuActivity> CuptiSource::DrainActivities() { return {}; }
 int64_t CuptiSource::dropped_records() const { return 0; }
 int64_t CuptiSource::buffer_host_bytes() const { return 0; }
+int64_t CuptiSource::TimestampNs() { return 0; }
+int64_t CuptiSource::StreamId(void*) { return -1; }
+ScopedGpuOp::ScopedGpuOp(bool, uint64_t) {}
+ScopedGpuOp::~ScopedGpuOp() = default;
 
 }  // namespace memplan::traces
 

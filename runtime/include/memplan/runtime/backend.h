@@ -14,6 +14,8 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "memplan/common/status.h"
 #include "memplan/kernels/ops.h"
@@ -56,6 +58,9 @@ class Backend {
   // minus free, which counts the context and the driver's page granules);
   // 0 on the host backend.
   virtual int64_t DeviceBytesInUse() { return 0; }
+  // The native streams `device` runs on, named ("compute", "d2h", "h2d",
+  // "link"; cudaStream_t on cuda), for the GPU timeline; none on the host.
+  virtual std::vector<std::pair<std::string, void*>> Streams(Device&) { return {}; }
 };
 
 // `copy_jitter_us` (tests): each copy first sleeps a pseudo-random 0..N us.

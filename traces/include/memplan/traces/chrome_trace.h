@@ -3,10 +3,13 @@
 //
 // Layout: one process per pipeline rank (pid = pp_rank + 1, named
 // "pp rank N"), one thread per stream (tid = 1 + Stream: compute, d2h, h2d,
-// link). Spans become "X" events, memory samples "C" events named
-// "device_memory" with the series allocated / reserved / predicted (Perfetto
-// makes one counter track per series). Ids start at 1 because some viewers
-// treat pid/tid 0 as the idle process.
+// link), and, on a GPU with CUPTI, one thread per CUDA stream as the GPU
+// timed it (AddThread, tids from kGpuTidBase; gpu_timeline.h). Spans become
+// "X" events, memory samples "C" events named "device_memory" with the series
+// allocated / reserved / predicted (Perfetto makes one counter track per
+// series) and, beside them, "cupti_device_memory" (series cupti). GPU work
+// no rank owns goes to one more process, kUnownedPid. Ids start at 1 because
+// some viewers treat pid/tid 0 as the idle process.
 //
 // Collecting is separate from writing: producers add spans and counters in
 // any order; ToJson() emits metadata first, then events sorted by time
@@ -28,13 +31,14 @@ std::string_view StreamName(Stream stream);  // "compute", "d2h", "h2d", "link"
 
 // A kernel, copy or transfer on one stream of one rank.
 struct TraceSpan {
-  int64_t pp_rank = 0;
+  int64_t pp_rank = 0;  // kUnownedRank: GPU work no rank owns
   Stream stream = Stream::kCompute;
   std::string name;  // e.g. "layer3.attn.fwd" or "offload layer3.mlp.fc1_out@mb2"
   std::string cat;   // "kernel", "memcpy", "recompute", ...
   double ts_us = 0;
   double dur_us = 0;
   OrderedJson args = OrderedJson::object();  // omitted when empty
+  int64_t tid = 0;  // 0: the stream's thread; else one made by AddThread
 };
 
 // One sample of a rank's device memory, in bytes.
@@ -46,24 +50,44 @@ struct MemoryCounter {
   int64_t predicted_bytes = 0;
 };
 
+inline constexpr int64_t kUnownedRank = -1;
+inline constexpr int64_t kGpuTidBase = 100;
+
 class ChromeTrace {
  public:
   // Ensures rank `pp_rank` gets its process and thread metadata even when it
   // has no event.
   void AddRank(int64_t pp_rank);
+  // A named thread of `pp_rank` (or kUnownedRank), tid >= kGpuTidBase;
+  // threads sort by tid after the four streams.
+  void AddThread(int64_t pp_rank, int64_t tid, std::string name);
   void AddSpan(TraceSpan span);
   void AddCounter(const MemoryCounter& counter);
+  // A sample of the rank's device bytes as CUPTI's records give them.
+  void AddCuptiCounter(int64_t pp_rank, double ts_us, int64_t bytes);
 
   // The whole document; deterministic for the same input.
   OrderedJson ToJson() const;
 
-  static int64_t Pid(int64_t pp_rank) { return pp_rank + 1; }
+  static constexpr int64_t kUnownedPid = 1'000'000;
+  static int64_t Pid(int64_t pp_rank) { return pp_rank == kUnownedRank ? kUnownedPid : pp_rank + 1; }
   static int64_t Tid(Stream stream) { return static_cast<int64_t>(stream) + 1; }
 
  private:
+  struct Thread {
+    int64_t pp_rank, tid;
+    std::string name;
+  };
+  struct CuptiSample {
+    int64_t pp_rank;
+    double ts_us;
+    int64_t bytes;
+  };
   std::vector<int64_t> ranks_;
+  std::vector<Thread> threads_;
   std::vector<TraceSpan> spans_;
   std::vector<MemoryCounter> counters_;
+  std::vector<CuptiSample> cupti_;
 };
 
 // Checks a trace document: traceEvents is an array of objects with a "ph";

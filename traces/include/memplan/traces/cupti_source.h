@@ -34,10 +34,12 @@ struct GpuActivity {
   int32_t stream_id = 0;
   uint32_t correlation_id = 0;  // matches the launching API call
   int64_t bytes = 0;            // copies and memsets
+  uint64_t external_id = 0;     // the ScopedGpuOp id around the launch; 0: none
 };
 
 struct CuptiOptions {
-  // Also collect kernels, copies and memsets (for TRACE.json).
+  // Also collect kernels, copies and memsets (for TRACE.json), and the
+  // external correlation records that tie them to ScopedGpuOp ids.
   bool gpu_timeline = true;
   // Size of each activity buffer handed to CUPTI (8-byte aligned host
   // memory). CUPTI's own device-side buffers are requested in pinned host
@@ -67,8 +69,29 @@ class CuptiSource final : public MemoryRecordSource {
   // host memory; its device bytes are measured as a process difference).
   int64_t buffer_host_bytes() const;
 
+  // CUPTI's clock now (ns; the clock of every record), 0 without CUPTI.
+  static int64_t TimestampNs();
+  // CUPTI's id of a CUDA stream (a cudaStream_t), as records carry it;
+  // -1 without CUPTI or for a stream CUPTI does not know.
+  static int64_t StreamId(void* cuda_stream);
+
  private:
   CuptiSource() = default;
+};
+
+// Tags every kernel, copy and memset launched by this thread while it lives
+// with `id` (> 0; CUPTI's external correlation, kineto's mechanism), which
+// DrainActivities returns as GpuActivity::external_id. Inactive (`active`
+// false, or no CUPTI) it does nothing.
+class ScopedGpuOp {
+ public:
+  ScopedGpuOp(bool active, uint64_t id);
+  ~ScopedGpuOp();
+  ScopedGpuOp(const ScopedGpuOp&) = delete;
+  ScopedGpuOp& operator=(const ScopedGpuOp&) = delete;
+
+ private:
+  bool pushed_ = false;
 };
 
 // True when this build links CUPTI.
