@@ -101,6 +101,23 @@ std::string Fmt(const char* format, double v) {
   return buf;
 }
 
+// Speed goals (docs/kernels.md): the FP8 kernels against the GPU's own
+// device-to-device copy. A missed goal is said in the check column; it does
+// not fail the bench (run-to-run noise on a shared machine is a few %).
+void ApplyGoals(const Machine& m, std::vector<Result>& results) {
+  const std::pair<const char*, double> goals[] = {
+      {"fp8_quantize_fp32", 85.0}, {"fp8_quantize_bf16", 80.0}, {"fp8_dequantize", 85.0}};
+  for (Result& r : results) {
+    if (r.backend != "cuda") continue;
+    for (const auto& [op, goal] : goals) {
+      if (r.op != op) continue;
+      const double pct = PctOfCopy(m, r);
+      if (pct < 0) continue;
+      r.check += (pct >= goal ? "; goal >= " : "; MISSED goal >= ") + Fmt("%.0f %% of copy", goal);
+    }
+  }
+}
+
 std::string FlopRate(double flop_per_s) {
   if (flop_per_s <= 0) return "-";
   if (flop_per_s >= 1e12) return Fmt("%.1f TFLOP/s", flop_per_s / 1e12);
@@ -876,6 +893,7 @@ int main(int argc, char** argv) {
   if (o.cpu) std::printf("CPU: %s, memcpy %.1f GB/s (reference ops)\n", m.cpu_model.c_str(), m.cpu_copy_gb_per_s);
   std::printf("GB/s = 1e9 bytes/s of logical traffic (inputs read once, outputs written once); "
               "%% of copy = of the same backend's copy.\n\n");
+  ApplyGoals(m, results);
   PrintTable(m, results);
 
   for (const Result& r : results) {

@@ -1,7 +1,8 @@
 // FP8 E4M3 blockwise (1x128) quantize / dequantize kernels.
 //
-// One warp owns one 1x128 block: each lane holds 4 elements, the block amax is
-// a shuffle reduction, lane 0 writes the scale. Bit-exactness with the CPU
+// One warp owns a group of consecutive 1x128 blocks (loads of the whole group
+// first): for each block each lane holds 4 elements, the block amax is a
+// shuffle reduction, lane 0 writes the scale. Bit-exactness with the CPU
 // reference comes from (a) the shared detail::BlockScale, (b) IEEE division
 // x / scale (nvcc's default -prec-div=true, no fast math), (c) the hardware
 // cvt.rn.satfinite.e4m3x2.f32, which rounds like FloatToE4M3, and (d) exact
@@ -65,78 +66,97 @@ __device__ __forceinline__ float2 DecodeTwo(uint32_t codes) {
   return __half22float2(__half2(h));
 }
 
-// Grid-stride over blocks, one warp per block. `blk` is warp-uniform, so the
-// full-mask shuffles below are safe. The scale index of block b of row r is
+// Grid-stride over groups of kUnroll consecutive blocks, one warp per
+// group: the warp issues the loads of all kUnroll blocks before reducing any,
+// so that enough bytes are in flight to cover DRAM latency (one 1x128 bf16
+// block is only 256 B per warp). `blk` is warp-uniform, so the full-mask
+// shuffles below are safe. The scale index of block b of row r is
 // r * blocks_per_row + b == blk.
-template <typename In, bool kVector>
+template <typename In, bool kVector, int kUnroll>
 __global__ void __launch_bounds__(kThreadsPerCta)
     QuantizeKernel(const In* __restrict__ x, int64_t rows, int64_t cols,
                    int64_t blocks_per_row, ScaleMode mode,
                    uint8_t* __restrict__ values, float* __restrict__ scales) {
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const int64_t total = rows * blocks_per_row;
+  const int64_t groups = (total + kUnroll - 1) / kUnroll;
   const int64_t warp_stride = static_cast<int64_t>(gridDim.x) * kWarpsPerCta;
-  for (int64_t blk = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta +
-                     threadIdx.x / kWarpSize;
-       blk < total; blk += warp_stride) {
-    const int64_t row = blk / blocks_per_row;
-    const int64_t col0 = (blk - row * blocks_per_row) * kFp8Block;
-    const int len = static_cast<int>(min(kFp8Block, cols - col0));
-    const int64_t base = row * cols + col0;
-
-    // Vector path: lane owns elements [4*lane, 4*lane+4). cols % 4 == 0 makes
-    // len % 4 == 0, so a lane's quad is either fully inside or fully outside.
-    // Scalar path: lane owns lane + 32*j (coalesced). Missing elements are 0,
-    // which cannot raise the amax.
-    float v[kElemsPerLane];
-    if constexpr (kVector) {
-      if (kElemsPerLane * lane < len) {
-        LoadFour(x + base + kElemsPerLane * lane, v);
+  for (int64_t g = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta +
+                   threadIdx.x / kWarpSize;
+       g < groups; g += warp_stride) {
+    int64_t base[kUnroll];
+    int len[kUnroll];
+    float v[kUnroll][kElemsPerLane];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t blk = g * kUnroll + u;
+      len[u] = 0;
+      base[u] = 0;
+      if (blk < total) {
+        const int64_t row = blk / blocks_per_row;
+        const int64_t col0 = (blk - row * blocks_per_row) * kFp8Block;
+        len[u] = static_cast<int>(min(kFp8Block, cols - col0));
+        base[u] = row * cols + col0;
+      }
+      // Vector path: lane owns elements [4*lane, 4*lane+4). cols % 4 == 0
+      // makes len % 4 == 0, so a lane's quad is either fully inside or fully
+      // outside. Scalar path: lane owns lane + 32*j (coalesced). Missing
+      // elements are 0, which cannot raise the amax.
+      if constexpr (kVector) {
+        if (kElemsPerLane * lane < len[u]) {
+          LoadFour(x + base[u] + kElemsPerLane * lane, v[u]);
+        } else {
+#pragma unroll
+          for (int j = 0; j < kElemsPerLane; ++j) v[u][j] = 0.f;
+        }
       } else {
 #pragma unroll
-        for (int j = 0; j < kElemsPerLane; ++j) v[j] = 0.f;
-      }
-    } else {
-#pragma unroll
-      for (int j = 0; j < kElemsPerLane; ++j) {
-        const int idx = lane + kWarpSize * j;
-        v[j] = idx < len ? LoadOne(x + base + idx) : 0.f;
+        for (int j = 0; j < kElemsPerLane; ++j) {
+          const int idx = lane + kWarpSize * j;
+          v[u][j] = idx < len[u] ? LoadOne(x + base[u] + idx) : 0.f;
+        }
       }
     }
 
-    float amax = 0.f;
 #pragma unroll
-    for (int j = 0; j < kElemsPerLane; ++j) amax = fmaxf(amax, fabsf(v[j]));
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t blk = g * kUnroll + u;
+      if (blk >= total) break;  // warp-uniform
+      float amax = 0.f;
 #pragma unroll
-    for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
-      amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, offset));
-    }
-    const float scale = detail::BlockScale(amax, mode);
-    if (lane == 0) scales[blk] = scale;
-
-    float q[kElemsPerLane];
+      for (int j = 0; j < kElemsPerLane; ++j) amax = fmaxf(amax, fabsf(v[u][j]));
 #pragma unroll
-    for (int j = 0; j < kElemsPerLane; ++j) q[j] = v[j] / scale;
-
-    if constexpr (kVector) {
-      if (kElemsPerLane * lane < len) {
-        *reinterpret_cast<uint32_t*>(values + base + kElemsPerLane * lane) =
-            CvtFour(q);
+      for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+        amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, offset));
       }
-    } else {
+      const float scale = detail::BlockScale(amax, mode);
+      if (lane == 0) scales[blk] = scale;
+
+      float q[kElemsPerLane];
 #pragma unroll
-      for (int j = 0; j < kElemsPerLane; ++j) {
-        const int idx = lane + kWarpSize * j;
-        if (idx < len) {
-          values[base + idx] =
-              __nv_cvt_float_to_fp8(q[j], __NV_SATFINITE, __NV_E4M3);
+      for (int j = 0; j < kElemsPerLane; ++j) q[j] = v[u][j] / scale;
+
+      if constexpr (kVector) {
+        if (kElemsPerLane * lane < len[u]) {
+          *reinterpret_cast<uint32_t*>(values + base[u] + kElemsPerLane * lane) =
+              CvtFour(q);
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < kElemsPerLane; ++j) {
+          const int idx = lane + kWarpSize * j;
+          if (idx < len[u]) {
+            values[base[u] + idx] =
+                __nv_cvt_float_to_fp8(q[j], __NV_SATFINITE, __NV_E4M3);
+          }
         }
       }
     }
   }
 }
 
-template <bool kVector>
+// As QuantizeKernel: kUnroll consecutive blocks per warp, loads first.
+template <bool kVector, int kUnroll>
 __global__ void __launch_bounds__(kThreadsPerCta)
     DequantizeKernel(const uint8_t* __restrict__ values,
                      const float* __restrict__ scales, int64_t rows,
@@ -144,46 +164,79 @@ __global__ void __launch_bounds__(kThreadsPerCta)
                      float* __restrict__ y) {
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const int64_t total = rows * blocks_per_row;
+  const int64_t groups = (total + kUnroll - 1) / kUnroll;
   const int64_t warp_stride = static_cast<int64_t>(gridDim.x) * kWarpsPerCta;
-  for (int64_t blk = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta +
-                     threadIdx.x / kWarpSize;
-       blk < total; blk += warp_stride) {
-    const int64_t row = blk / blocks_per_row;
-    const int64_t col0 = (blk - row * blocks_per_row) * kFp8Block;
-    const int len = static_cast<int>(min(kFp8Block, cols - col0));
-    const int64_t base = row * cols + col0;
-    const float scale = __ldg(scales + blk);
-    if constexpr (kVector) {
-      const int i = kElemsPerLane * lane;
-      if (i < len) {
-        const uint32_t codes =
-            __ldg(reinterpret_cast<const unsigned int*>(values + base + i));
-        const float2 a = DecodeTwo(codes & 0xFFFFu);
-        const float2 b = DecodeTwo(codes >> 16);
-        // Explicit vector store: a plain float4 assignment through the cast
-        // pointer was split into four 4-byte stores by nvcc 13.
-        __stcs(reinterpret_cast<float4*>(y + base + i),
-               make_float4(a.x * scale, a.y * scale, b.x * scale, b.y * scale));
-      }
-    } else {
+  for (int64_t g = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta +
+                   threadIdx.x / kWarpSize;
+       g < groups; g += warp_stride) {
+    int64_t base[kUnroll];
+    int len[kUnroll];
+    float scale[kUnroll];
+    uint32_t codes[kUnroll];
 #pragma unroll
-      for (int j = 0; j < kElemsPerLane; ++j) {
-        const int idx = lane + kWarpSize * j;
-        if (idx < len) y[base + idx] = DecodeOne(values[base + idx]) * scale;
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t blk = g * kUnroll + u;
+      len[u] = 0;
+      base[u] = 0;
+      scale[u] = 0.f;
+      codes[u] = 0;
+      if (blk < total) {
+        const int64_t row = blk / blocks_per_row;
+        const int64_t col0 = (blk - row * blocks_per_row) * kFp8Block;
+        len[u] = static_cast<int>(min(kFp8Block, cols - col0));
+        base[u] = row * cols + col0;
+        scale[u] = __ldg(scales + blk);
+        if constexpr (kVector) {
+          const int i = kElemsPerLane * lane;
+          if (i < len[u]) {
+            codes[u] = __ldg(reinterpret_cast<const unsigned int*>(values + base[u] + i));
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if constexpr (kVector) {
+        const int i = kElemsPerLane * lane;
+        if (i < len[u]) {
+          const float2 a = DecodeTwo(codes[u] & 0xFFFFu);
+          const float2 b = DecodeTwo(codes[u] >> 16);
+          // Explicit vector store: a plain float4 assignment through the cast
+          // pointer was split into four 4-byte stores by nvcc 13.
+          __stcs(reinterpret_cast<float4*>(y + base[u] + i),
+                 make_float4(a.x * scale[u], a.y * scale[u], b.x * scale[u],
+                             b.y * scale[u]));
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < kElemsPerLane; ++j) {
+          const int idx = lane + kWarpSize * j;
+          if (idx < len[u]) {
+            y[base[u] + idx] = DecodeOne(values[base[u] + idx]) * scale[u];
+          }
+        }
       }
     }
   }
 }
 
+// Blocks per warp in the vector kernels: enough independent 1x128 blocks in
+// flight per warp (bf16 in: 4 x 256 B, fp32 in: 2 x 512 B, fp8 in: 4 x 128 B).
+// The scalar fallbacks (misaligned or cols % 4 != 0) keep one.
+template <typename In>
+constexpr int QuantizeUnroll() { return sizeof(In) == 2 ? 4 : 2; }
+constexpr int kDequantizeUnroll = 4;
+
 bool IsAligned(const void* p, uintptr_t bytes) {
   return reinterpret_cast<uintptr_t>(p) % bytes == 0;
 }
 
-// Returns the grid size, or 0 when there is nothing to launch.
-unsigned GridFor(Fp8BlockLayout layout) {
-  const int64_t total = layout.rows * layout.BlocksPerRow();
+// Returns the grid size for `unroll` blocks per warp, or 0 when there is
+// nothing to launch.
+unsigned GridFor(Fp8BlockLayout layout, int unroll) {
+  const int64_t groups = (layout.rows * layout.BlocksPerRow() + unroll - 1) / unroll;
   return static_cast<unsigned>(
-      std::min((total + kWarpsPerCta - 1) / kWarpsPerCta, kMaxCtas));
+      std::min((groups + kWarpsPerCta - 1) / kWarpsPerCta, kMaxCtas));
 }
 
 // Shared argument checks; returns cudaSuccess when the launch may proceed.
@@ -203,16 +256,16 @@ int LaunchQuantize(const In* x, Fp8BlockLayout layout, ScaleMode mode,
       (mode != ScaleMode::kAmax && mode != ScaleMode::kPow2)) {
     return static_cast<int>(cudaErrorInvalidValue);
   }
-  const unsigned grid = GridFor(layout);
   const bool vector = layout.cols % kElemsPerLane == 0 &&
                       IsAligned(x, kElemsPerLane * sizeof(In)) &&
                       IsAligned(values, kElemsPerLane);
   if (vector) {
-    QuantizeKernel<In, true><<<grid, kThreadsPerCta, 0, stream>>>(
+    constexpr int kUnroll = QuantizeUnroll<In>();
+    QuantizeKernel<In, true, kUnroll><<<GridFor(layout, kUnroll), kThreadsPerCta, 0, stream>>>(
         x, layout.rows, layout.cols, layout.BlocksPerRow(), mode, values,
         scales);
   } else {
-    QuantizeKernel<In, false><<<grid, kThreadsPerCta, 0, stream>>>(
+    QuantizeKernel<In, false, 1><<<GridFor(layout, 1), kThreadsPerCta, 0, stream>>>(
         x, layout.rows, layout.cols, layout.BlocksPerRow(), mode, values,
         scales);
   }
@@ -243,15 +296,14 @@ int DequantizeFp8BlockwiseCuda(const uint8_t* values, const float* scales,
   if (values == nullptr || scales == nullptr || y == nullptr) {
     return static_cast<int>(cudaErrorInvalidValue);
   }
-  const unsigned grid = GridFor(layout);
   const bool vector = layout.cols % kElemsPerLane == 0 &&
                       IsAligned(values, kElemsPerLane) &&
                       IsAligned(y, kElemsPerLane * sizeof(float));
   if (vector) {
-    DequantizeKernel<true><<<grid, kThreadsPerCta, 0, stream>>>(
+    DequantizeKernel<true, kDequantizeUnroll><<<GridFor(layout, kDequantizeUnroll), kThreadsPerCta, 0, stream>>>(
         values, scales, layout.rows, layout.cols, layout.BlocksPerRow(), y);
   } else {
-    DequantizeKernel<false><<<grid, kThreadsPerCta, 0, stream>>>(
+    DequantizeKernel<false, 1><<<GridFor(layout, 1), kThreadsPerCta, 0, stream>>>(
         values, scales, layout.rows, layout.cols, layout.BlocksPerRow(), y);
   }
   return static_cast<int>(cudaGetLastError());
