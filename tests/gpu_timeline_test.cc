@@ -123,3 +123,31 @@ TEST_CASE("GPU timeline: CUPTI's memory counter sits beside the predicted one") 
   CHECK(predicted == 1);
   CHECK(cupti_ts == std::vector<double>{2, 7});
 }
+
+TEST_CASE("GPU timeline of a profile: activities go under their devices, one thread per stream") {
+  GpuTimelineInput in;
+  in.by_device = true;
+  in.epoch_ns = 100;
+  std::vector<GpuActivity> acts = {Kernel("k0", 200, 300, 7, 1, 0), Kernel("k1", 400, 500, 7, 2, 0),
+                                   Kernel("k2", 250, 450, 3, 3, 0)};
+  acts[2].device_id = 1;
+  ChromeTrace trace;
+  trace.SetProcessLabel("device");
+  GpuTimelineCounts n = AddGpuTimeline(acts, in, trace);
+  CHECK(n.spans == 3);
+  CHECK(n.unowned == 0);
+  Json doc = Json::parse(trace.ToJson().dump());
+  CHECK(ValidateNesting(doc).empty());
+  std::map<int64_t, std::string> processes;
+  int on_device1 = 0;
+  for (const auto& e : doc["traceEvents"]) {
+    if (e["ph"] == "M" && e["name"] == "process_name") processes[e["pid"]] = e["args"]["name"];
+    if (e["ph"] == "X" && e["pid"] == ChromeTrace::Pid(1)) {
+      ++on_device1;
+      CHECK(e["name"] == "k2");
+    }
+  }
+  CHECK(on_device1 == 1);
+  CHECK(processes.at(ChromeTrace::Pid(0)) == "device 0");
+  CHECK(processes.at(ChromeTrace::Pid(1)) == "device 1");
+}

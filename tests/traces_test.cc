@@ -398,7 +398,7 @@ TEST_CASE("MEASURED.json sources: allocator, CUPTI bytes per rank, pool marks, t
   // Every new field round-trips and is schema-valid.
   Measured m = Sample();
   m.allocator = "pool";
-  m.ranks[0].cupti = CuptiRankBytes{900, 1000, {{0, 100}, {5, 900}}};
+  m.ranks[0].cupti = CuptiRankBytes{900, 1000, {{0, 100}, {5, 900}}, {}, {}};
   m.ranks[0].pool = PoolMarks{1000, 900};
   m.process = MeasuredProcess{2100, 500, 150};
   Json j = Json::parse(MeasuredToJson(m).dump());
@@ -441,7 +441,7 @@ TEST_CASE("check compares CUPTI's bytes with the allocator's, and the process to
   // Arena: CUPTI's live allocations are the arenas, exactly.
   Measured arena = OneRank("cuda", 1000, 600);
   arena.allocator = "arena";
-  arena.ranks[0].cupti = CuptiRankBytes{1000, 1000, {}};
+  arena.ranks[0].cupti = CuptiRankBytes{1000, 1000, {}, {}, {}};
   auto r = Check(plan, arena, {});
   REQUIRE(r.ok());
   CHECK(r->tolerance == 0);
@@ -455,7 +455,7 @@ TEST_CASE("check compares CUPTI's bytes with the allocator's, and the process to
   CHECK(r->ranks[0].verdict.find("CUPTI +1 B off the arena") != std::string::npos);
   // Pool: CUPTI's reserved bytes against the pool's mark, at 2 %.
   Measured pool = OneRank("cuda", 1000, 600);
-  pool.ranks[0].cupti = CuptiRankBytes{600, 1015, {}};
+  pool.ranks[0].cupti = CuptiRankBytes{600, 1015, {}, {}, {}};
   r = Check(plan, pool, {});
   REQUIRE(r.ok());
   CHECK(r->allocator == "pool");
@@ -522,7 +522,7 @@ TEST_CASE("a profile has one entry per device; check maps devices to ranks only 
       {100, 0x1000, 1 << 20, MemoryOp::kAllocation, MemoryKind::kDevice, 0, 0, 0},
       {200, 0x900000, 2 << 20, MemoryOp::kAllocation, MemoryKind::kDevice, 0, 0, 0},
       {300, 0x1000, 0, MemoryOp::kRelease, MemoryKind::kDevice, 0, 0, 0},
-      {150, 0xA000000, 4096, MemoryOp::kAllocation, MemoryKind::kDevice, 1, 0xA000000, 1 << 21},
+      {150, 0xA000000, 4096, MemoryOp::kAllocation, MemoryKind::kDevice, 1, 0xA000000, 1 << 21, 7},
       {160, 0x5000, 64, MemoryOp::kAllocation, MemoryKind::kPinned, 0, 0, 0},
   };
   Measured m = ProfileFromRecords(memory, {});
@@ -536,10 +536,35 @@ TEST_CASE("a profile has one entry per device; check maps devices to ranks only 
   CHECK(m.ranks[0].timeline.front().t_us == 0);
   CHECK(m.ranks[1].allocated_peak == 4096);
   CHECK(m.ranks[1].peak == 1 << 21);
-  // It is a valid MEASURED.json (no digest: a profile ran no plan).
+  // Every record of a device, in time order, with its address, size,
+  // stream and kind; the pool allocation names its pool.
+  REQUIRE(m.ranks[0].cupti.has_value());
+  const auto& list = m.ranks[0].cupti->allocations;
+  REQUIRE(list.size() == 4);
+  CHECK(list[0].address == 0x1000);
+  CHECK(list[0].bytes == 1 << 20);
+  CHECK(list[1].kind == "pinned");
+  CHECK(list[1].t_us == doctest::Approx(0.06));
+  CHECK(list[3].release);
+  CHECK(list[3].t_us == doctest::Approx(0.2));
+  REQUIRE(m.ranks[1].cupti->allocations.size() == 1);
+  CHECK(m.ranks[1].cupti->allocations[0].pool == 0xA000000);
+  CHECK(m.ranks[1].cupti->allocations[0].stream == 7);
+  // It is a valid MEASURED.json (no digest: a profile ran no plan), and the
+  // lists round-trip with 64-bit addresses intact.
+  m.ranks[1].cupti->allocations[0].address = 0xffff800000001000ull;
+  m.ranks[1].cupti->pools.push_back({0.5, "trimmed", 0xA000000, 1 << 20});
   Json j = Json::parse(MeasuredToJson(m).dump());
+  CHECK(j["ranks"][1]["cupti"]["allocations"][0]["address"] == "0xffff800000001000");
   auto back = ParseMeasured(j, "p.json");
   REQUIRE(back.ok());
+  CHECK(MeasuredToJson(*back).dump() == MeasuredToJson(m).dump());
+  Json bad = j;
+  bad["ranks"][1]["cupti"]["allocations"][0]["address"] = "0xABC";
+  CHECK(ParseError(bad).find("/ranks/1/cupti/allocations/0/address: expected an address") != std::string::npos);
+  bad = j;
+  bad["ranks"][1]["cupti"]["pools"][0]["op"] = "grown";
+  CHECK(ParseError(bad).find("/ranks/1/cupti/pools/0/op") != std::string::npos);
 #ifdef MEMPLAN_HAVE_VALIJSON
   CHECK(SchemaErrors("schemas/measured.schema.json", j) == "");
 #endif

@@ -44,10 +44,12 @@ Expected<Command> ParseCommandLine(const std::vector<std::string>& args) {
                     "devices: the measurement is a profile (memplan profile); device i stands for rank i")
       ->check(CLI::IsMember({"devices"}));
 
-  std::string profile_out;
+  std::string profile_out, profile_trace;
   auto* profile = app.add_subcommand(
       "profile", "Run a program with CUPTI attached and write its device-memory profile (memplan.measured/1)");
   profile->add_option("-o,--output", profile_out, "write the profile (MEASURED.json, source cupti-injection)");
+  profile->add_option("--trace", profile_trace,
+                      "also write the GPU's kernels, copies and memsets per device and stream (Chrome trace)");
   profile->add_option("command", c.child, "the program and its arguments, after --")->required()->expected(-1);
 
   std::string run_plan, run_out;
@@ -115,6 +117,7 @@ Expected<Command> ParseCommandLine(const std::vector<std::string>& args) {
   } else if (profile->parsed()) {
     c.verb = Verb::kProfile;
     c.output = profile_out;
+    c.trace = profile_trace;
   } else {
     return Error{ErrorCode::kBadInput, "a subcommand is required (see memplan --help)"};
   }

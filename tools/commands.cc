@@ -230,7 +230,7 @@ int ChildStatus(int status) {
 // which the library says on stderr); 127 when it could not be run.
 int RunProfile(const Command& c) {
   namespace fs = std::filesystem;
-  if (auto ok = CheckOutputs({c.output}, ""); !ok) return Fail(ok.error());
+  if (auto ok = CheckOutputs({c.output, c.trace}, ""); !ok) return Fail(ok.error());
   std::error_code ec;
   fs::path lib = fs::read_symlink("/proc/self/exe", ec).parent_path() / "libmemplan_inject.so";
   if (ec || !fs::exists(lib)) {
@@ -243,6 +243,7 @@ int RunProfile(const Command& c) {
   }
   const fs::path dir(dir_template);
   const std::string profile = (dir / "profile.json").string();
+  const std::string trace = (dir / "trace.json").string();
   std::fflush(nullptr);
   pid_t pid = ::fork();
   if (pid < 0) {
@@ -252,6 +253,7 @@ int RunProfile(const Command& c) {
   if (pid == 0) {
     ::setenv("CUDA_INJECTION64_PATH", lib.c_str(), 1);
     ::setenv("MEMPLAN_PROFILE_OUT", profile.c_str(), 1);
+    if (!c.trace.empty()) ::setenv("MEMPLAN_PROFILE_TRACE", trace.c_str(), 1);
     std::vector<char*> argv;
     for (const auto& a : c.child) argv.push_back(const_cast<char*>(a.c_str()));
     argv.push_back(nullptr);
@@ -264,6 +266,7 @@ int RunProfile(const Command& c) {
   }
   const int child = ChildStatus(status);
   auto measured = fs::exists(profile) ? traces::LoadMeasured(profile) : Expected<traces::Measured>(Error{});
+  auto trace_json = !c.trace.empty() && fs::exists(trace) ? ReadJsonFile(trace) : Expected<Json>(Error{});
   fs::remove_all(dir, ec);
   if (!measured) {
     if (child != 0) return child;
@@ -271,11 +274,18 @@ int RunProfile(const Command& c) {
                                           " made no device allocation CUPTI saw (no CUDA, or CUPTI could not "
                                           "attach); no profile written"});
   }
+  OutputFiles out;
   if (!c.output.empty()) {
-    OutputFiles out;
     if (auto st = StageJson(out, c.output, traces::MeasuredToJson(*measured), 2); !st) return Fail(st.error());
-    if (auto st = out.Commit(); !st) return Fail(st.error());
   }
+  if (!c.trace.empty()) {
+    if (!trace_json) {
+      return Fail({ErrorCode::kRuntime, "profile: CUPTI recorded no GPU timeline for " + OneLine(c.child[0]) +
+                                            "; no trace written"});
+    }
+    if (auto st = StageJson(out, c.trace, *trace_json, -1); !st) return Fail(st.error());
+  }
+  if (auto st = out.Commit(); !st) return Fail(st.error());
   Table t({"device", "allocated_peak(MiB)", "reserved_peak(MiB)", "allocations", "releases"});
   for (const auto& r : measured->ranks) {
     auto count = [&](const char* k) { auto it = r.events.find(k); return it == r.events.end() ? 0 : it->second; };

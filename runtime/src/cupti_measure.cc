@@ -26,7 +26,7 @@ void AttachCupti(traces::MemoryRecordSource& source, const CuptiMeasureInput& in
   for (auto& rank : measured.ranks) {
     auto it = f.by_owner.find(rank.pp_rank);
     if (it == f.by_owner.end()) continue;
-    rank.cupti = traces::CuptiRankBytes{it->second.allocated_peak, it->second.reserved_peak, Timeline(it->second, t0)};
+    rank.cupti = traces::CuptiRankBytes{it->second.allocated_peak, it->second.reserved_peak, Timeline(it->second, t0), {}, {}};
   }
   traces::MeasuredProcess process;
   process.device_bytes_peak = f.total.reserved_peak;

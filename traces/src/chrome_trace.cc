@@ -79,7 +79,7 @@ OrderedJson ChromeTrace::ToJson() const {
   std::vector<int64_t> ranks = ranks_;
   std::sort(ranks.begin(), ranks.end());
   for (int64_t r : ranks) {
-    events.push_back(Metadata("process_name", Pid(r), -1, {{"name", "pp rank " + std::to_string(r)}}));
+    events.push_back(Metadata("process_name", Pid(r), -1, {{"name", label_ + " " + std::to_string(r)}}));
     events.push_back(Metadata("process_sort_index", Pid(r), -1, {{"sort_index", r}}));
     for (int s = 0; s < kStreamCount; ++s) {
       auto stream = static_cast<Stream>(s);

@@ -36,6 +36,7 @@ inline MemoryRecord FromActivity(const CUpti_ActivityMemory4& r) {
                                                                                 : MemoryOp::kAllocation;
   m.kind = ToMemoryKind(r.memoryKind);
   m.device_id = static_cast<int32_t>(r.deviceId);
+  m.stream_id = r.streamId == CUPTI_INVALID_STREAM_ID ? -1 : static_cast<int64_t>(r.streamId);
   if (r.memoryPoolConfig.memoryPoolType != CUPTI_ACTIVITY_MEMORY_POOL_TYPE_INVALID) {
     m.pool_address = r.memoryPoolConfig.address;
     if (r.memoryPoolConfig.memoryPoolType == CUPTI_ACTIVITY_MEMORY_POOL_TYPE_LOCAL) {

@@ -22,7 +22,7 @@ GpuTimelineCounts AddGpuTimeline(const std::vector<GpuActivity>& activities, con
                                  ChromeTrace& trace) {
   GpuTimelineCounts counts;
   // (rank, stream id) -> tid. Named lanes first, in their order per rank.
-  std::map<std::pair<int64_t, int64_t>, int64_t> tids;
+  std::map<std::pair<int64_t, int64_t>, int64_t> tids;  // (rank, stream id) -> tid
   std::map<int64_t, int64_t> next_tid;  // rank -> next free tid
   std::map<int64_t, int64_t> lane_rank;  // stream id -> rank
   auto thread = [&](int64_t rank, int64_t stream, const std::string& name) {
@@ -47,7 +47,9 @@ GpuTimelineCounts AddGpuTimeline(const std::vector<GpuActivity>& activities, con
     const GpuOpName* op = nullptr;
     if (a.external_id > 0 && a.external_id <= input.ops.size()) op = &input.ops[static_cast<size_t>(a.external_id - 1)];
     int64_t rank = kUnownedRank;
-    if (auto it = lane_rank.find(a.stream_id); it != lane_rank.end()) {
+    if (input.by_device) {
+      rank = a.device_id;
+    } else if (auto it = lane_rank.find(a.stream_id); it != lane_rank.end()) {
       rank = it->second;
     } else if (op != nullptr) {
       rank = op->pp_rank;

@@ -3,7 +3,10 @@
 #include "memplan/common/schema.h"
 
 #include <cmath>
+#include <cstdio>
 #include <set>
+#include <string>
+#include <vector>
 
 namespace memplan::traces {
 namespace {
@@ -53,6 +56,67 @@ std::vector<TimelinePoint> ParseTimeline(const Json& json, const JsonLocation& w
   return out;
 }
 
+std::string Hex(uint64_t v) {
+  char buf[24];
+  std::snprintf(buf, sizeof buf, "0x%llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+uint64_t ParseAddress(ObjectReader& r, std::string_view key) {
+  const std::string s = r.String(key);
+  uint64_t v = 0;
+  bool ok = s.size() > 2 && s.size() <= 18 && s.starts_with("0x");
+  for (size_t i = 2; ok && i < s.size(); ++i) {
+    const char c = s[i];
+    const int d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+    ok = d >= 0;
+    v = v * 16 + static_cast<uint64_t>(d < 0 ? 0 : d);
+  }
+  if (!ok) ThrowAt(r.At(key), "expected an address \"0x\" and 1 to 16 lower-case hex digits, got " + Brief(s));
+  return v;
+}
+
+constexpr const char* kKindNames[] = {"unknown", "pageable", "pinned", "device", "array", "managed",
+                                      "device_static", "managed_static"};
+
+std::vector<AllocationEvent> ParseAllocations(const Json& json, const JsonLocation& where) {
+  const Json& list = ExpectArray(json, where);
+  std::vector<AllocationEvent> out;
+  for (size_t i = 0; i < list.size(); ++i) {
+    ObjectReader r(list[i], where.Child(i));
+    AllocationEvent e;
+    e.t_us = NonNegative(r, "t_us");
+    if (!out.empty() && e.t_us < out.back().t_us) ThrowAt(r.At("t_us"), "allocations go back in time");
+    e.release = r.Enum("op", {"alloc", "free"}) == "free";
+    e.address = ParseAddress(r, "address");
+    e.bytes = ByteCount(r, "bytes");
+    e.stream = r.Int("stream", -1, INT32_MAX);
+    e.kind = r.Enum("kind", {kKindNames[0], kKindNames[1], kKindNames[2], kKindNames[3], kKindNames[4],
+                             kKindNames[5], kKindNames[6], kKindNames[7]});
+    if (r.Get("pool")) e.pool = ParseAddress(r, "pool");
+    r.Finish();
+    out.push_back(std::move(e));
+  }
+  return out;
+}
+
+std::vector<PoolEvent> ParsePoolEvents(const Json& json, const JsonLocation& where) {
+  const Json& list = ExpectArray(json, where);
+  std::vector<PoolEvent> out;
+  for (size_t i = 0; i < list.size(); ++i) {
+    ObjectReader r(list[i], where.Child(i));
+    PoolEvent e;
+    e.t_us = NonNegative(r, "t_us");
+    if (!out.empty() && e.t_us < out.back().t_us) ThrowAt(r.At("t_us"), "pool events go back in time");
+    e.op = r.Enum("op", {"created", "trimmed", "destroyed"});
+    e.address = ParseAddress(r, "address");
+    e.bytes = ByteCount(r, "bytes");
+    r.Finish();
+    out.push_back(std::move(e));
+  }
+  return out;
+}
+
 CuptiRankBytes ParseCupti(const Json& json, const JsonLocation& where) {
   ObjectReader r(json, where);
   CuptiRankBytes c;
@@ -63,6 +127,8 @@ CuptiRankBytes ParseCupti(const Json& json, const JsonLocation& where) {
                                        "), got " + std::to_string(c.reserved_peak));
   }
   c.timeline = ParseTimeline(r.Required("timeline"), r.At("timeline"));
+  if (const Json* a = r.Get("allocations")) c.allocations = ParseAllocations(*a, r.At("allocations"));
+  if (const Json* p = r.Get("pools")) c.pools = ParsePoolEvents(*p, r.At("pools"));
   r.Finish();
   return c;
 }
@@ -195,6 +261,28 @@ OrderedJson MeasuredToJson(const Measured& m) {
       c["reserved_peak"] = rank.cupti->reserved_peak;
       c["timeline"] = OrderedJson::array();
       for (const auto& p : rank.cupti->timeline) c["timeline"].push_back({p.t_us, p.allocated_bytes});
+      if (!rank.cupti->allocations.empty()) {
+        OrderedJson list = OrderedJson::array();
+        for (const auto& e : rank.cupti->allocations) {
+          OrderedJson a;
+          a["t_us"] = e.t_us;
+          a["op"] = e.release ? "free" : "alloc";
+          a["address"] = Hex(e.address);
+          a["bytes"] = e.bytes;
+          a["stream"] = e.stream;
+          a["kind"] = e.kind;
+          if (e.pool != 0) a["pool"] = Hex(e.pool);
+          list.push_back(std::move(a));
+        }
+        c["allocations"] = std::move(list);
+      }
+      if (!rank.cupti->pools.empty()) {
+        OrderedJson list = OrderedJson::array();
+        for (const auto& e : rank.cupti->pools) {
+          list.push_back({{"t_us", e.t_us}, {"op", e.op}, {"address", Hex(e.address)}, {"bytes", e.bytes}});
+        }
+        c["pools"] = std::move(list);
+      }
       r["cupti"] = std::move(c);
     }
     if (rank.pool) r["pool"] = {{"reserved_peak", rank.pool->reserved_peak}, {"used_peak", rank.pool->used_peak}};

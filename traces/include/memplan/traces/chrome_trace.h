@@ -55,6 +55,9 @@ inline constexpr int64_t kGpuTidBase = 100;
 
 class ChromeTrace {
  public:
+  // Processes are named "<label> N" ("pp rank" unless set; profiles of
+  // other programs use "device").
+  void SetProcessLabel(std::string label) { label_ = std::move(label); }
   // Ensures rank `pp_rank` gets its process and thread metadata even when it
   // has no event.
   void AddRank(int64_t pp_rank);
@@ -83,6 +86,7 @@ class ChromeTrace {
     double ts_us;
     int64_t bytes;
   };
+  std::string label_ = "pp rank";
   std::vector<int64_t> ranks_;
   std::vector<Thread> threads_;
   std::vector<TraceSpan> spans_;

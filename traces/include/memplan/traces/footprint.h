@@ -45,6 +45,7 @@ struct MemoryRecord {
   int32_t device_id = 0;
   uint64_t pool_address = 0;  // 0: not from a pool (cudaMalloc)
   int64_t pool_bytes = 0;     // the pool's size when the record was taken (0: unknown)
+  int64_t stream_id = -1;     // CUPTI's stream id of an async (stream-ordered) operation; -1: none
 };
 
 enum class PoolOp { kCreated, kDestroyed, kTrimmed };

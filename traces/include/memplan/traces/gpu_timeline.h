@@ -42,6 +42,10 @@ struct GpuTimelineInput {
   std::vector<GpuLane> lanes;
   std::vector<GpuOpName> ops;  // ScopedGpuOp id k -> ops[k - 1]
   int64_t epoch_ns = 0;
+  // A profile of another program (memplan profile): no lanes or ops; each
+  // activity goes under its device (pp_rank = device ordinal), one thread
+  // per stream.
+  bool by_device = false;
 };
 
 struct GpuTimelineCounts {

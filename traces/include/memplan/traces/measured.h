@@ -31,10 +31,31 @@ struct TimelinePoint {
 // attributed to the rank by address (footprint.h). In arena mode the rank's
 // arenas are its only device allocations, so allocated_peak == the rank's
 // `peak`; in pool mode reserved_peak is what the driver set aside.
+// One allocation or release as CUPTI recorded it (profiles only).
+struct AllocationEvent {
+  double t_us = 0;
+  bool release = false;      // JSON "op": "alloc" | "free"
+  uint64_t address = 0;      // JSON "0x..." (addresses exceed JSON's exact integers)
+  int64_t bytes = 0;
+  int64_t stream = -1;       // CUPTI stream id; -1: not stream-ordered
+  std::string kind;          // "device", "managed", "pinned", ...
+  uint64_t pool = 0;         // the pool's address; 0: not from a pool
+};
+
+// A pool created, trimmed or destroyed (profiles only).
+struct PoolEvent {
+  double t_us = 0;
+  std::string op;            // "created" | "trimmed" | "destroyed"
+  uint64_t address = 0;
+  int64_t bytes = 0;         // the pool's size after the event
+};
+
 struct CuptiRankBytes {
   int64_t allocated_peak = 0;  // bytes of live device allocations, maximum
   int64_t reserved_peak = 0;   // plus pool reservations, maximum
   std::vector<TimelinePoint> timeline;  // [t_us, allocated_bytes], t_us non-decreasing
+  std::vector<AllocationEvent> allocations;  // profiles: every record, in time order (JSON: omitted when empty)
+  std::vector<PoolEvent> pools;              // profiles: pool events, in time order (JSON: omitted when empty)
 };
 
 // A stream-ordered pool's own marks (allocator "pool"): what it reserved

@@ -15,7 +15,9 @@ namespace memplan::traces {
 // pp_rank = the device ordinal, allocated_peak and peak = CUPTI's live and
 // reserved maxima, static 0, the allocated timeline (microseconds from the
 // first record), events {allocations, releases}, and `cupti` with the same
-// numbers. No plan digest, loss or gradient norm (zeros).
+// numbers plus every memory record of the device (allocations: time, op,
+// address, size, stream, kind, pool) and its pools' events. No plan digest,
+// loss or gradient norm (zeros).
 Measured ProfileFromRecords(const std::vector<MemoryRecord>& memory, const std::vector<PoolRecord>& pools);
 
 }  // namespace memplan::traces
