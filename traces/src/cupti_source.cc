@@ -216,7 +216,7 @@ int64_t CuptiSource::buffer_host_bytes() const { return 0; }
 int64_t CuptiSource::TimestampNs() { return 0; }
 int64_t CuptiSource::StreamId(void*) { return -1; }
 ScopedGpuOp::ScopedGpuOp(bool, uint64_t) {}
-ScopedGpuOp::~ScopedGpuOp() = default;
+ScopedGpuOp::~ScopedGpuOp() { (void)pushed_; }
 
 }  // namespace memplan::traces
 
