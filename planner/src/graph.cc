@@ -111,7 +111,45 @@ int64_t ParamSpec::Matrices() const {
   return 1;
 }
 
+namespace {
+
+// The parameter of `g` playing `role` for `op` (op_registry.h, ParamNaming);
+// empty when the layer has none.
+std::string BindParam(const LayerGraph& g, const OpSpec& op, ParamNaming naming, std::string_view role) {
+  const size_t dot = op.name.rfind('.');
+  if (dot == std::string::npos) return {};
+  std::string prefix = op.name.substr(0, dot);
+  std::vector<std::string> candidates;
+  if (naming == ParamNaming::kAttnRes) {
+    if (!prefix.ends_with(".attn_res")) prefix += ".attn_res";
+    candidates.push_back(prefix + "." + std::string(role));
+  } else {
+    std::string dotted = op.name.substr(dot + 1);
+    if (auto u = dotted.find('_'); u != std::string::npos) dotted[u] = '.';
+    candidates = {op.name + "." + std::string(role), prefix + "." + std::string(role),
+                  prefix + "." + dotted + "." + std::string(role)};
+  }
+  for (const auto& c : candidates) {
+    for (const auto& p : g.params) {
+      if (p.name == c) return c;
+    }
+  }
+  return {};
+}
+
+}  // namespace
+
 void LayerGraph::Finalize(const JsonLocation& where) {
+  for (auto& op : ops) {
+    op.op = OpKindFromName(op.kind);
+    if (!op.params.empty()) continue;
+    const OpDef& def = GetOpDef(op.op);
+    for (std::string_view role : def.params) {
+      std::string name = BindParam(*this, op, def.naming, role);
+      if (name.empty()) break;  // later roles are not bound past a missing one
+      op.params.push_back(std::move(name));
+    }
+  }
   std::unordered_map<std::string_view, size_t> tensor_index;
   for (size_t i = 0; i < tensors.size(); ++i) {
     auto& t = tensors[i];
@@ -239,6 +277,7 @@ OrderedJson LayerGraph::ToJson() const {
                    {"outputs", op.outputs}, {"flops", op.flops},
                    {"bytes_read", op.bytes_read}, {"bytes_written", op.bytes_written}};
     if (op.workspace_bytes) oj["workspace_bytes"] = op.workspace_bytes;
+    if (!op.params.empty()) oj["params"] = op.params;
     os.push_back(std::move(oj));
   }
   j["ops"] = std::move(os);
@@ -307,6 +346,7 @@ LayerGraph LayerGraph::FromJson(const Json& value, const JsonLocation& where) {
     op.bytes_read = o.Int("bytes_read", 0, INT64_MAX, 0);
     op.bytes_written = o.Int("bytes_written", 0, INT64_MAX, 0);
     op.workspace_bytes = o.Int("workspace_bytes", 0, INT64_MAX, 0);
+    if (o.Get("params")) op.params = ReadNames(o.Required("params"), o.At("params"));
     o.Finish();
     g.ops.push_back(std::move(op));
   }

@@ -89,9 +89,7 @@ bool IsFloat(DType d) { return d == DType::kBF16 || d == DType::kFP16 || d == DT
 
 }  // namespace
 
-bool GradAccumulates(std::string_view kind) {
-  return kind == "add" || kind == "identity" || kind == "copy" || kind == "attn_res_accumulate";
-}
+bool GradAccumulates(OpKind kind) { return GetOpDef(kind).grad_accumulates; }
 
 namespace {
 
@@ -255,7 +253,7 @@ LayerBuffers MakeLayerBuffers(const LayerGraph& g, const std::vector<LayerInfo>&
     // An input gradient that an earlier backward (a later consumer, or the
     // next layer) already wrote is summed: kernels that overwrite their
     // input gradients write into a temporary first.
-    if (!GradAccumulates(op.kind)) {
+    if (!GradAccumulates(op.op)) {
       for (const auto& in : op.inputs) {
         size_t t = static_cast<size_t>(li.tensor_idx.at(in));
         if (!IsFloat(g.tensors[t].dtype)) continue;
@@ -899,40 +897,13 @@ std::vector<int32_t> BackwardReads(const LayerGraph& g, const OpSpec& op) {
     return -1;
   };
   std::vector<int32_t> r;
-  auto in = [&](size_t k) {
-    if (k < op.inputs.size()) r.push_back(idx(op.inputs[k]));
-  };
-  auto out = [&](size_t k) {
-    if (k < op.outputs.size()) r.push_back(idx(op.outputs[k]));
-  };
-  const std::string& k = op.kind;
-  if (k == "linear" || k == "layernorm" || k == "rmsnorm" || k == "gelu" || k == "swiglu" || k == "embedding" ||
-      k == "grouped_gemm" || k == "attn_res") {
-    in(0);
-  } else if (k == "batched_gemm" || k == "attn_res_mix") {
-    in(0), in(1);
-  } else if (k == "softmax" || k == "sigmoid") {
-    out(0);
-  } else if (k == "dropout") {
-    out(1);
-  } else if (k == "cross_entropy") {
-    out(0), in(1);
-  } else if (k == "flash_attention") {
-    in(0), in(1), in(2), out(0), out(1);
-  } else if (k == "topk") {
-    in(0), out(0), out(1);
-  } else if (k == "dispatch") {
-    in(1);
-  } else if (k == "combine") {
-    // The native router gradient <dO, Y> needs the expert output; the
-    // rewrite (expert output not saved) does not.
-    int32_t y = idx(op.inputs[0]);
-    if (y >= 0 && g.tensors[static_cast<size_t>(y)].saved) r.push_back(y);
-    in(1), in(2);
-  } else if (k == "attn_res_softmax") {
-    in(0), out(0);
+  for (const OpSlot& s : GetOpDef(op.op).backward_reads) {
+    const auto& names = s.output ? op.outputs : op.inputs;
+    if (s.index >= names.size()) continue;
+    int32_t t = idx(names[s.index]);
+    if (t < 0 || (s.only_if_saved && !g.tensors[static_cast<size_t>(t)].saved)) continue;
+    r.push_back(t);
   }
-  r.erase(std::remove(r.begin(), r.end(), -1), r.end());
   return r;
 }
 

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "memplan/common/json_util.h"
+#include "memplan/planner/op_registry.h"
 
 namespace memplan::planner {
 
@@ -63,8 +64,14 @@ struct TensorSpec {
 
 struct OpSpec {
   std::string name;
-  std::string kind;  // linear, grouped_gemm, layernorm, rmsnorm, gelu, ...
+  std::string kind;  // linear, grouped_gemm, layernorm, rmsnorm, gelu, ... (op_registry.h)
+  OpKind op = OpKind::kUnknown;  // `kind` in the registry (set by Finalize)
   std::string module;
+  // The parameters the op reads, in its kind's role order (OpDef::params):
+  // given by the file, else bound by Finalize from the op's name. A role
+  // with no parameter of the layer leaves the list short (a tied head binds
+  // the embedding of another layer; the runtime resolves it).
+  std::vector<std::string> params;
   std::vector<std::string> inputs;   // tensor names
   std::vector<std::string> outputs;  // tensor names
   double flops = 0;
@@ -81,9 +88,10 @@ class LayerGraph {
   std::vector<TensorSpec> tensors;
   std::vector<OpSpec> ops;
 
-  // Derives tensor producers/consumers from the ops (a producer recorded on a
-  // tensor that no local op writes is kept: it names the previous layer's
-  // op), builds the dataflow graph and verifies it: unique names, every op
+  // Resolves each op's kind in the registry and binds its parameters
+  // (OpSpec::params), derives tensor producers/consumers from the ops (a
+  // producer recorded on a tensor that no local op writes is kept: it names
+  // the previous layer's op), builds the dataflow graph and verifies it: unique names, every op
   // input/output declared, one producer per tensor, bytes equal to
   // shape x dtype, no cycles. Throws ErrorException(kBadInput) naming
   // `where` (the layer's JSON location) on failure.

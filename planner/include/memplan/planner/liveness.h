@@ -145,11 +145,12 @@ struct LayerBuffers {
 std::vector<LayerBuffers> BuildLayerBuffers(const std::vector<LayerGraph>& layers);
 
 // Ops whose backward adds into its input gradients without a temporary
-// (add, identity, copy, attn_res_accumulate); the others overwrite theirs.
-bool GradAccumulates(std::string_view kind);
+// (OpDef::grad_accumulates); the others overwrite theirs.
+bool GradAccumulates(OpKind kind);
 
 // The tensors (by graph index) a backward op reads besides the gradients of
-// its outputs: these must be resident when it runs (saved, or rebuilt).
+// its outputs (OpDef::backward_reads): these must be resident when it runs
+// (saved, or rebuilt).
 std::vector<int32_t> BackwardReads(const LayerGraph& g, const OpSpec& op);
 
 // A block of a rank's timeline.

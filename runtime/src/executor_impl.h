@@ -1,0 +1,226 @@
+// Private to runtime/: the executor's state and its parts, one file per
+// responsibility (docs/runtime.md, "Code map"):
+//   executor.cc       driving the pipeline: the step loop, Step, copies
+//   plan_binding.cc   reading the plan: Setup, Check, tensor -> buffer binding
+//   training.cc       ranks, parameters, the batch, tied embeddings, the optimizer
+//   op_exec.cc        running one op (forward, backward, recompute) through
+//                     the op registry (op_impls.h)
+//   measurement.cc    MEASURED.json, TRACE.json and --dump
+#pragma once
+
+#include "memplan/runtime/executor.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "memplan/common/check.h"
+#include "memplan/common/schema.h"
+#include "memplan/common/units.h"
+#include "memplan/common/workspace.h"
+#include "memplan/kernels/ops.h"
+#include "memplan/planner/accounting.h"
+#include "memplan/planner/bounds.h"
+#include "memplan/planner/liveness.h"
+#include "memplan/planner/model.h"
+#include "memplan/planner/plan.h"
+#include "memplan/planner/templates.h"
+#include "memplan/runtime/activation.h"
+#include "memplan/runtime/backend.h"
+#include "memplan/runtime/npy.h"
+#include "memplan/traces/cupti_source.h"
+#include "memplan/traces/chrome_trace.h"
+#include "memplan/traces/gpu_timeline.h"
+
+#include "cupti_measure.h"
+
+namespace memplan::runtime::exec {
+
+using planner::Block;
+using planner::BlockBuffer;
+using planner::Instance;
+using planner::Interval;
+using planner::IntervalPart;
+using planner::LayerBuffers;
+using planner::LayerGraph;
+using planner::OpSpec;
+using planner::PlanningProblem;
+using planner::SavedTensor;
+using planner::Storage;
+using planner::TensorSpec;
+
+// The exact math the runtime applies (docs/runtime.md repeats it).
+constexpr float kLayerNormEps = 1e-5f;
+constexpr float kRmsNormEps = 1e-6f;
+constexpr float kDropoutP = 0.1f;
+constexpr bool kRouterRenormalize = true;
+
+inline uint64_t Fnv1a(std::string_view s) {
+  uint64_t h = 1469598103934665603ull;
+  for (char c : s) {
+    h ^= static_cast<uint8_t>(c);
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+inline int64_t Elements(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+inline Error BadInput(const std::string& msg) { return Error{ErrorCode::kBadInput, msg}; }
+
+// --- Static state -------------------------------------------------------------
+
+struct ParamState {
+  const planner::ParamSpec* spec = nullptr;
+  std::vector<int64_t> shape;  // as stored (a tied head stores the embedding's [vocab, hidden])
+  int64_t elements = 0;
+  Buffer weight, grad, m, v;
+  bool tied_head = false;  // stores the embedding matrix; logits = x * E^T
+};
+
+// A copy in flight, for the trace.
+struct CopySpan {
+  traces::Stream stream;
+  std::string name;
+  double issue_us;
+  Event event;
+};
+
+struct Rank {
+  int32_t index = 0;
+  std::unique_ptr<Device> dev;   // activations
+  std::unique_ptr<Device> stat;  // weights, gradients, optimizer state
+  std::unique_ptr<HostArena> host;
+  std::unique_ptr<kernels::Ops> ops;
+  int64_t static_bytes = 0;
+  OpsMemory ops_memory;  // planned static buffers: cuBLAS workspace, kernel scratch
+  std::vector<ParamState> params;
+  std::unordered_map<std::string, size_t> param_index;
+  std::map<std::pair<int64_t, int32_t>, std::vector<int64_t>> routing;  // (layer, mb) -> expert offsets (host)
+  std::vector<std::vector<int32_t>> produced_at;  // step -> instances produced there
+  size_t block = 0;
+  int64_t next_step = 0;
+  // Measurement.
+  std::vector<traces::TimelinePoint> timeline;
+  std::map<std::string, int64_t> events;  // the executor's own; the manager's are merged at the end
+  std::vector<CopySpan> copies;
+  double queue_end_us[traces::kStreamCount] = {0, 0, 0, 0};
+};
+
+class Executor {
+ public:
+  Executor(const Json& plan, const RunOptions& options) : plan_json_(plan), options_(options) {}
+
+  Expected<RunResult> Run();
+  // Reads and checks the plan (Setup) without executing anything.
+  Expected<std::monostate> Validate();
+
+ private:
+  Expected<std::monostate> Setup();
+  Expected<std::monostate> Check();
+  Expected<std::monostate> MakeRanks();
+  void InitParams(Rank& r);
+  void Step(Rank& r);
+  bool Runnable(const Rank& r) const;
+  void SyncTied();
+  void Optimize(double* grad_norm);
+  void MakeBatch();
+  Expected<std::monostate> Dump(bool grads);
+  Expected<RunResult> Finish(double grad_norm, double step_s);
+
+  // Tensors.
+  const LayerGraph& G(int64_t layer) const { return p_.layers[static_cast<size_t>(layer)]; }
+  const LayerBuffers& LB(int64_t layer) const { return p_.layer_buffers[static_cast<size_t>(layer)]; }
+  int32_t SavedIndex(int64_t layer, int32_t tensor) const;
+  int32_t InstIndex(int64_t layer, int32_t tensor, int32_t mb) const;
+  Buffer FwdFull(Rank& r, int64_t layer, int32_t tensor, int32_t mb) {
+    return acts_->Forward(r.index, InstIndex(layer, tensor, mb));
+  }
+  Buffer BwdFull(Rank& r, int64_t layer, int32_t tensor, int32_t mb) {
+    return acts_->Backward(r.index, InstIndex(layer, tensor, mb));
+  }
+  Buffer BlockBuf(Rank& r, size_t block, BlockBuffer::Role role, int32_t tensor, int32_t op = -1) {
+    return acts_->BlockBuffer(r.index, static_cast<int64_t>(block), role, tensor, op);
+  }
+  // A forward value of `tensor` in block `bi` (forward) or, in backward, its
+  // saved or rebuilt copy.
+  Buffer Value(Rank& r, size_t bi, int32_t tensor);
+  Buffer Grad(Rank& r, size_t bi, int32_t tensor);
+  const ParamState& Param(Rank& r, const OpSpec& op, std::string_view suffix = "weight");
+  // The query and norm weight of a Block AttnRes op.
+  std::pair<const ParamState*, const ParamState*> AttnResParams(Rank& r, const OpSpec& op);
+  // Whether layer `layer`'s sources end with a running (partial) block.
+  bool AttnResHasPartial(int64_t layer) const { return layer % model_.arch.attn_res->block_layers != 0; }
+
+  // Ops.
+  void Forward(Rank& r, size_t bi, int32_t pos, const std::function<Buffer(int32_t)>& value, int32_t mb);
+  void Backward(Rank& r, size_t bi, int32_t pos);
+  void Recompute(Rank& r, size_t bi, int32_t inst);
+  void RestoreLayer(Rank& r, size_t bi);
+  void LoadInput(Rank& r, size_t bi, int32_t tensor, Buffer dst);
+
+  // Trace and measurement.
+  double NowUs() const {
+    return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0_).count();
+  }
+  void TakeCopies(Rank& r) {
+    for (auto& c : acts_->TakeCopies(r.index)) {
+      if (!options_.trace) continue;
+      auto stream = c.queue == Queue::kD2H ? traces::Stream::kD2H
+                    : c.queue == Queue::kH2D ? traces::Stream::kH2D : traces::Stream::kLink;
+      r.copies.push_back({stream, std::move(c.what), NowUs(), c.event});
+    }
+  }
+  void RetireCopies(Rank& r, bool all);
+  void Span(Rank& r, std::string name, std::string cat, double ts) {
+    if (!options_.trace) return;
+    traces::TraceSpan s;
+    s.pp_rank = r.index;
+    s.name = std::move(name);
+    s.cat = std::move(cat);
+    s.ts_us = ts;
+    s.dur_us = std::max(0.0, NowUs() - ts);
+    trace_.AddSpan(std::move(s));
+  }
+
+  const Json& plan_json_;
+  RunOptions options_;
+  planner::Model model_;
+  PlanningProblem p_;
+  planner::Assignment assign_;
+  planner::Evaluation eval_;
+  std::vector<std::vector<int64_t>> profiles_;
+  std::unique_ptr<Backend> backend_;
+  std::vector<std::unique_ptr<Rank>> ranks_;
+  std::unique_ptr<ActivationManager> acts_;
+  std::vector<std::vector<int32_t>> tensor_base_;  // layer -> rank-local index of its first saved tensor
+  std::vector<std::vector<int32_t>> saved_index_;  // layer -> per graph tensor, index among saved or -1
+  std::map<std::tuple<int64_t, int32_t, bool>, std::vector<std::byte>> mailbox_;  // (stage, mb, forward)
+  std::vector<std::vector<int32_t>> tokens_, targets_;  // per microbatch
+  double loss_sum_ = 0;
+  int64_t steps_total_ = 0, steps_done_ = 0;
+  std::chrono::steady_clock::time_point t0_;
+  traces::ChromeTrace trace_;
+  // cuda: CUPTI's view of the step (started before any device memory).
+  std::unique_ptr<traces::CuptiSource> cupti_;
+  int64_t context_bytes_ = 0;
+  int64_t cupti_epoch_ns_ = 0;               // CUPTI's clock at t0_
+  std::vector<traces::GpuOpName> gpu_ops_;  // ScopedGpuOp id k -> gpu_ops_[k - 1]
+  std::vector<std::string> warnings_;
+};
+
+}  // namespace memplan::runtime::exec

@@ -1,0 +1,107 @@
+// What a run reports: --dump, MEASURED.json (allocator, CUPTI) and
+// TRACE.json (executor_impl.h).
+#include "executor_impl.h"
+
+namespace memplan::runtime::exec {
+
+Expected<std::monostate> Executor::Dump(bool grads) {
+  namespace fs = std::filesystem;
+  fs::path dir(options_.dump_dir);
+  std::error_code ec;
+  fs::create_directories(dir / (grads ? "grads" : "weights"), ec);
+  if (ec) return Error{ErrorCode::kRuntime, options_.dump_dir + ": " + ec.message()};
+  for (auto& r : ranks_) {
+    for (auto& ps : r->params) {
+      std::vector<float> v(static_cast<size_t>(ps.elements));
+      backend_->ToHost(*r->stat, v.data(), (grads ? ps.grad : ps.weight).ptr, ps.elements * 4);
+      auto st = WriteNpy((dir / (grads ? "grads" : "weights") / (ps.spec->name + ".npy")).string(), v.data(), ps.shape);
+      if (!st.ok()) return st.error();
+    }
+  }
+  if (!grads) {
+    fs::create_directories(dir / "batch", ec);
+    if (ec) return Error{ErrorCode::kRuntime, options_.dump_dir + ": " + ec.message()};
+    std::vector<int64_t> shape{model_.train.micro_batch, model_.train.seq_len};
+    for (size_t m = 0; m < tokens_.size(); ++m) {
+      auto a = WriteNpy((dir / "batch" / ("tokens_mb" + std::to_string(m) + ".npy")).string(), tokens_[m].data(), shape);
+      if (!a.ok()) return a.error();
+      auto b = WriteNpy((dir / "batch" / ("targets_mb" + std::to_string(m) + ".npy")).string(), targets_[m].data(), shape);
+      if (!b.ok()) return b.error();
+    }
+  }
+  return std::monostate{};
+}
+
+Expected<RunResult> Executor::Finish(double grad_norm, double step_s) {
+  RunResult out;
+  traces::Measured& m = out.measured;
+  m.backend = std::string(BackendName(options_.backend));
+  // Arenas follow the planner's placement; a pool is the driver's.
+  m.allocator = options_.backend == BackendKind::kCuda && options_.cuda_pool ? "pool" : "arena";
+  m.device = backend_->device_name();
+  m.plan_digest = plan_json_.value("digest", std::string());
+  m.step_s = step_s;
+  m.loss = loss_sum_ / static_cast<double>(model_.train.microbatches * model_.train.micro_batch * model_.train.seq_len);
+  m.grad_norm = grad_norm;
+  for (auto& r : ranks_) {
+    traces::MeasuredRank mr;
+    mr.pp_rank = r->index;
+    mr.static_bytes = r->static_bytes;
+    mr.allocated_peak = r->static_bytes + r->dev->allocated_peak();
+    mr.peak = r->static_bytes + r->dev->high_water();
+    if (m.allocator == "pool") {
+      // Both pools' own marks: the driver rounds the statics' pool too.
+      mr.pool = traces::PoolMarks{r->stat->high_water() + r->dev->high_water(),
+                                  r->stat->used_high_water() + r->dev->used_high_water()};
+    }
+    mr.timeline = std::move(r->timeline);
+    mr.events = r->events;
+    for (const auto& [k, v] : acts_->events(r->index)) mr.events[k] += v;
+    m.ranks.push_back(std::move(mr));
+  }
+  if (cupti_) {
+    CuptiMeasureInput in;
+    in.context_bytes = context_bytes_;
+    in.epoch_ns = cupti_epoch_ns_;
+    for (auto& r : ranks_) {
+      traces::OwnerRegions regions;
+      regions.owner = r->index;
+      r->dev->AddRegions(regions);
+      r->stat->AddRegions(regions);
+      in.regions.push_back(std::move(regions));
+    }
+    in.used_at_end = backend_->DeviceBytesInUse();
+    cupti_->Flush();
+    if (int64_t dropped = cupti_->dropped_records(); dropped > 0) {
+      // A partial record set would fail the check for the wrong reason.
+      warnings_.push_back("CUPTI dropped " + std::to_string(dropped) + " records; no CUPTI bytes reported");
+    } else {
+      AttachCupti(*cupti_, in, m);
+      if (options_.trace) {
+        traces::GpuTimelineInput gt{{}, std::move(gpu_ops_), cupti_epoch_ns_};
+        for (auto& r : ranks_) {
+          for (Device* d : {r->dev.get(), r->stat.get()}) {
+            for (const auto& [name, stream] : backend_->Streams(*d)) {
+              gt.lanes.push_back({traces::CuptiSource::StreamId(stream), r->index,
+                                  (d == r->stat.get() ? "static " : "") + name});
+            }
+          }
+        }
+        traces::GpuTimelineCounts drawn = AddCuptiTrace(cupti_->DrainActivities(), gt, m, trace_);
+        if (drawn.unowned > 0) {
+          warnings_.push_back("TRACE.json: " + std::to_string(drawn.unowned) +
+                              " GPU activities ran on streams no rank owns");
+        }
+      }
+    }
+  }
+  if (options_.trace) {
+    for (auto& r : ranks_) trace_.AddRank(r->index);
+    out.trace = trace_.ToJson();
+  }
+  out.warnings = warnings_;
+  return out;
+}
+
+
+}  // namespace memplan::runtime::exec

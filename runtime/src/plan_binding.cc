@@ -1,0 +1,293 @@
+// The executor reading its plan: Setup rebuilds the planning problem and the
+// plan's storage decisions, Check verifies them, and tensors bind to buffers
+// (executor_impl.h).
+#include "executor_impl.h"
+
+namespace memplan::runtime::exec {
+
+// --- Setup ----------------------------------------------------------------------
+
+Expected<std::monostate> Executor::Setup() {
+  const std::string& file = options_.plan_file;
+  if (!plan_json_.is_object() || !plan_json_.contains("model") || !plan_json_.contains("tensors")) {
+    return BadInput(file + ": not a memplan plan (expected an object with /model and /tensors)");
+  }
+  if (plan_json_.value("schema", Json()) != Json(std::string(planner::kPlanSchema))) {
+    return BadInput(file + ": /schema: expected \"" + std::string(planner::kPlanSchema) + "\"");
+  }
+  if (!plan_json_.contains("digest") || !plan_json_["digest"].is_string()) {
+    return BadInput(file + ": /digest: expected a string");
+  }
+  if (!plan_json_["tensors"].is_array()) return BadInput(file + ": /tensors: expected an array");
+  if (!plan_json_.contains("ranks") || !plan_json_["ranks"].is_array()) {
+    return BadInput(file + ": /ranks: expected an array");
+  }
+  // The whole plan against its schema before any field is used: a field
+  // this runtime rebuilds rather than reads (tensors, schedule) is still
+  // refused when malformed.
+  if (auto valid = ValidateSchema(plan_json_, SchemaKind::kPlan, file); !valid.ok()) return valid.error();
+  auto model = planner::ParseModel(plan_json_["model"], file + " /model");
+  if (!model.ok()) return model.error();
+  model_ = std::move(*model);
+  if (plan_json_["digest"].get<std::string>() != planner::ModelDigest(model_)) {
+    return BadInput(file + ": /digest does not match the embedded model (the plan was edited or is corrupt)");
+  }
+  const auto& par = model_.parallel;
+  for (auto [name, v] : {std::pair<const char*, int64_t>{"tp", par.tp}, {"ep", par.ep}, {"cp", par.cp}, {"dp", par.dp}}) {
+    if (v > 1) {
+      return BadInput(file + ": /model/parallel/" + name + " is " + std::to_string(v) +
+                      ": the runtime emulates pipeline ranks in one process and cannot execute " + name +
+                      " > 1 yet (multi-process ranks come later)");
+    }
+  }
+  const auto& tr = model_.train;
+  for (auto [name, d] : {std::pair<const char*, planner::DType>{"act_dtype", tr.act_dtype},
+                         {"param_dtype", tr.param_dtype},
+                         {"grad_dtype", tr.grad_dtype}}) {
+    if (d != planner::DType::kFP32) {
+      return BadInput(file + ": /model/train/" + name + " is " + std::string(planner::DTypeName(d)) +
+                      ": the runtime's kernels compute and store fp32, so it executes fp32 models only");
+    }
+  }
+  if (tr.optimizer != planner::Optimizer::kAdam) {
+    return BadInput(file + ": /model/train/optimizer is muon: the runtime takes Adam steps only (Muon later)");
+  }
+  const auto& a = model_.arch;
+  if (a.mla) return BadInput(file + ": /model/arch/mla: MLA layers are not executable yet");
+  if (a.linear_attention) return BadInput(file + ": /model/arch/linear_attention: KDA layers are not executable yet");
+  if (a.attn_res && model_.options.attn_res_single_copy) {
+    return BadInput(file + ": /model/options/attn_res_single_copy: with a single copy, every layer reads the block "
+                           "representations of all earlier layers (and stages) in place; the runtime executes Block "
+                           "AttnRes with attn_res_single_copy false, the blocks travelling from layer to layer");
+  }
+  if (!model_.graph.empty()) return BadInput(file + ": /model/graph: explicit layer graphs are not executable");
+
+  auto layers = planner::ExpandModel(model_);
+  if (!layers.ok()) return layers.error();
+  static const std::set<std::string> kExecutable = {
+      "embedding", "dropout", "identity", "copy", "layernorm", "rmsnorm", "linear", "split_rope", "batched_gemm",
+      "softmax", "sigmoid", "add", "gelu", "swiglu", "cross_entropy", "flash_attention", "topk", "dispatch",
+      "grouped_gemm", "combine", "attn_res", "attn_res_accumulate"};
+  for (const auto& g : *layers) {
+    for (const auto& op : g.ops) {
+      if (!kExecutable.count(op.kind)) {
+        return BadInput(file + ": " + op.name + ": ops of kind \"" + op.kind + "\" are not executable yet" +
+                        (op.kind.starts_with("attn_res") ? " (Block AttnRes runs with options.attn_res_checkpoint on)" : ""));
+      }
+    }
+  }
+  try {
+    p_ = planner::BuildProblem(model_, std::move(*layers));
+  } catch (const ErrorException& e) {
+    return e.error();
+  }
+  // Storage per tensor, as the plan decided: one of the legal compositions.
+  std::unordered_map<std::string, std::pair<Storage, int32_t>> decided;
+  const Json& ts = plan_json_["tensors"];
+  const std::map<std::vector<std::string>, Storage> kCompositions = {
+      {{"keep"}, Storage::kKeep},
+      {{"recompute"}, Storage::kRecompute},
+      {{"fp8"}, Storage::kFp8},
+      {{"offload_host"}, Storage::kOffloadHost},
+      {{"offload_remote"}, Storage::kOffloadRemote},
+      {{"fp8", "offload_host"}, Storage::kFp8OffloadHost},
+      {{"fp8", "offload_remote"}, Storage::kFp8OffloadRemote}};
+  for (size_t i = 0; i < ts.size(); ++i) {
+    const Json& t = ts[i];
+    std::string where = file + ": /tensors/" + std::to_string(i);
+    if (!t.is_object() || !t.contains("name") || !t["name"].is_string()) {
+      return BadInput(where + ": expected an object with a string \"name\"");
+    }
+    if (!t.contains("effective") || !t["effective"].is_array()) return BadInput(where + "/effective: expected an array");
+    std::vector<std::string> names;
+    for (const auto& n : t["effective"]) {
+      if (!n.is_string()) return BadInput(where + "/effective: expected policy names");
+      names.push_back(n.get<std::string>());
+    }
+    auto comp = kCompositions.find(names);
+    if (comp == kCompositions.end()) {
+      return BadInput(where + "/effective: expected keep, recompute, fp8, offload_host, offload_remote or "
+                              "[fp8, offload_host|offload_remote]");
+    }
+    int32_t target = -1;
+    if (t.contains("to_pp_rank")) {
+      if (!t["to_pp_rank"].is_number_integer()) return BadInput(where + "/to_pp_rank: expected an integer");
+      target = t["to_pp_rank"].get<int32_t>();
+    }
+    if (!decided.emplace(t["name"].get<std::string>(), std::pair{comp->second, target}).second) {
+      return BadInput(where + "/name: " + t["name"].get<std::string>() + " is listed twice");
+    }
+  }
+  assign_ = planner::Assignment::KeepAll(p_);
+  for (size_t r = 0; r < p_.tensors.size(); ++r) {
+    for (size_t t = 0; t < p_.tensors[r].size(); ++t) {
+      auto it = decided.find(p_.tensors[r][t].name);
+      if (it == decided.end()) {
+        return BadInput(file + ": /tensors has no entry for " + p_.tensors[r][t].name + " (a different planner made it)");
+      }
+      const SavedTensor& st = p_.tensors[r][t];
+      auto [storage, target] = it->second;
+      if (!planner::Legal(st, storage, model_.parallel.pp)) {
+        return BadInput(file + ": /tensors: " + st.name + " cannot be stored as " +
+                        std::string(planner::PolicyName(planner::StoragePolicies(storage).front())) +
+                        (planner::IsFp8(storage) && !st.can_fp8 ? " (fp8 needs a floating-point tensor)" : "") +
+                        (storage == Storage::kRecompute && !st.can_recompute ? " (no producer chain in its layer)" : ""));
+      }
+      if (planner::IsRemote(storage) &&
+          (target < 0 || target >= model_.parallel.pp || target == static_cast<int32_t>(r))) {
+        return BadInput(file + ": /tensors: " + st.name + ": to_pp_rank " + std::to_string(target) +
+                        " is not another pipeline rank (0.." + std::to_string(model_.parallel.pp - 1) + ")");
+      }
+      assign_.storage[r][t] = storage;
+      assign_.target[r][t] = target;
+    }
+  }
+  eval_ = planner::Evaluate(p_, assign_, false);
+  profiles_ = planner::Profiles(p_, eval_.intervals);
+  return Check();
+}
+
+Expected<std::monostate> Executor::Check() {
+  const Json& ranks = plan_json_["ranks"];
+  if (ranks.size() != eval_.ranks.size()) {
+    return BadInput(options_.plan_file + ": /ranks has " + std::to_string(ranks.size()) + " entries, the model " +
+                    std::to_string(eval_.ranks.size()) + " pipeline ranks");
+  }
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    const Json& rk = ranks[r];
+    if (!rk.is_object() || !rk.contains("peak") || !rk["peak"].is_number_integer() || !rk.contains("lower_bound") ||
+        !rk["lower_bound"].is_number_integer()) {
+      return BadInput(options_.plan_file + ": /ranks/" + std::to_string(r) + ": expected integer peak and lower_bound");
+    }
+    int64_t peak = rk["peak"].get<int64_t>(), lb = rk["lower_bound"].get<int64_t>();
+    if (peak != eval_.ranks[r].peak || lb != eval_.ranks[r].lower_bound) {
+      return BadInput(options_.plan_file + ": /ranks/" + std::to_string(r) + ": peak " + std::to_string(peak) +
+                      " / lower_bound " + std::to_string(lb) + " differ from this planner's " +
+                      std::to_string(eval_.ranks[r].peak) + " / " + std::to_string(eval_.ranks[r].lower_bound) +
+                      " (re-plan the model with this memplan)");
+    }
+  }
+  // Layer -> rank-local saved index.
+  tensor_base_.assign(p_.layers.size(), {});
+  saved_index_.assign(p_.layers.size(), {});
+  for (size_t l = 0; l < p_.layers.size(); ++l) {
+    saved_index_[l].assign(p_.layers[l].tensors.size(), -1);
+    int32_t k = 0;
+    for (size_t t = 0; t < p_.layers[l].tensors.size(); ++t) {
+      if (p_.layers[l].tensors[t].saved) saved_index_[l][t] = k++;
+    }
+  }
+  for (size_t r = 0; r < p_.tensors.size(); ++r) {
+    for (size_t t = 0; t < p_.tensors[r].size(); ++t) {
+      const SavedTensor& st = p_.tensors[r][t];
+      auto& base = tensor_base_[static_cast<size_t>(st.layer)];
+      if (base.empty()) base.push_back(static_cast<int32_t>(t));
+    }
+  }
+  // One tensor crosses each pipeline-stage boundary each way (the mailbox
+  // carries one per stage, microbatch and direction).
+  for (size_t l = 0; l < p_.layers.size(); ++l) {
+    const LayerBuffers& lb = LB(static_cast<int64_t>(l));
+    auto count = [](const std::vector<int32_t>& v) { return std::count_if(v.begin(), v.end(), [](int32_t x) { return x >= 0; }); };
+    if (count(lb.export_to) > 1 || count(lb.import_from) > 1) {
+      return BadInput(options_.plan_file + ": layer " + std::to_string(l) +
+                      " hands more than one tensor to its neighbour layer; the runtime's stage mailbox carries one");
+    }
+  }
+  // FP8 payloads are values then fp32 scales: the scales must be aligned.
+  for (size_t r = 0; r < p_.tensors.size(); ++r) {
+    for (size_t t = 0; t < p_.tensors[r].size(); ++t) {
+      if (!planner::IsFp8(assign_.storage[r][t])) continue;
+      const TensorSpec& spec = G(p_.tensors[r][t].layer).tensors[static_cast<size_t>(p_.tensors[r][t].graph_index)];
+      if (Elements(spec.shape) % 4 != 0) {
+        return BadInput(options_.plan_file + ": " + spec.name + " is stored in FP8 but its element count is not a multiple of 4 (unaligned scales)");
+      }
+    }
+  }
+  return std::monostate{};
+}
+
+int32_t Executor::SavedIndex(int64_t layer, int32_t tensor) const {
+  return saved_index_[static_cast<size_t>(layer)][static_cast<size_t>(tensor)];
+}
+
+int32_t Executor::InstIndex(int64_t layer, int32_t tensor, int32_t mb) const {
+  int32_t k = SavedIndex(layer, tensor);
+  MEMPLAN_CHECK(k >= 0, "not a saved tensor");
+  int32_t t = tensor_base_[static_cast<size_t>(layer)].front() + k;
+  return t * static_cast<int32_t>(model_.train.microbatches) + mb;
+}
+
+
+Buffer Executor::Value(Rank& r, size_t bi, int32_t t) {
+  const Block& blk = p_.timelines[static_cast<size_t>(r.index)].blocks[bi];
+  const LayerGraph& g = G(blk.layer);
+  const LayerBuffers& lb = LB(blk.layer);
+  const TensorSpec& spec = g.tensors[static_cast<size_t>(t)];
+  if (!blk.forward) {
+    if (spec.saved) return BwdFull(r, blk.layer, t, blk.microbatch);
+    return BlockBuf(r, bi, BlockBuffer::Role::kRebuilt, t);
+  }
+  if (spec.saved) return FwdFull(r, blk.layer, t, blk.microbatch);
+  if (lb.prod[static_cast<size_t>(t)] >= 0) {
+    int32_t exp = lb.export_to[static_cast<size_t>(t)];
+    if (exp >= 0 && blk.next_in_pass && G(blk.layer + 1).tensors[static_cast<size_t>(exp)].saved) {
+      return FwdFull(r, blk.layer + 1, exp, blk.microbatch);
+    }
+    return BlockBuf(r, bi, BlockBuffer::Role::kValue, t);
+  }
+  int32_t src = lb.import_from[static_cast<size_t>(t)];
+  if (src >= 0 && blk.prev_in_pass) {
+    if (G(blk.layer - 1).tensors[static_cast<size_t>(src)].saved) {
+      return FwdFull(r, blk.layer - 1, src, blk.microbatch);
+    }
+    return BlockBuf(r, bi - 1, BlockBuffer::Role::kValue, src);
+  }
+  return BlockBuf(r, bi, BlockBuffer::Role::kValue, t);
+}
+
+Buffer Executor::Grad(Rank& r, size_t bi, int32_t t) {
+  const Block& blk = p_.timelines[static_cast<size_t>(r.index)].blocks[bi];
+  const LayerBuffers& lb = LB(blk.layer);
+  if (lb.prod[static_cast<size_t>(t)] >= 0 && lb.export_to[static_cast<size_t>(t)] >= 0 && blk.prev_in_pass) {
+    return BlockBuf(r, bi - 1, BlockBuffer::Role::kGrad, lb.export_to[static_cast<size_t>(t)]);
+  }
+  return BlockBuf(r, bi, BlockBuffer::Role::kGrad, t);
+}
+
+const ParamState& Executor::Param(Rank& r, const OpSpec& op, std::string_view suffix) {
+  // Parameters follow the op's name: "layer1.attn.qkv" -> "layer1.attn.qkv.weight";
+  // a norm "layer1.attn_norm.norm" -> "layer1.attn_norm.weight"; the
+  // embedding and head take their module's; "moe.experts_fc1" ->
+  // "moe.experts.fc1.weight".
+  std::string prefix = op.name.substr(0, op.name.rfind('.'));
+  std::string last = op.name.substr(op.name.rfind('.') + 1);
+  std::string dotted = last;
+  if (auto u = dotted.find('_'); u != std::string::npos) dotted[u] = '.';
+  std::string s(suffix);
+  for (const std::string& cand : {op.name + "." + s, prefix + "." + s, prefix + "." + dotted + "." + s}) {
+    auto it = r.param_index.find(cand);
+    if (it != r.param_index.end()) return r.params[it->second];
+  }
+  // A tied head on one rank reads the embedding.
+  if (op.kind == "linear" && model_.arch.tied_embeddings) {
+    auto it = r.param_index.find(G(0).params.front().name);
+    if (it != r.param_index.end()) return r.params[it->second];
+  }
+  MEMPLAN_CHECK(false, ("no parameter for op " + op.name).c_str());
+  return r.params.front();
+}
+
+std::pair<const ParamState*, const ParamState*> Executor::AttnResParams(Rank& r, const OpSpec& op) {
+  // "layer3.attn_res.mix" reads layer3.attn_res.{query,norm.weight};
+  // "layer3.head.final_mix" reads layer3.head.attn_res.{query,norm.weight}.
+  std::string prefix = op.name.substr(0, op.name.rfind('.'));
+  if (!prefix.ends_with(".attn_res")) prefix += ".attn_res";
+  auto q = r.param_index.find(prefix + ".query");
+  auto g = r.param_index.find(prefix + ".norm.weight");
+  MEMPLAN_CHECK(q != r.param_index.end() && g != r.param_index.end(), ("no AttnRes parameters for " + op.name).c_str());
+  return {&r.params[q->second], &r.params[g->second]};
+}
+
+
+}  // namespace memplan::runtime::exec

@@ -1,0 +1,207 @@
+// The executor's training state: ranks and their memory, parameters and
+// their initial values, the batch, tied embeddings, the optimizer step
+// (executor_impl.h).
+#include "executor_impl.h"
+
+namespace memplan::runtime::exec {
+
+Expected<std::monostate> Executor::MakeRanks() {
+  const int32_t pp = static_cast<int32_t>(p_.tensors.size());
+  for (int32_t r = 0; r < pp; ++r) {
+    auto rank = std::make_unique<Rank>();
+    rank->index = r;
+    const auto& rb = eval_.ranks[static_cast<size_t>(r)];
+    int64_t act = rb.peak - p_.statics[static_cast<size_t>(r)].total;
+    std::string name = "pp" + std::to_string(r);
+    // Arenas (host, and cuda by default) hold exactly the plan's bytes: an
+    // allocation the plan did not predict fails the run instead of hiding
+    // in slack. A CUDA pool reserves in granules beyond its used bytes,
+    // hence its headroom.
+    const bool exact = options_.backend == BackendKind::kHost || !options_.cuda_pool;
+    const int64_t statics = p_.statics[static_cast<size_t>(r)].total;
+    auto dev = backend_->MakeDevice(name, exact ? std::max<int64_t>(act, 1) : 2 * act + 64 * kMiB);
+    if (!dev.ok()) return dev.error();
+    rank->dev = std::move(*dev);
+    auto stat = backend_->MakeDevice(name + ".static", exact ? std::max<int64_t>(statics, 1) : statics + 64 * kMiB);
+    if (!stat.ok()) return stat.error();
+    rank->stat = std::move(*stat);
+    // Host memory for host offloads: at most every payload at once.
+    int64_t host_bytes = kMiB;
+    for (const Interval& iv : eval_.intervals) {
+      if (iv.owner_rank == r && iv.rank == r && iv.part == IntervalPart::kMovedOut) host_bytes += iv.bytes + 256;
+    }
+    auto host = backend_->MakeHostArena(name + ".host", host_bytes);
+    if (!host.ok()) return host.error();
+    rank->host = std::move(*host);
+    // The kernels' static buffers first (the plan's "gemm_workspace" and
+    // "kernel_scratch"), then the parameters (InitParams).
+    for (auto [buf, bytes] : {std::pair{&rank->ops_memory.gemm_workspace, kernels::GemmWorkspaceBytes()},
+                              std::pair{&rank->ops_memory.scratch, kernels::KernelScratchBytes()}}) {
+      auto b = rank->stat->Allocate(bytes);
+      if (!b.ok()) return b.error();
+      *buf = *b;
+      rank->static_bytes += bytes;
+    }
+    rank->ops = backend_->MakeOps(*rank->dev, rank->ops_memory);
+    rank->produced_at.resize(static_cast<size_t>(p_.timelines[static_cast<size_t>(r)].steps));
+    for (size_t i = 0; i < p_.instances[static_cast<size_t>(r)].size(); ++i) {
+      rank->produced_at[static_cast<size_t>(p_.instances[static_cast<size_t>(r)][i].prod)].push_back(
+          static_cast<int32_t>(i));
+    }
+    ranks_.push_back(std::move(rank));
+  }
+  std::vector<RankMemory> mem;
+  for (auto& r : ranks_) mem.push_back({r->dev.get(), r->host.get()});
+  acts_ = std::make_unique<ActivationManager>(p_, assign_, eval_.intervals, std::move(mem), *backend_);
+  for (auto& r : ranks_) {
+    steps_total_ += p_.timelines[static_cast<size_t>(r->index)].steps;
+    InitParams(*r);
+    if (r->static_bytes != p_.statics[static_cast<size_t>(r->index)].total) {
+      return Error{ErrorCode::kRuntime, "pp rank " + std::to_string(r->index) + ": static memory is " +
+                                            std::to_string(r->static_bytes) + " bytes, the plan's " +
+                                            std::to_string(p_.statics[static_cast<size_t>(r->index)].total)};
+    }
+  }
+  return std::monostate{};
+}
+
+void Executor::InitParams(Rank& r) {
+  std::vector<int64_t> layers = p_.layout.LayersOfRank(r.index);
+  for (int64_t l : layers) {
+    for (const auto& spec : G(l).params) {
+      int64_t n = planner::LocalParamElements(model_, spec);
+      if (n == 0) continue;
+      ParamState ps;
+      ps.spec = &spec;
+      ps.elements = n;
+      ps.shape = spec.shape;
+      ps.tied_head = spec.kind == planner::ParamKind::kHead && model_.arch.tied_embeddings;
+      if (ps.tied_head) ps.shape = {spec.shape[1], spec.shape[0]};
+      auto alloc = [&](int64_t bytes) {
+        auto b = r.stat->Allocate(bytes);
+        if (!b.ok()) ThrowError(b.error().code, b.error().message);
+        r.static_bytes += bytes;
+        return *b;
+      };
+      int64_t bytes = n * 4;
+      ps.weight = alloc(bytes);
+      ps.grad = alloc(n * planner::DTypeBytes(model_.train.grad_dtype));
+      int64_t opt = planner::OptimizerBytesPerParam(model_, spec);
+      MEMPLAN_CHECK(opt == 8, "Adam over fp32 parameters keeps m and v");
+      ps.m = alloc(bytes);
+      ps.v = alloc(bytes);
+      // Initial values (docs/runtime.md): norms gamma 1, beta 0; every
+      // matrix U(-a, a) with a = 1/sqrt(fan_in), fan_in its input width
+      // (the embedding and a tied head: hidden).
+      std::vector<float> w(static_cast<size_t>(n), 0.f);
+      const std::string& name = spec.name;
+      bool is_bias = name.size() >= 5 && name.compare(name.size() - 5, 5, ".bias") == 0;
+      if (spec.kind == planner::ParamKind::kNorm) {
+        std::fill(w.begin(), w.end(), is_bias ? 0.f : 1.f);
+      } else {
+        int64_t fan_in = spec.shape.size() >= 3 ? spec.shape[1] : spec.shape[0];
+        if (spec.kind == planner::ParamKind::kEmbedding || ps.tied_head) fan_in = model_.arch.hidden;
+        float a = 1.f / std::sqrt(static_cast<float>(fan_in));
+        // A tied head starts as the embedding it shares.
+        uint64_t id = Fnv1a(ps.tied_head ? G(0).params.front().name : name);
+        // Counter-based: any split over threads gives the same values.
+        auto fill = [&](int64_t lo, int64_t hi) {
+          for (int64_t i = lo; i < hi; ++i) {
+            w[static_cast<size_t>(i)] = (2.f * kernels::Uniform01(options_.seed, id, static_cast<uint64_t>(i)) - 1.f) * a;
+          }
+        };
+        int64_t threads = n < (int64_t{1} << 20) ? 1 : std::max<int64_t>(1, std::thread::hardware_concurrency());
+        std::vector<std::thread> pool;
+        for (int64_t t = 1; t < threads; ++t) pool.emplace_back(fill, n * t / threads, n * (t + 1) / threads);
+        fill(0, n / threads);
+        for (auto& th : pool) th.join();
+      }
+      if (options_.init_hook) options_.init_hook(ps.tied_head ? G(0).params.front().name : name, &w);
+      backend_->FromHost(*r.stat, ps.weight.ptr, w.data(), bytes);
+      std::vector<float> zero(static_cast<size_t>(n), 0.f);
+      backend_->FromHost(*r.stat, ps.grad.ptr, zero.data(), bytes);
+      backend_->FromHost(*r.stat, ps.m.ptr, zero.data(), bytes);
+      backend_->FromHost(*r.stat, ps.v.ptr, zero.data(), bytes);
+      r.param_index[name] = r.params.size();
+      r.params.push_back(std::move(ps));
+    }
+  }
+}
+
+
+void Executor::SyncTied() {
+  // A tied head on another rank holds a copy of the embedding: the two
+  // gradients are summed into both (Megatron's embedding all-reduce).
+  ParamState* emb = nullptr;
+  ParamState* head = nullptr;
+  for (auto& r : ranks_) {
+    for (auto& ps : r->params) {
+      if (ps.spec->kind == planner::ParamKind::kEmbedding) emb = &ps;
+      if (ps.tied_head) head = &ps;
+    }
+  }
+  Rank* head_rank = nullptr;
+  for (auto& r : ranks_) {
+    for (auto& ps : r->params) head_rank = &ps == head ? r.get() : head_rank;
+  }
+  if (emb && head) {
+    Rank& r0 = *ranks_.front();
+    std::vector<float> a(static_cast<size_t>(emb->elements)), b(a.size());
+    backend_->ToHost(*r0.stat, a.data(), emb->grad.ptr, emb->elements * 4);
+    backend_->ToHost(*head_rank->stat, b.data(), head->grad.ptr, head->elements * 4);
+    for (size_t i = 0; i < a.size(); ++i) a[i] += b[i];
+    backend_->FromHost(*r0.stat, emb->grad.ptr, a.data(), emb->elements * 4);
+    backend_->FromHost(*head_rank->stat, head->grad.ptr, a.data(), head->elements * 4);
+  }
+}
+
+void Executor::Optimize(double* grad_norm) {
+  double sum = 0;
+  for (auto& r : ranks_) {
+    // The norm's result lands in the kernel scratch's last granule
+    // (common/workspace.h), in the plan like the rest of it.
+    const Buffer& scratch = r->ops_memory.scratch;
+    std::byte* result = scratch.ptr + (scratch.bytes - workspace::kScratchResultBytes);
+    for (auto& ps : r->params) {
+      if (ps.tied_head && r.get() != ranks_.front().get()) continue;  // counted once, with the embedding
+      r->ops->SquaredNorm(ps.grad.as<float>(), ps.elements, reinterpret_cast<double*>(result));
+      double v = 0;
+      backend_->ToHost(*r->dev, &v, result, 8);  // in order with the ops' stream
+      sum += v;
+    }
+  }
+  *grad_norm = std::sqrt(sum);
+  kernels::AdamConfig cfg;
+  for (auto& r : ranks_) {
+    for (auto& ps : r->params) {
+      r->ops->AdamStep(ps.weight.as<float>(), ps.grad.as<float>(), ps.m.as<float>(), ps.v.as<float>(), ps.elements,
+                       cfg, 1);
+    }
+    backend_->Finish(*r->dev);
+  }
+}
+
+void Executor::MakeBatch() {
+  // Tokens U{0..vocab-1} per (microbatch, position); targets are the next
+  // token of each sequence (the last position wraps to the first).
+  const int64_t mbs = model_.train.microbatches, b = model_.train.micro_batch, sl = model_.train.seq_len;
+  const int64_t n = b * sl;
+  for (int64_t m = 0; m < mbs; ++m) {
+    std::vector<int32_t> tok(static_cast<size_t>(n)), tgt(tok.size());
+    for (int64_t i = 0; i < n; ++i) {
+      float u = kernels::Uniform01(options_.seed, Fnv1a("tokens") + static_cast<uint64_t>(m), static_cast<uint64_t>(i));
+      tok[static_cast<size_t>(i)] = std::min<int32_t>(static_cast<int32_t>(model_.arch.vocab - 1),
+                                                      static_cast<int32_t>(u * static_cast<float>(model_.arch.vocab)));
+    }
+    for (int64_t bb = 0; bb < b; ++bb) {
+      for (int64_t i = 0; i < sl; ++i) {
+        tgt[static_cast<size_t>(bb * sl + i)] = tok[static_cast<size_t>(bb * sl + (i + 1) % sl)];
+      }
+    }
+    tokens_.push_back(std::move(tok));
+    targets_.push_back(std::move(tgt));
+  }
+}
+
+
+}  // namespace memplan::runtime::exec
