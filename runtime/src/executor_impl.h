@@ -122,6 +122,8 @@ struct Rank {
 };
 
 class Executor {
+  friend class ExecOpContext;  // op_exec.cc: an op's view of the executor
+
  public:
   Executor(const Json& plan, const RunOptions& options) : plan_json_(plan), options_(options) {}
 
@@ -160,9 +162,8 @@ class Executor {
   // saved or rebuilt copy.
   Buffer Value(Rank& r, size_t bi, int32_t tensor);
   Buffer Grad(Rank& r, size_t bi, int32_t tensor);
-  const ParamState& Param(Rank& r, const OpSpec& op, std::string_view suffix = "weight");
-  // The query and norm weight of a Block AttnRes op.
-  std::pair<const ParamState*, const ParamState*> AttnResParams(Rank& r, const OpSpec& op);
+  // The parameter bound to `op`'s role `role` (OpSpec::params) on rank `r`.
+  const ParamState& ParamOf(Rank& r, const OpSpec& op, size_t role);
   // Whether layer `layer`'s sources end with a running (partial) block.
   bool AttnResHasPartial(int64_t layer) const { return layer % model_.arch.attn_res->block_layers != 0; }
 

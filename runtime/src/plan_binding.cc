@@ -2,6 +2,7 @@
 // plan's storage decisions, Check verifies them, and tensors bind to buffers
 // (executor_impl.h).
 #include "executor_impl.h"
+#include "op_impls.h"
 
 namespace memplan::runtime::exec {
 
@@ -64,15 +65,14 @@ Expected<std::monostate> Executor::Setup() {
 
   auto layers = planner::ExpandModel(model_);
   if (!layers.ok()) return layers.error();
-  static const std::set<std::string> kExecutable = {
-      "embedding", "dropout", "identity", "copy", "layernorm", "rmsnorm", "linear", "split_rope", "batched_gemm",
-      "softmax", "sigmoid", "add", "gelu", "swiglu", "cross_entropy", "flash_attention", "topk", "dispatch",
-      "grouped_gemm", "combine", "attn_res", "attn_res_accumulate"};
+  // The op registry says what executes (planner/op_registry.h), the runtime's
+  // half of it how (op_impls.h).
   for (const auto& g : *layers) {
     for (const auto& op : g.ops) {
-      if (!kExecutable.count(op.kind)) {
-        return BadInput(file + ": " + op.name + ": ops of kind \"" + op.kind + "\" are not executable yet" +
-                        (op.kind.starts_with("attn_res") ? " (Block AttnRes runs with options.attn_res_checkpoint on)" : ""));
+      const planner::OpDef& def = planner::GetOpDef(op.op);
+      if (!def.executable || GetOpImpl(op.op).forward == nullptr) {
+        return BadInput(file + ": " + op.name + ": ops of kind \"" + op.kind + "\" are not executable yet (" +
+                        std::string(def.why_not.empty() ? "no runtime implementation" : def.why_not) + ")");
       }
     }
   }
@@ -255,39 +255,20 @@ Buffer Executor::Grad(Rank& r, size_t bi, int32_t t) {
   return BlockBuf(r, bi, BlockBuffer::Role::kGrad, t);
 }
 
-const ParamState& Executor::Param(Rank& r, const OpSpec& op, std::string_view suffix) {
-  // Parameters follow the op's name: "layer1.attn.qkv" -> "layer1.attn.qkv.weight";
-  // a norm "layer1.attn_norm.norm" -> "layer1.attn_norm.weight"; the
-  // embedding and head take their module's; "moe.experts_fc1" ->
-  // "moe.experts.fc1.weight".
-  std::string prefix = op.name.substr(0, op.name.rfind('.'));
-  std::string last = op.name.substr(op.name.rfind('.') + 1);
-  std::string dotted = last;
-  if (auto u = dotted.find('_'); u != std::string::npos) dotted[u] = '.';
-  std::string s(suffix);
-  for (const std::string& cand : {op.name + "." + s, prefix + "." + s, prefix + "." + dotted + "." + s}) {
-    auto it = r.param_index.find(cand);
+const ParamState& Executor::ParamOf(Rank& r, const OpSpec& op, size_t role) {
+  if (role < op.params.size()) {
+    auto it = r.param_index.find(op.params[role]);
     if (it != r.param_index.end()) return r.params[it->second];
+    // A tied head on the embedding's own rank holds no copy: it reads the embedding.
+    const planner::ParamSpec* spec = nullptr;
+    for (const auto& p : G(p_.layers.size() - 1).params) spec = p.name == op.params[role] ? &p : spec;
+    if (spec != nullptr && spec->kind == planner::ParamKind::kHead && model_.arch.tied_embeddings) {
+      auto emb = r.param_index.find(G(0).params.front().name);
+      if (emb != r.param_index.end()) return r.params[emb->second];
+    }
   }
-  // A tied head on one rank reads the embedding.
-  if (op.kind == "linear" && model_.arch.tied_embeddings) {
-    auto it = r.param_index.find(G(0).params.front().name);
-    if (it != r.param_index.end()) return r.params[it->second];
-  }
-  MEMPLAN_CHECK(false, ("no parameter for op " + op.name).c_str());
-  return r.params.front();
+  ThrowError(ErrorCode::kRuntime, "op " + op.name + " has no parameter for its role " + std::to_string(role) +
+                                      " on pp rank " + std::to_string(r.index));
 }
-
-std::pair<const ParamState*, const ParamState*> Executor::AttnResParams(Rank& r, const OpSpec& op) {
-  // "layer3.attn_res.mix" reads layer3.attn_res.{query,norm.weight};
-  // "layer3.head.final_mix" reads layer3.head.attn_res.{query,norm.weight}.
-  std::string prefix = op.name.substr(0, op.name.rfind('.'));
-  if (!prefix.ends_with(".attn_res")) prefix += ".attn_res";
-  auto q = r.param_index.find(prefix + ".query");
-  auto g = r.param_index.find(prefix + ".norm.weight");
-  MEMPLAN_CHECK(q != r.param_index.end() && g != r.param_index.end(), ("no AttnRes parameters for " + op.name).c_str());
-  return {&r.params[q->second], &r.params[g->second]};
-}
-
 
 }  // namespace memplan::runtime::exec

@@ -1,0 +1,461 @@
+#include "op_impls.h"
+
+#include <array>
+#include <cmath>
+
+namespace memplan::runtime::exec {
+
+int32_t OpContext::Index(const std::string& tensor) const {
+  const planner::TensorSpec* t = graph().FindTensor(tensor);
+  MEMPLAN_CHECK(t != nullptr, "op reads an undeclared tensor");
+  return static_cast<int32_t>(t - graph().tensors.data());
+}
+
+const planner::TensorSpec& OpContext::Spec(const std::string& tensor) const {
+  return graph().tensors[static_cast<size_t>(Index(tensor))];
+}
+
+void OpContext::PassThrough(size_t i, const Buffer& dy) {
+  Buffer dx = Grad(Index(op().inputs[i]));
+  const int64_t n = Elements(InSpec(i).shape);
+  if (FirstWriter(i)) {
+    k().Copy(dx.ptr, dy.ptr, n * 4);
+  } else {
+    k().Accumulate(dx.as<float>(), dy.as<float>(), n);
+  }
+}
+
+namespace {
+
+using planner::OpKind;
+
+struct Dims2 {
+  int64_t rows = 1, cols = 1;
+};
+
+// A tensor as a row-major matrix: its last dimension by the rest.
+Dims2 RowsCols(const planner::TensorSpec& t) {
+  Dims2 d;
+  d.cols = t.shape.empty() ? 1 : t.shape.back();
+  d.rows = d.cols == 0 ? 0 : Elements(t.shape) / d.cols;
+  return d;
+}
+
+const planner::Arch& A(OpContext& c) { return c.model().arch; }
+
+// --- Embedding, copies, elementwise -------------------------------------------------
+
+void EmbeddingFwd(OpContext& c) {
+  const ParamState& w = c.Param(0);
+  c.k().EmbeddingFwd(c.In(0).as<int32_t>(), w.weight.as<float>(), Elements(c.InSpec(0).shape), A(c).hidden,
+                     c.Out(0).as<float>());
+}
+void EmbeddingBwd(OpContext& c) {
+  const ParamState& w = c.Param(0);
+  c.k().EmbeddingBwd(c.In(0).as<int32_t>(), c.DOut(0).as<float>(), Elements(c.InSpec(0).shape), A(c).hidden,
+                     w.grad.as<float>());
+}
+
+void DropoutFwd(OpContext& c) {
+  const uint64_t offset = Fnv1a(c.op().outputs[1]) ^ (static_cast<uint64_t>(c.microbatch()) << 48);
+  c.k().DropoutFwd(c.In(0).as<float>(), Elements(c.InSpec(0).shape), kDropoutP, c.seed(), offset,
+                   c.Out(0).as<float>(), c.Out(1).as<uint8_t>());
+}
+void DropoutBwd(OpContext& c) {
+  c.k().DropoutBwd(c.DOut(0).as<float>(), c.Out(1).as<uint8_t>(), Elements(c.InSpec(0).shape), kDropoutP,
+                   c.InputGrad(0).as<float>());
+  c.FinishInputGrad(0);
+}
+
+void CopyFwd(OpContext& c) { c.k().Copy(c.Out(0).ptr, c.In(0).ptr, c.OutSpec(0).bytes); }
+void CopyBwd(OpContext& c) { c.PassThrough(0, c.DOut(0)); }
+
+void AddFwd(OpContext& c) {
+  c.k().Add(c.In(0).as<float>(), c.In(1).as<float>(), Elements(c.OutSpec(0).shape), c.Out(0).as<float>());
+}
+void AddBwd(OpContext& c) {
+  Buffer dy = c.DOut(0);
+  c.PassThrough(0, dy);
+  c.PassThrough(1, dy);
+}
+
+void GeluFwd(OpContext& c) { c.k().GeluFwd(c.In(0).as<float>(), Elements(c.InSpec(0).shape), c.Out(0).as<float>()); }
+void GeluBwd(OpContext& c) {
+  c.k().GeluBwd(c.In(0).as<float>(), c.DOut(0).as<float>(), Elements(c.InSpec(0).shape), c.InputGrad(0).as<float>());
+  c.FinishInputGrad(0);
+}
+
+void SwigluFwd(OpContext& c) {
+  Dims2 y = RowsCols(c.OutSpec(0));
+  c.k().SwigluFwd(c.In(0).as<float>(), y.rows, y.cols, c.Out(0).as<float>());
+}
+void SwigluBwd(OpContext& c) {
+  Dims2 y = RowsCols(c.OutSpec(0));
+  c.k().SwigluBwd(c.In(0).as<float>(), c.DOut(0).as<float>(), y.rows, y.cols, c.InputGrad(0).as<float>());
+  c.FinishInputGrad(0);
+}
+
+void SoftmaxFwd(OpContext& c) {
+  const planner::TensorSpec& x = c.InSpec(0);
+  Dims2 d = RowsCols(x);
+  const bool attention = x.shape.size() == 4;  // causal scores [b, heads, s, s]
+  c.k().SoftmaxFwd(c.In(0).as<float>(), d.rows, d.cols, 1.f, attention ? c.model().train.seq_len : 0,
+                   c.Out(0).as<float>());
+}
+void SoftmaxBwd(OpContext& c) {
+  Dims2 d = RowsCols(c.OutSpec(0));
+  c.k().SoftmaxBwd(c.Out(0).as<float>(), c.DOut(0).as<float>(), d.rows, d.cols, 1.f, c.InputGrad(0).as<float>());
+  c.FinishInputGrad(0);
+}
+
+void SigmoidFwd(OpContext& c) {
+  c.k().SigmoidFwd(c.In(0).as<float>(), Elements(c.InSpec(0).shape), c.Out(0).as<float>());
+}
+void SigmoidBwd(OpContext& c) {
+  c.k().SigmoidBwd(c.Out(0).as<float>(), c.DOut(0).as<float>(), Elements(c.OutSpec(0).shape),
+                   c.InputGrad(0).as<float>());
+  c.FinishInputGrad(0);
+}
+
+// --- Norms and GEMMs ----------------------------------------------------------------
+
+void LayerNormFwd(OpContext& c) {
+  Dims2 d = RowsCols(c.InSpec(0));
+  c.k().LayerNormFwd(c.In(0).as<float>(), c.Param(0).weight.as<float>(), c.Param(1).weight.as<float>(), d.rows,
+                     d.cols, kLayerNormEps, c.Out(0).as<float>());
+}
+void LayerNormBwd(OpContext& c) {
+  Dims2 d = RowsCols(c.InSpec(0));
+  const ParamState& gamma = c.Param(0);
+  const ParamState& beta = c.Param(1);
+  c.k().LayerNormBwd(c.In(0).as<float>(), gamma.weight.as<float>(), c.DOut(0).as<float>(), d.rows, d.cols,
+                     kLayerNormEps, c.InputGrad(0).as<float>(), gamma.grad.as<float>(), beta.grad.as<float>());
+  c.FinishInputGrad(0);
+}
+
+void RmsNormFwd(OpContext& c) {
+  Dims2 d = RowsCols(c.InSpec(0));
+  c.k().RmsNormFwd(c.In(0).as<float>(), c.Param(0).weight.as<float>(), d.rows, d.cols, kRmsNormEps,
+                   c.Out(0).as<float>());
+}
+void RmsNormBwd(OpContext& c) {
+  Dims2 d = RowsCols(c.InSpec(0));
+  const ParamState& gamma = c.Param(0);
+  c.k().RmsNormBwd(c.In(0).as<float>(), gamma.weight.as<float>(), c.DOut(0).as<float>(), d.rows, d.cols, kRmsNormEps,
+                   c.InputGrad(0).as<float>(), gamma.grad.as<float>());
+  c.FinishInputGrad(0);
+}
+
+// y = x W; a tied head stores the embedding E = W^T [vocab, hidden]: y = x E^T.
+bool Transposed(const ParamState& w) { return w.tied_head || w.spec->kind == planner::ParamKind::kEmbedding; }
+
+void LinearFwd(OpContext& c) {
+  const ParamState& w = c.Param(0);
+  Dims2 x = RowsCols(c.InSpec(0));
+  Dims2 y = RowsCols(c.OutSpec(0));
+  c.k().Gemm(false, Transposed(w), x.rows, y.cols, x.cols, 1.f, c.In(0).as<float>(), w.weight.as<float>(), 0.f,
+             c.Out(0).as<float>(), nullptr);
+}
+void LinearBwd(OpContext& c) {
+  const ParamState& w = c.Param(0);
+  Dims2 x = RowsCols(c.InSpec(0));
+  Dims2 y = RowsCols(c.OutSpec(0));
+  Buffer dy = c.DOut(0);
+  Buffer xv = c.In(0);
+  // dx = dy W^T; dW += x^T dy (a tied head: dE += dy^T x).
+  const bool tied = Transposed(w);
+  c.k().Gemm(false, !tied, x.rows, x.cols, y.cols, 1.f, dy.as<float>(), w.weight.as<float>(), 0.f,
+             c.InputGrad(0).as<float>(), nullptr);
+  if (tied) {
+    c.k().Gemm(true, false, y.cols, x.cols, x.rows, 1.f, dy.as<float>(), xv.as<float>(), 1.f, w.grad.as<float>(),
+               nullptr);
+  } else {
+    c.k().Gemm(true, false, x.cols, y.cols, x.rows, 1.f, xv.as<float>(), dy.as<float>(), 1.f, w.grad.as<float>(),
+               nullptr);
+  }
+  c.FinishInputGrad(0);
+}
+
+// --- Attention ----------------------------------------------------------------------
+
+kernels::SplitShape SplitShapeOf(OpContext& c) {
+  const auto& a = A(c);
+  return {c.model().train.micro_batch, c.model().train.seq_len, a.heads, a.kv_heads, a.head_dim,
+          a.norm == planner::Norm::kRmsNorm};
+}
+void SplitRopeFwd(OpContext& c) {
+  c.k().SplitHeadsFwd(c.In(0).as<float>(), SplitShapeOf(c), c.Out(0).as<float>(), c.Out(1).as<float>(),
+                      c.Out(2).as<float>());
+}
+void SplitRopeBwd(OpContext& c) {
+  c.k().SplitHeadsBwd(c.DOut(0).as<float>(), c.DOut(1).as<float>(), c.DOut(2).as<float>(), SplitShapeOf(c),
+                      c.InputGrad(0).as<float>());
+  c.FinishInputGrad(0);
+}
+
+// Standard attention's two batched GEMMs: scores = scale q k^T per kv group
+// ([b, hq, s, s]), and pv: probs [b, hq, s, s] x v [b, hkv, s, dh] -> [b*s, hq*dh].
+struct AttnDims {
+  int64_t b, s, hq, hkv, dh, grp;
+};
+AttnDims AttnDimsOf(OpContext& c) {
+  const auto& a = A(c);
+  return {c.model().train.micro_batch, c.model().train.seq_len, a.heads, a.kv_heads, a.head_dim,
+          a.heads / a.kv_heads};
+}
+bool IsScores(OpContext& c) { return c.op().name.ends_with(".scores"); }
+
+void BatchedGemmFwd(OpContext& c) {
+  auto [b, s, hq, hkv, dh, grp] = AttnDimsOf(c);
+  if (IsScores(c)) {
+    const float scale = 1.f / std::sqrt(static_cast<float>(dh));
+    c.k().GemmStridedBatched(false, true, grp * s, s, dh, scale, c.In(0).as<float>(), dh, grp * s * dh,
+                             c.In(1).as<float>(), dh, s * dh, 0.f, c.Out(0).as<float>(), s, grp * s * s, b * hkv,
+                             nullptr);
+    return;
+  }
+  for (int64_t bb = 0; bb < b; ++bb) {
+    for (int64_t gq = 0; gq < hkv; ++gq) {
+      const float* pr = c.In(0).as<float>() + (bb * hq + gq * grp) * s * s;
+      const float* v = c.In(1).as<float>() + (bb * hkv + gq) * s * dh;
+      float* o = c.Out(0).as<float>() + bb * s * hq * dh + gq * grp * dh;
+      c.k().GemmStridedBatched(false, false, s, dh, s, 1.f, pr, s, s * s, v, dh, 0, 0.f, o, hq * dh, dh, grp, nullptr);
+    }
+  }
+}
+void BatchedGemmBwd(OpContext& c) {
+  auto [b, s, hq, hkv, dh, grp] = AttnDimsOf(c);
+  if (IsScores(c)) {
+    const float scale = 1.f / std::sqrt(static_cast<float>(dh));
+    Buffer ds = c.DOut(0), q = c.In(0), kk = c.In(1);
+    Buffer dq = c.InputGrad(0), dk = c.InputGrad(1);
+    // dq = scale dS k; dk = scale sum over the group's heads dS^T q.
+    c.k().GemmStridedBatched(false, false, grp * s, dh, s, scale, ds.as<float>(), s, grp * s * s, kk.as<float>(), dh,
+                             s * dh, 0.f, dq.as<float>(), dh, grp * s * dh, b * hkv, nullptr);
+    c.k().GemmStridedBatched(true, false, s, dh, grp * s, scale, ds.as<float>(), s, grp * s * s, q.as<float>(), dh,
+                             grp * s * dh, 0.f, dk.as<float>(), dh, s * dh, b * hkv, nullptr);
+  } else {
+    Buffer d_o = c.DOut(0), pr = c.In(0), v = c.In(1);
+    Buffer dp = c.InputGrad(0), dv = c.InputGrad(1);
+    for (int64_t bb = 0; bb < b; ++bb) {
+      for (int64_t gq = 0; gq < hkv; ++gq) {
+        const float* dob = d_o.as<float>() + bb * s * hq * dh + gq * grp * dh;
+        const float* vb = v.as<float>() + (bb * hkv + gq) * s * dh;
+        const float* pb = pr.as<float>() + (bb * hq + gq * grp) * s * s;
+        // dP_h = dO_h V^T; dV = sum_h P_h^T dO_h.
+        c.k().GemmStridedBatched(false, true, s, s, dh, 1.f, dob, hq * dh, dh, vb, dh, 0, 0.f,
+                                 dp.as<float>() + (bb * hq + gq * grp) * s * s, s, s * s, grp, nullptr);
+        for (int64_t h = 0; h < grp; ++h) {
+          c.k().GemmStridedBatched(true, false, s, dh, s, 1.f, pb + h * s * s, s, 0, dob + h * dh, hq * dh, 0,
+                                   h == 0 ? 0.f : 1.f, dv.as<float>() + (bb * hkv + gq) * s * dh, dh, 0, 1, nullptr);
+        }
+      }
+    }
+  }
+  c.FinishInputGrad(0);
+  c.FinishInputGrad(1);
+}
+
+kernels::AttentionShape FlashShapeOf(OpContext& c) {
+  const auto& a = A(c);
+  kernels::AttentionShape sh{c.model().train.micro_batch, a.heads, a.kv_heads, c.model().train.seq_len,
+                             a.head_dim, a.head_dim, 1.f / std::sqrt(static_cast<float>(a.head_dim)), true};
+  sh.o_token_major = true;
+  return sh;
+}
+void FlashAttentionFwd(OpContext& c) {
+  c.k().FlashAttentionFwd(FlashShapeOf(c), c.In(0).as<float>(), c.In(1).as<float>(), c.In(2).as<float>(),
+                          c.Out(0).as<float>(), c.Out(1).as<float>());
+}
+void FlashAttentionBwd(OpContext& c) {
+  c.k().FlashAttentionBwd(FlashShapeOf(c), c.In(0).as<float>(), c.In(1).as<float>(), c.In(2).as<float>(),
+                          c.Out(0).as<float>(), c.Out(1).as<float>(), c.DOut(0).as<float>(),
+                          c.InputGrad(0).as<float>(), c.InputGrad(1).as<float>(), c.InputGrad(2).as<float>(),
+                          c.Workspace().ptr);
+  for (size_t i = 0; i < 3; ++i) c.FinishInputGrad(i);
+}
+
+// --- Loss ---------------------------------------------------------------------------
+
+void CrossEntropyFwd(OpContext& c) {
+  Dims2 d = RowsCols(c.InSpec(0));
+  c.k().CrossEntropyFwd(c.In(0).as<float>(), c.In(1).as<int32_t>(), d.rows, d.cols, c.Out(0).as<float>(),
+                        c.Out(1).as<float>());
+  if (c.forward_pass()) c.AddLosses(c.Out(1), d.rows);
+}
+void CrossEntropyBwd(OpContext& c) {
+  Dims2 d = RowsCols(c.InSpec(0));
+  const float scale = 1.f / static_cast<float>(d.rows * c.model().train.microbatches);
+  c.k().CrossEntropyBwd(c.Out(0).as<float>(), c.In(1).as<int32_t>(), d.rows, d.cols, scale,
+                        c.InputGrad(0).as<float>());
+  c.FinishInputGrad(0);
+}
+
+// --- Mixture of experts -------------------------------------------------------------
+
+void TopKFwd(OpContext& c) {
+  Dims2 d = RowsCols(c.InSpec(0));
+  c.k().TopKFwd(c.In(0).as<float>(), d.rows, d.cols, A(c).moe->top_k, kRouterRenormalize, c.Out(0).as<int32_t>(),
+                c.Out(1).as<float>());
+}
+void TopKBwd(OpContext& c) {
+  Dims2 d = RowsCols(c.InSpec(0));
+  c.k().TopKBwd(c.In(0).as<float>(), c.Out(0).as<int32_t>(), c.Out(1).as<float>(), c.DOut(1).as<float>(), d.rows,
+                d.cols, A(c).moe->top_k, kRouterRenormalize, c.InputGrad(0).as<float>());
+  c.FinishInputGrad(0);
+}
+
+void DispatchFwd(OpContext& c) {
+  Dims2 d = RowsCols(c.InSpec(0));
+  const auto& moe = *A(c).moe;
+  auto& offsets = c.Routing();
+  offsets.assign(static_cast<size_t>(moe.experts + 1), 0);
+  c.k().DispatchPlan(c.In(1).as<int32_t>(), d.rows, moe.top_k, moe.experts, c.Out(1).as<int32_t>(), offsets.data());
+  Buffer xs = c.Out(0);
+  c.k().DispatchFwd(c.In(0).as<float>(), c.Out(1).as<int32_t>(), d.rows, moe.top_k, d.cols, xs.as<float>());
+  // Rows past the routed ones (capacity the template reserves) are zero.
+  const int64_t used = d.rows * moe.top_k * d.cols * 4;
+  if (c.OutSpec(0).bytes > used) c.k().Zero(xs.ptr + used, c.OutSpec(0).bytes - used);
+}
+void DispatchBwd(OpContext& c) {
+  Dims2 d = RowsCols(c.InSpec(0));
+  c.k().DispatchBwd(c.DOut(0).as<float>(), c.Out(1).as<int32_t>(), d.rows, A(c).moe->top_k, d.cols,
+                    c.InputGrad(0).as<float>());
+  c.FinishInputGrad(0);
+}
+
+void GroupedGemmFwd(OpContext& c) {
+  const ParamState& w = c.Param(0);
+  c.k().GroupedGemm(c.Routing().data(), A(c).moe->experts, w.shape[1], w.shape[2], c.In(0).as<float>(),
+                    w.weight.as<float>(), c.Out(0).as<float>(), nullptr);
+}
+void GroupedGemmBwd(OpContext& c) {
+  const ParamState& w = c.Param(0);
+  const auto& a = A(c);
+  c.k().GroupedGemmBwd(c.Routing().data(), a.moe->experts, w.shape[1], w.shape[2], c.In(0).as<float>(),
+                       w.weight.as<float>(), c.DOut(0).as<float>(), c.InputGrad(0).as<float>(), w.grad.as<float>(),
+                       nullptr);
+  c.FinishInputGrad(0);
+  if (c.OutSpec(0).saved || !c.model().options.moe_grad_rewrite || !c.op().name.ends_with("experts_fc2")) return;
+  // SonicMoE: the router gradient from the activation, not the expert
+  // output: dS = <dA, A> / w, dA being the weighted rows' gradient.
+  const planner::OpSpec* comb = nullptr;
+  for (const auto& o : c.graph().ops) comb = o.op == OpKind::kCombine ? &o : comb;
+  MEMPLAN_CHECK(comb != nullptr, "the gradient rewrite needs the layer's combine");
+  const int32_t gates = c.Index(comb->inputs[1]);
+  const int32_t slot = c.Index(comb->inputs[2]);
+  Dims2 o = RowsCols(c.Spec(comb->outputs[0]));
+  Dims2 act = RowsCols(c.InSpec(0));
+  c.k().RouterGradRewrite(c.InputGrad(0).as<float>(), c.In(0).as<float>(), c.Value(slot).as<int32_t>(),
+                          c.Value(gates).as<float>(), o.rows, a.moe->top_k, act.cols, c.Grad(gates).as<float>());
+}
+
+void CombineFwd(OpContext& c) {
+  Dims2 o = RowsCols(c.OutSpec(0));
+  c.k().CombineFwd(c.In(0).as<float>(), c.In(2).as<int32_t>(), c.In(1).as<float>(), o.rows, A(c).moe->top_k, o.cols,
+                   c.Out(0).as<float>());
+}
+void CombineBwd(OpContext& c) {
+  Dims2 o = RowsCols(c.OutSpec(0));
+  const bool native = c.InSpec(0).saved;  // else the gradient rewrite (GroupedGemmBwd) makes the gates' gradient
+  c.k().CombineBwd(c.DOut(0).as<float>(), c.In(2).as<int32_t>(), c.In(1).as<float>(),
+                   native ? c.In(0).as<float>() : nullptr, o.rows, A(c).moe->top_k, o.cols,
+                   c.InputGrad(0).as<float>(), native ? c.InputGrad(1).as<float>() : nullptr);
+  c.FinishInputGrad(0);
+  if (native) c.FinishInputGrad(1);
+}
+
+// --- Block AttnRes ------------------------------------------------------------------
+
+// Block AttnRes over sources [n, T, h]: h = sum_i softmax_i(w . RMSNorm(v_i)) v_i.
+void AttnResFwd(OpContext& c) {
+  Dims2 x = RowsCols(c.OutSpec(0));
+  const int64_t n = Elements(c.InSpec(0).shape) / (x.rows * x.cols);
+  c.k().AttnResFwd(c.In(0).as<float>(), c.Param(0).weight.as<float>(), c.Param(1).weight.as<float>(), n, x.rows,
+                   x.cols, kRmsNormEps, c.Out(0).as<float>(), c.Out(1).as<float>());
+}
+void AttnResBwd(OpContext& c) {
+  Dims2 x = RowsCols(c.OutSpec(0));
+  const int64_t n = Elements(c.InSpec(0).shape) / (x.rows * x.cols);
+  const ParamState& w = c.Param(0);
+  const ParamState& gamma = c.Param(1);
+  c.k().AttnResBwd(c.In(0).as<float>(), w.weight.as<float>(), gamma.weight.as<float>(), c.DOut(0).as<float>(), n,
+                   x.rows, x.cols, kRmsNormEps, c.InputGrad(0).as<float>(), w.grad.as<float>(), gamma.grad.as<float>());
+  c.FinishInputGrad(0);
+}
+
+// next = [this layer's blocks, except a running partial block] + [partial + out].
+void AttnResAccumulateFwd(OpContext& c) {
+  const planner::TensorSpec& src = c.InSpec(0);
+  const planner::TensorSpec& o = c.InSpec(1);
+  const bool partial = c.AttnResHasPartial();
+  const int64_t keep = src.bytes - (partial ? o.bytes : 0);
+  Buffer next = c.Out(0);
+  Buffer in0 = c.In(0);
+  c.k().Copy(next.ptr, in0.ptr, keep);
+  if (partial) {
+    c.k().Add(reinterpret_cast<const float*>(in0.ptr + keep), c.In(1).as<float>(), Elements(o.shape),
+              reinterpret_cast<float*>(next.ptr + keep));
+  } else {
+    c.k().Copy(next.ptr + keep, c.In(1).ptr, o.bytes);
+  }
+}
+// The blocks' gradients pass through; the partial block's reaches both the
+// earlier partial and this layer's output.
+void AttnResAccumulateBwd(OpContext& c) {
+  const planner::TensorSpec& src = c.InSpec(0);
+  const planner::TensorSpec& o = c.InSpec(1);
+  const bool partial = c.AttnResHasPartial();
+  const int64_t keep = src.bytes - (partial ? o.bytes : 0);
+  Buffer dnext = c.DOut(0);
+  auto into = [&](size_t i, std::byte* dst, const std::byte* from, int64_t bytes) {
+    if (c.FirstWriter(i)) {
+      c.k().Copy(dst, from, bytes);
+    } else {
+      c.k().Accumulate(reinterpret_cast<float*>(dst), reinterpret_cast<const float*>(from), bytes / 4);
+    }
+  };
+  Buffer dsrc = c.Grad(c.Index(c.op().inputs[0]));
+  into(0, dsrc.ptr, dnext.ptr, keep);
+  if (partial) into(0, dsrc.ptr + keep, dnext.ptr + keep, o.bytes);
+  into(1, c.Grad(c.Index(c.op().inputs[1])).ptr, dnext.ptr + keep, o.bytes);
+}
+
+std::array<OpImpl, static_cast<size_t>(OpKind::kCount)> MakeImpls() {
+  std::array<OpImpl, static_cast<size_t>(OpKind::kCount)> t{};
+  auto set = [&](OpKind k, OpFn f, OpFn b) { t[static_cast<size_t>(k)] = {f, b}; };
+  set(OpKind::kEmbedding, EmbeddingFwd, EmbeddingBwd);
+  set(OpKind::kDropout, DropoutFwd, DropoutBwd);
+  set(OpKind::kIdentity, CopyFwd, CopyBwd);
+  set(OpKind::kCopy, CopyFwd, CopyBwd);
+  set(OpKind::kAdd, AddFwd, AddBwd);
+  set(OpKind::kGelu, GeluFwd, GeluBwd);
+  set(OpKind::kSwiglu, SwigluFwd, SwigluBwd);
+  set(OpKind::kSoftmax, SoftmaxFwd, SoftmaxBwd);
+  set(OpKind::kSigmoid, SigmoidFwd, SigmoidBwd);
+  set(OpKind::kLayerNorm, LayerNormFwd, LayerNormBwd);
+  set(OpKind::kRmsNorm, RmsNormFwd, RmsNormBwd);
+  set(OpKind::kLinear, LinearFwd, LinearBwd);
+  set(OpKind::kSplitRope, SplitRopeFwd, SplitRopeBwd);
+  set(OpKind::kBatchedGemm, BatchedGemmFwd, BatchedGemmBwd);
+  set(OpKind::kFlashAttention, FlashAttentionFwd, FlashAttentionBwd);
+  set(OpKind::kCrossEntropy, CrossEntropyFwd, CrossEntropyBwd);
+  set(OpKind::kTopK, TopKFwd, TopKBwd);
+  set(OpKind::kDispatch, DispatchFwd, DispatchBwd);
+  set(OpKind::kGroupedGemm, GroupedGemmFwd, GroupedGemmBwd);
+  set(OpKind::kCombine, CombineFwd, CombineBwd);
+  set(OpKind::kAttnRes, AttnResFwd, AttnResBwd);
+  set(OpKind::kAttnResAccumulate, AttnResAccumulateFwd, AttnResAccumulateBwd);
+  return t;
+}
+
+}  // namespace
+
+const OpImpl& GetOpImpl(planner::OpKind kind) {
+  static const auto impls = MakeImpls();
+  static const OpImpl none{};
+  const size_t i = static_cast<size_t>(kind);
+  return i < impls.size() ? impls[i] : none;
+}
+
+}  // namespace memplan::runtime::exec

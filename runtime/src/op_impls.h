@@ -1,0 +1,76 @@
+// The runtime half of the op registry (planner/op_registry.h): for every
+// executable OpKind, its forward and its backward, written against an
+// OpContext that hides where values, gradients and parameters live
+// (op_exec.cc binds it to the executor's buffers). docs/runtime.md states
+// the math of each.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "executor_impl.h"
+
+namespace memplan::runtime::exec {
+
+class OpContext {
+ public:
+  virtual ~OpContext() = default;
+
+  virtual const planner::OpSpec& op() const = 0;
+  virtual const planner::LayerGraph& graph() const = 0;
+  virtual const planner::Model& model() const = 0;
+  virtual kernels::Ops& k() = 0;
+  virtual int64_t layer() const = 0;
+  virtual int32_t microbatch() const = 0;
+  // True in the forward pass; false when a backward rebuilds a value.
+  virtual bool forward_pass() const = 0;
+  virtual uint64_t seed() const = 0;
+
+  // A tensor's value (forward: produced or read; backward: saved or rebuilt).
+  virtual Buffer Value(int32_t tensor) = 0;
+  // Backward: a tensor's gradient buffer.
+  virtual Buffer Grad(int32_t tensor) = 0;
+  // Backward: whether this op writes input i's gradient first (no later
+  // reader, no next layer), so it may overwrite rather than add.
+  virtual bool FirstWriter(size_t i) = 0;
+  // Backward: where input i's gradient goes: its buffer when this op writes
+  // it first or the kind accumulates, else a temporary FinishInputGrad adds.
+  virtual Buffer InputGrad(size_t i) = 0;
+  virtual void FinishInputGrad(size_t i) = 0;
+  // Backward: the op's planned workspace (OpSpec::workspace_bytes).
+  virtual Buffer Workspace() = 0;
+  // The parameter bound to role `role` (OpSpec::params).
+  virtual const ParamState& Param(size_t role) = 0;
+  // This layer and microbatch's expert offsets (dispatch writes them, the
+  // grouped GEMMs read them).
+  virtual std::vector<int64_t>& Routing() = 0;
+  // Forward pass: per-token losses on the device, summed into the step loss.
+  virtual void AddLosses(const Buffer& losses, int64_t tokens) = 0;
+  // Whether this layer's AttnRes sources end with a running partial block.
+  virtual bool AttnResHasPartial() const = 0;
+
+  // Conveniences over the above.
+  int32_t Index(const std::string& tensor) const;
+  const planner::TensorSpec& Spec(const std::string& tensor) const;
+  const planner::TensorSpec& InSpec(size_t i) const { return Spec(op().inputs[i]); }
+  const planner::TensorSpec& OutSpec(size_t i) const { return Spec(op().outputs[i]); }
+  Buffer In(size_t i) { return Value(Index(op().inputs[i])); }
+  Buffer Out(size_t i) { return Value(Index(op().outputs[i])); }
+  Buffer DOut(size_t i) { return Grad(Index(op().outputs[i])); }
+  // Add-like backwards: dy copied into a fresh input gradient, added into a
+  // started one.
+  void PassThrough(size_t i, const Buffer& dy);
+};
+
+using OpFn = void (*)(OpContext&);
+
+struct OpImpl {
+  OpFn forward = nullptr;
+  OpFn backward = nullptr;
+};
+
+// The implementation of `kind`; both null when the runtime has none.
+const OpImpl& GetOpImpl(planner::OpKind kind);
+
+}  // namespace memplan::runtime::exec
