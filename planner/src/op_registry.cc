@@ -18,6 +18,8 @@ std::vector<OpDef> MakeTable() {
   std::vector<OpDef> t = {
       {K::kUnknown, "", {}, false, {}, ParamNaming::kByName, false, "no op registry entry has this kind"},
       {K::kLinear, "linear", {In(0)}, false, {"weight"}, ParamNaming::kByName, kRuns, ""},
+      {K::kLowRankLinear, "lowrank_linear", {In(0)}, false, {"a", "b"}, ParamNaming::kByName, false,
+       "low-rank projections (x A B, the KDA gates) have no runtime implementation yet"},
       {K::kGroupedGemm, "grouped_gemm", {In(0)}, false, {"weight"}, ParamNaming::kByName, kRuns, ""},
       {K::kBatchedGemm, "batched_gemm", {In(0), In(1)}, false, {}, ParamNaming::kByName, kRuns, ""},
       {K::kEmbedding, "embedding", {In(0)}, false, {"weight"}, ParamNaming::kByName, kRuns, ""},
@@ -40,7 +42,7 @@ std::vector<OpDef> MakeTable() {
       {K::kDispatch, "dispatch", {In(1)}, false, {}, ParamNaming::kByName, kRuns, ""},
       {K::kCombine, "combine", {InIfSaved(0), In(1), In(2)}, false, {}, ParamNaming::kByName, kRuns, ""},
       {K::kCrossEntropy, "cross_entropy", {Out(0), In(1)}, false, {}, ParamNaming::kByName, kRuns, ""},
-      {K::kKdaChunked, "kda_chunked", {}, false, {}, ParamNaming::kByName, false, kKdaWhy},
+      {K::kKdaChunked, "kda_chunked", {}, false, {"a_log"}, ParamNaming::kByName, false, kKdaWhy},
       {K::kAttnRes, "attn_res", {In(0)}, false, {"query", "norm.weight"}, ParamNaming::kAttnRes, kRuns, ""},
       {K::kAttnResSoftmax, "attn_res_softmax", {In(0), Out(0)}, false, {"query"}, ParamNaming::kAttnRes, false,
        kDecomposedAttnResWhy},

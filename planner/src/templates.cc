@@ -97,6 +97,14 @@ class Builder {
   // common/workspace.h, the formulas the kernels use).
   void SetWorkspace(int64_t bytes) { g_->ops.back().workspace_bytes = bytes; }
 
+  // Parameters of the op declared last, in its kind's role order
+  // (op_registry.h), where its name does not give them.
+  void SetParams(std::string_view module, std::vector<std::string_view> names) {
+    auto& params = g_->ops.back().params;
+    params.clear();
+    for (auto n : names) params.push_back(Name(module, n));
+  }
+
   // Declares a parameter; returns its per-device bytes (for op bytes_read).
   int64_t Param(std::string_view module, std::string_view name, Shape shape, ParamKind kind,
                 bool tp_split) {
@@ -299,16 +307,21 @@ std::string AddKda(Builder& B, const Dims& d, const std::string& x_in) {
   std::string k = B.Act("kda", "k", {d.tokens, width}, true, "tp");
   std::string v = B.Act("kda", "v", {d.tokens, width}, true, "tp");
   B.Op("kda", "q_proj", "linear", {x_in}, {q}, Gemm(d.tokens, d.h, width), wq);
+  B.SetParams("kda", {"q.weight"});
   B.Op("kda", "k_proj", "linear", {x_in}, {k}, Gemm(d.tokens, d.h, width), wk);
+  B.SetParams("kda", {"k.weight"});
   B.Op("kda", "v_proj", "linear", {x_in}, {v}, Gemm(d.tokens, d.h, width), wv);
+  B.SetParams("kda", {"v.weight"});
   // Decay gate: low-rank projection (hidden -> head_dim -> heads*head_dim).
   int64_t wg = B.Param("kda", "g_a.weight", {d.h, dk}, ParamKind::kLinear, false) +
                B.Param("kda", "g_b.weight", {dk, width_full}, ParamKind::kLinear, true);
   std::string g = B.Tensor("kda", "g", {d.tokens, width}, DType::kFP32, true, "tp");
-  B.Op("kda", "gate_proj", "linear", {x_in}, {g}, Gemm(d.tokens, d.h, dk) + Gemm(d.tokens, dk, width), wg);
+  B.Op("kda", "gate_proj", "lowrank_linear", {x_in}, {g}, Gemm(d.tokens, d.h, dk) + Gemm(d.tokens, dk, width), wg);
+  B.SetParams("kda", {"g_a.weight", "g_b.weight"});
   int64_t wb = B.Param("kda", "beta.weight", {d.h, a.heads}, ParamKind::kLinear, true);
   std::string beta = B.Tensor("kda", "beta", {d.tokens, heads}, DType::kFP32, true, "tp");
   B.Op("kda", "beta_proj", "linear", {x_in}, {beta}, Gemm(d.tokens, d.h, heads), wb);
+  B.SetParams("kda", {"beta.weight"});
   int64_t chunks = CeilDiv(d.s, la.chunk);
   std::string states = B.Tensor("kda", "states", {d.b, heads, chunks, dk, dk}, DType::kFP32, true, "tp");
   std::string o = B.Act("kda", "o", {d.tokens, width}, true, "tp");
@@ -319,11 +332,14 @@ std::string AddKda(Builder& B, const Dims& d, const std::string& x_in) {
   int64_t wog = B.Param("kda", "o_gate_a.weight", {d.h, dk}, ParamKind::kLinear, false) +
                 B.Param("kda", "o_gate_b.weight", {dk, width_full}, ParamKind::kLinear, true);
   std::string gate = B.Act("kda", "gate", {d.tokens, width}, true, "tp");
-  B.Op("kda", "o_gate_proj", "linear", {x_in}, {gate}, Gemm(d.tokens, d.h, dk) + Gemm(d.tokens, dk, width), wog);
+  B.Op("kda", "o_gate_proj", "lowrank_linear", {x_in}, {gate}, Gemm(d.tokens, d.h, dk) + Gemm(d.tokens, dk, width),
+       wog);
+  B.SetParams("kda", {"o_gate_a.weight", "o_gate_b.weight"});
   int64_t wn = B.Param("kda", "o_norm.weight", {dk}, ParamKind::kNorm, false) +
                B.Param("kda", "a_log", {a.heads}, ParamKind::kNorm, false);
   std::string proj_in = B.Act("kda", "proj_in", {d.tokens, width}, true, "tp");
   B.Op("kda", "gated_norm", "gated_rmsnorm", {o, gate}, {proj_in}, 6.0 * static_cast<double>(d.tokens * width), wn);
+  B.SetParams("kda", {"o_norm.weight"});
   return AddOutputProjection(B, d, "kda", proj_in, width_full);
 }
 
