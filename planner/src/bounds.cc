@@ -5,6 +5,7 @@
 
 #include "memplan/common/best_fit_heap.h"
 #include "memplan/common/units.h"
+#include "memplan/planner/program.h"
 
 namespace memplan::planner {
 namespace {

@@ -46,6 +46,7 @@
 #include <vector>
 
 #include "memplan/planner/liveness.h"
+#include "memplan/planner/program.h"
 #include "memplan/runtime/backend.h"
 #include "memplan/runtime/device.h"
 #include "memplan/runtime/host_device.h"

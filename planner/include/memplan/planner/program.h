@@ -1,0 +1,81 @@
+// The planner -> runtime contract: a rank's memory program, the one order
+// of allocations and frees that the planner's placement (bounds.cc) and the
+// runtime's activation manager (runtime/src/activation.cc) both follow, so
+// that the same deterministic best-fit heap reaches the same bytes and
+// offsets. Everything else the runtime reads of a plan it rebuilds with the
+// planner's own code (BuildProblem, Evaluate).
+#pragma once
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "memplan/planner/liveness.h"
+
+namespace memplan::planner {
+
+// One allocation of a rank's memory program.
+struct ProgramBuffer {
+  int64_t first = 0;  // steps of the rank, inclusive
+  int64_t last = 0;
+  int64_t bytes = 0;
+  int64_t interval = -1;  // index into the intervals, or -1 for a block buffer
+  int32_t block = -1;     // block buffers: index into the timeline's blocks
+  int32_t buffer = -1;    // and into that layer's forward or backward buffers
+  int64_t tag = -1;       // the caller's (e.g. the offset it placed the buffer at)
+};
+
+// A rank's memory program: the canonical order in which its buffers are
+// allocated and freed, which the planner's placement (bounds.h) and the
+// runtime's executor both follow, so that the same deterministic allocator
+// reaches the same bytes. At each step: first the intervals that start
+// there (in the order of `intervals`), then the block buffers that start
+// there (blocks in step order, each block's buffers in list order) are
+// allocated; the step's op runs; then every buffer whose last step it is is
+// freed (the order of frees does not change a best-fit heap's state).
+// O(log n) per buffer.
+//
+//   while (walk.Next()) {
+//     for (auto& b : walk.allocations()) b.tag = Allocate(b.bytes);
+//     ... run the step ...
+//     for (const auto& b : walk.Frees()) Free(b.tag);
+//   }
+class ProgramWalker {
+ public:
+  // `mine`: the indices of the intervals that live on `rank`.
+  ProgramWalker(const PlanningProblem& p, int32_t rank, const std::vector<Interval>& intervals,
+                std::vector<size_t> mine);
+  // Advances to the next step; false after the last one.
+  bool Next();
+  int64_t step() const { return step_; }
+  // What starts at this step, in allocation order; the caller may set tags.
+  std::vector<ProgramBuffer>& allocations() { return allocs_; }
+  const std::vector<ProgramBuffer>& allocations() const { return allocs_; }
+  // What ends at this step (tags as set), once per step after allocations().
+  const std::vector<ProgramBuffer>& Frees();
+
+ private:
+  const PlanningProblem& p_;
+  const RankTimeline& tl_;
+  const std::vector<Interval>& ivs_;
+  std::vector<size_t> mine_;  // sorted by first step (stable)
+  size_t next_interval_ = 0;
+  size_t next_block_ = 0;
+  int64_t step_ = -1;
+  int64_t seq_ = 0;
+  // Block buffers waiting for their first step: a (step, sequence) min-heap.
+  std::vector<std::pair<std::pair<int64_t, int64_t>, ProgramBuffer>> pending_;
+  // Live buffers waiting for their last step: a (step, sequence, slot)
+  // min-heap over a slab of buffers (slots are reused).
+  struct Live {
+    int64_t last, seq;
+    int32_t slot;
+    bool operator>(const Live& o) const { return last != o.last ? last > o.last : seq > o.seq; }
+  };
+  std::vector<Live> live_;
+  std::vector<ProgramBuffer> slab_;
+  std::vector<int32_t> free_slots_;
+  std::vector<ProgramBuffer> allocs_, frees_;
+};
+
+}  // namespace memplan::planner
