@@ -168,6 +168,9 @@ class CudaOps final : public Ops {
     MEMPLAN_CUDA_CHECK(cuda::LaunchDropoutBwd(ctx_, dy, mask, n, p, dx));
   }
 
+  void Axpby(const float* x, const float* y, int64_t n, float a, float b, float* out) override {
+    MEMPLAN_CUDA_CHECK(cuda::LaunchAxpby(ctx_, x, y, n, a, b, out));
+  }
   void Add(const float* a, const float* b, int64_t n, float* y) override {
     MEMPLAN_CUDA_CHECK(cuda::LaunchAdd(ctx_, a, b, n, y));
   }

@@ -585,6 +585,14 @@ struct GeluGradOp {  // (x, dy)
 struct AddOp {
   __device__ float operator()(float a, float b) const { return a + b; }
 };
+struct AxpbyOp {  // (x, y): a * x + b * y, no fused multiply-add (as the reference)
+  float a, b;
+  __device__ float operator()(float x, float y) const { return __fadd_rn(__fmul_rn(a, x), __fmul_rn(b, y)); }
+};
+struct ScaleOp {  // (x, -): a * x
+  float a;
+  __device__ float operator()(float x, float) const { return __fmul_rn(a, x); }
+};
 struct SigmoidOp {
   __device__ float operator()(float x, float) const { return Sigmoid(x); }
 };
@@ -1905,6 +1913,12 @@ cudaError_t LaunchScaleMatrices(const LaunchContext& ctx, int64_t m, int64_t n, 
 
 cudaError_t LaunchAccumulate(const LaunchContext& ctx, float* y, const float* x, int64_t n) {
   return LaunchMap(ctx, y, x, n, y, AddOp{});
+}
+
+cudaError_t LaunchAxpby(const LaunchContext& ctx, const float* x, const float* y, int64_t n, float a, float b,
+                        float* out) {
+  if (y == nullptr) return LaunchMap(ctx, x, nullptr, n, out, ScaleOp{a});
+  return LaunchMap(ctx, x, y, n, out, AxpbyOp{a, b});
 }
 
 cudaError_t LaunchSoftmaxFwd(const LaunchContext& ctx, const float* x, int64_t rows, int64_t cols, float scale,

@@ -52,6 +52,9 @@ cudaError_t LaunchDropoutFwd(const LaunchContext& ctx, const float* x, int64_t n
 cudaError_t LaunchDropoutBwd(const LaunchContext& ctx, const float* dy, const uint8_t* mask, int64_t n, float p,
                              float* dx);
 cudaError_t LaunchAdd(const LaunchContext& ctx, const float* a, const float* b, int64_t n, float* y);
+// out = a * x + b * y (y may be null: out = a * x); out may alias x.
+cudaError_t LaunchAxpby(const LaunchContext& ctx, const float* x, const float* y, int64_t n, float a, float b,
+                        float* out);
 cudaError_t LaunchAccumulate(const LaunchContext& ctx, float* y, const float* x, int64_t n);
 
 // GemmStridedBatched with k == 0 (cuBLAS is not asked): C_i = beta * C_i on

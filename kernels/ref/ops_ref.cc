@@ -347,6 +347,19 @@ void RefMath<T>::Accumulate(T* y, const T* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += x[i];
 }
 
+template <typename T>
+void RefMath<T>::Axpby(const T* x, const T* y, int64_t n, T a, T b, T* out) {
+  if (y == nullptr) {
+    for (int64_t i = 0; i < n; ++i) out[i] = a * x[i];
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const T ax = a * x[i];
+    const T by = b * y[i];
+    out[i] = ax + by;
+  }
+}
+
 // --- Softmax, sigmoid ---------------------------------------------------------
 
 template <typename T>
@@ -788,6 +801,9 @@ class RefOps final : public Ops {
   }
   void Add(const float* a, const float* b, int64_t n, float* y) override { M::Add(a, b, n, y); }
   void Accumulate(float* y, const float* x, int64_t n) override { M::Accumulate(y, x, n); }
+  void Axpby(const float* x, const float* y, int64_t n, float a, float b, float* out) override {
+    M::Axpby(x, y, n, a, b, out);
+  }
 
   void SoftmaxFwd(const float* x, int64_t rows, int64_t cols, float scale, int64_t causal_seq, float* y) override {
     M::SoftmaxFwd(x, rows, cols, scale, causal_seq, y);

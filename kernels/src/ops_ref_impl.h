@@ -71,6 +71,7 @@ struct RefMath {
   static void DropoutBwd(const T* dy, const uint8_t* mask, int64_t n, T p, T* dx);
   static void Add(const T* a, const T* b, int64_t n, T* y);
   static void Accumulate(T* y, const T* x, int64_t n);
+  static void Axpby(const T* x, const T* y, int64_t n, T a, T b, T* out);
 
   // SoftmaxFwd scales the visible entries into y, then runs the shared
   // SoftmaxRow on them in place (the router's and cross-entropy's softmax).

@@ -948,6 +948,17 @@ TEST_CASE("Copy, Zero and Accumulate") {
     env.cuda->Accumulate(d_y.get(), d_x.get(), static_cast<int64_t>(n));
     env.ref->Accumulate(y.data(), x.data(), static_cast<int64_t>(n));
     ExpectEqual(d_y.ToHost(), y, std::string("accumulate") + (misalign ? " misaligned" : ""));
+    // Axpby: bit-identical to the reference, out of place, in place on x, y null.
+    std::vector<float> want(n);
+    DevF d_o(n, misalign), d_x2(x, misalign);
+    env.cuda->Axpby(d_x.get(), d_y.get(), static_cast<int64_t>(n), 0.95f, -1.7f, d_o.get());
+    env.ref->Axpby(x.data(), y.data(), static_cast<int64_t>(n), 0.95f, -1.7f, want.data());
+    ExpectEqual(d_o.ToHost(), want, "axpby");
+    env.cuda->Axpby(d_x2.get(), d_y.get(), static_cast<int64_t>(n), 0.95f, -1.7f, d_x2.get());
+    ExpectEqual(d_x2.ToHost(), want, "axpby in place");
+    env.cuda->Axpby(d_x.get(), nullptr, static_cast<int64_t>(n), 0.5f, 0.f, d_o.get());
+    env.ref->Axpby(x.data(), nullptr, static_cast<int64_t>(n), 0.5f, 0.f, want.data());
+    ExpectEqual(d_o.ToHost(), want, "scale");
   }
 }
 

@@ -1392,6 +1392,26 @@ TEST_CASE("SquaredNorm sums double squares in order; Copy, Zero, Accumulate") {
   for (size_t i = 0; i < acc.size(); ++i) CHECK(acc[i] == a[i] + b[i]);
 }
 
+TEST_CASE("Axpby rounds each product and the sum (no fused multiply-add); in place on x; y may be null") {
+  auto ops = mk::MakeRefOps();
+  const VecF x = Rand(1001, 311, -3.f, 3.f), y = Rand(1001, 312, -3.f, 3.f);
+  const float a = 0.95f, b = -1.7f;
+  VecF out(x.size());
+  ops->Axpby(x.data(), y.data(), 1001, a, b, out.data());
+  int checked = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    volatile float ax = a * x[i], by = b * y[i];  // rounded separately
+    CHECK(out[i] == ax + by);
+    ++checked;
+  }
+  CHECK(checked == 1001);
+  VecF inplace = x;
+  ops->Axpby(inplace.data(), y.data(), 1001, a, b, inplace.data());
+  CHECK(inplace == out);
+  ops->Axpby(x.data(), nullptr, 1001, 0.5f, 0.f, out.data());
+  for (size_t i = 0; i < x.size(); ++i) CHECK(out[i] == 0.5f * x[i]);
+}
+
 // --- Bit reproducibility -----------------------------------------------------------
 
 TEST_CASE("Every op gives identical bytes when run twice") {

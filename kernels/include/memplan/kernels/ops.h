@@ -142,6 +142,10 @@ class Ops {
   virtual void Add(const float* a, const float* b, int64_t n, float* y) = 0;
   // y += x (gradient accumulation; y and x may not overlap unless equal).
   virtual void Accumulate(float* y, const float* x, int64_t n) = 0;
+  // out = a * x + b * y, each product and the sum rounded to fp32 (no fused
+  // multiply-add: bit-identical on both backends); y may be null (out = a * x).
+  // out may equal x; it must not otherwise overlap x or y. (Muon's updates.)
+  virtual void Axpby(const float* x, const float* y, int64_t n, float a, float b, float* out) = 0;
 
   // Row softmax of x [rows, cols]: y = softmax(scale * x) per row, as
   // v_j = scale * x_j (rounded), m = max_j v_j, e_j = exp(v_j - m),
