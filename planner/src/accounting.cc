@@ -60,6 +60,20 @@ int64_t MuonGatherBytes(const Model& m, const std::vector<LayerGraph>& layers,
 
 }  // namespace
 
+std::pair<int64_t, int64_t> MuonMatrixShape(const ParamSpec& param) {
+  const auto& s = param.shape;
+  if (s.size() < 2) return {1, s.empty() ? 1 : s.back()};
+  return {s[s.size() - 2], s.back()};
+}
+
+int64_t MuonNsScratchBytes(int64_t rows, int64_t cols) {
+  const int64_t m = std::min(rows, cols);
+  const int64_t rc = CheckedMul(rows, cols, "Muon matrix");
+  return CheckedMul(CheckedAdd(CheckedMul(2, rc, "Muon scratch"), CheckedMul(2, CheckedMul(m, m, "Muon scratch"),
+                                                                        "Muon scratch"), "Muon scratch"),
+                    4, "Muon scratch");
+}
+
 bool UsesMuon(const Model& model, const ParamSpec& param) {
   if (model.train.optimizer != Optimizer::kMuon) return false;
   if (param.kind == ParamKind::kEmbedding || param.kind == ParamKind::kHead) return false;
@@ -155,6 +169,20 @@ StaticBreakdown AccountRank(const Model& model, const std::vector<LayerGraph>& l
       gather = std::max(gather, MuonGatherBytes(model, layers, chunk));
     }
     if (gather > 0) s.buffer_detail["muon_gather"] = gather;
+  }
+  if (model.train.optimizer == Optimizer::kMuon) {
+    // Newton-Schulz runs one matrix at a time: scratch for the rank's largest.
+    int64_t ns = 0;
+    for (const auto& chunk : layout.chunks[static_cast<size_t>(rank)]) {
+      for (int64_t layer : chunk) {
+        for (const auto& p : layers[static_cast<size_t>(layer)].params) {
+          if (!UsesMuon(model, p) || LocalParamElements(model, p) == 0) continue;
+          auto [rows, cols] = MuonMatrixShape(p);
+          ns = std::max(ns, MuonNsScratchBytes(rows, cols));
+        }
+      }
+    }
+    if (ns > 0) s.buffer_detail["muon_ns_scratch"] = ns;
   }
   // What the kernels hold for the run (common/workspace.h): every device
   // byte the runtime uses is in the plan.

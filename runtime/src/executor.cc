@@ -185,7 +185,7 @@ Expected<RunResult> Executor::Run() {
     if (auto s = MakeRanks(); !s.ok()) return s.error();
     MakeBatch();
     if (!options_.dump_dir.empty()) {
-      if (auto d = Dump(false); !d.ok()) return d.error();
+      if (auto d = Dump(DumpWhat::kWeights); !d.ok()) return d.error();
     }
     for (auto& r : ranks_) backend_->Finish(*r->stat);
     t0_ = std::chrono::steady_clock::now();
@@ -222,10 +222,13 @@ Expected<RunResult> Executor::Run() {
     }
     SyncTied();
     if (!options_.dump_dir.empty()) {
-      if (auto d = Dump(true); !d.ok()) return d.error();
+      if (auto d = Dump(DumpWhat::kGrads); !d.ok()) return d.error();
     }
     double grad_norm = 0;
     Optimize(&grad_norm);
+    if (!options_.dump_dir.empty()) {
+      if (auto d = Dump(DumpWhat::kUpdated); !d.ok()) return d.error();
+    }
     double step_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
     return Finish(grad_norm, step_s);
   } catch (const ErrorException& e) {

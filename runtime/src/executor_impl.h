@@ -90,7 +90,19 @@ struct ParamState {
   int64_t elements = 0;
   Buffer weight, grad, m, v;
   bool tied_head = false;  // stores the embedding matrix; logits = x * E^T
+  bool muon = false;       // Muon (m: momentum; no v), else AdamW (m, v)
 };
+
+// Muon (docs/runtime.md, "Optimizer"): Moonlight's recipe. Momentum 0.95
+// with Nesterov, Newton-Schulz with the quintic coefficients of Keller
+// Jordan's Muon (a, b, c) = (3.4445, -4.7750, 2.0315), five iterations,
+// the update scaled by 0.2 sqrt(max(rows, cols)) so that its RMS matches
+// AdamW's.
+inline constexpr float kMuonMomentum = 0.95f;
+inline constexpr float kMuonNsA = 3.4445f, kMuonNsB = -4.7750f, kMuonNsC = 2.0315f;
+inline constexpr int kMuonNsSteps = 5;
+inline constexpr double kMuonNormEps = 1e-7;
+inline constexpr double kMuonRmsScale = 0.2;
 
 // A copy in flight, for the trace.
 struct CopySpan {
@@ -108,6 +120,7 @@ struct Rank {
   std::unique_ptr<kernels::Ops> ops;
   int64_t static_bytes = 0;
   OpsMemory ops_memory;  // planned static buffers: cuBLAS workspace, kernel scratch
+  std::map<std::string, Buffer> static_buffers;  // every static.buffer_detail entry of the plan, by name
   std::vector<ParamState> params;
   std::unordered_map<std::string, size_t> param_index;
   std::map<std::pair<int64_t, int32_t>, std::vector<int64_t>> routing;  // (layer, mb) -> expert offsets (host)
@@ -140,8 +153,12 @@ class Executor {
   bool Runnable(const Rank& r) const;
   void SyncTied();
   void Optimize(double* grad_norm);
+  void MuonStep(Rank& r, ParamState& ps, const kernels::AdamConfig& cfg);
   void MakeBatch();
-  Expected<std::monostate> Dump(bool grads);
+  // --dump: the initial weights and the batch (kWeights), the gradients
+  // after the step (kGrads), the weights after the optimizer (kUpdated).
+  enum class DumpWhat { kWeights, kGrads, kUpdated };
+  Expected<std::monostate> Dump(DumpWhat what);
   Expected<RunResult> Finish(double grad_norm, double step_s);
 
   // Tensors.

@@ -4,21 +4,23 @@
 
 namespace memplan::runtime::exec {
 
-Expected<std::monostate> Executor::Dump(bool grads) {
+Expected<std::monostate> Executor::Dump(DumpWhat what) {
   namespace fs = std::filesystem;
   fs::path dir(options_.dump_dir);
+  const bool grads = what == DumpWhat::kGrads;
+  const char* sub = what == DumpWhat::kWeights ? "weights" : grads ? "grads" : "updated";
   std::error_code ec;
-  fs::create_directories(dir / (grads ? "grads" : "weights"), ec);
+  fs::create_directories(dir / sub, ec);
   if (ec) return Error{ErrorCode::kRuntime, options_.dump_dir + ": " + ec.message()};
   for (auto& r : ranks_) {
     for (auto& ps : r->params) {
       std::vector<float> v(static_cast<size_t>(ps.elements));
       backend_->ToHost(*r->stat, v.data(), (grads ? ps.grad : ps.weight).ptr, ps.elements * 4);
-      auto st = WriteNpy((dir / (grads ? "grads" : "weights") / (ps.spec->name + ".npy")).string(), v.data(), ps.shape);
+      auto st = WriteNpy((dir / sub / (ps.spec->name + ".npy")).string(), v.data(), ps.shape);
       if (!st.ok()) return st.error();
     }
   }
-  if (!grads) {
+  if (what == DumpWhat::kWeights) {
     fs::create_directories(dir / "batch", ec);
     if (ec) return Error{ErrorCode::kRuntime, options_.dump_dir + ": " + ec.message()};
     std::vector<int64_t> shape{model_.train.micro_batch, model_.train.seq_len};

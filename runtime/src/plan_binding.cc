@@ -50,9 +50,6 @@ Expected<std::monostate> Executor::Setup() {
                       ": the runtime's kernels compute and store fp32, so it executes fp32 models only");
     }
   }
-  if (tr.optimizer != planner::Optimizer::kAdam) {
-    return BadInput(file + ": /model/train/optimizer is muon: the runtime takes Adam steps only (Muon later)");
-  }
   const auto& a = model_.arch;
   if (a.mla) return BadInput(file + ": /model/arch/mla: MLA layers are not executable yet");
   if (a.linear_attention) return BadInput(file + ": /model/arch/linear_attention: KDA layers are not executable yet");

@@ -33,15 +33,17 @@ Expected<std::monostate> Executor::MakeRanks() {
     auto host = backend_->MakeHostArena(name + ".host", host_bytes);
     if (!host.ok()) return host.error();
     rank->host = std::move(*host);
-    // The kernels' static buffers first (the plan's "gemm_workspace" and
-    // "kernel_scratch"), then the parameters (InitParams).
-    for (auto [buf, bytes] : {std::pair{&rank->ops_memory.gemm_workspace, kernels::GemmWorkspaceBytes()},
-                              std::pair{&rank->ops_memory.scratch, kernels::KernelScratchBytes()}}) {
+    // The plan's static buffers first (static.buffer_detail: the kernels'
+    // "gemm_workspace" and "kernel_scratch", Muon's "muon_ns_scratch", ...),
+    // then the parameters (InitParams).
+    for (const auto& [what, bytes] : p_.statics[static_cast<size_t>(r)].buffer_detail) {
       auto b = rank->stat->Allocate(bytes);
       if (!b.ok()) return b.error();
-      *buf = *b;
+      rank->static_buffers[what] = *b;
       rank->static_bytes += bytes;
     }
+    rank->ops_memory.gemm_workspace = rank->static_buffers.at("gemm_workspace");
+    rank->ops_memory.scratch = rank->static_buffers.at("kernel_scratch");
     rank->ops = backend_->MakeOps(*rank->dev, rank->ops_memory);
     rank->produced_at.resize(static_cast<size_t>(p_.timelines[static_cast<size_t>(r)].steps));
     for (size_t i = 0; i < p_.instances[static_cast<size_t>(r)].size(); ++i) {
@@ -87,9 +89,10 @@ void Executor::InitParams(Rank& r) {
       ps.weight = alloc(bytes);
       ps.grad = alloc(n * planner::DTypeBytes(model_.train.grad_dtype));
       int64_t opt = planner::OptimizerBytesPerParam(model_, spec);
-      MEMPLAN_CHECK(opt == 8, "Adam over fp32 parameters keeps m and v");
+      ps.muon = planner::UsesMuon(model_, spec);
+      MEMPLAN_CHECK(opt == (ps.muon ? 4 : 8), "fp32 parameters: AdamW keeps m and v, Muon a momentum");
       ps.m = alloc(bytes);
-      ps.v = alloc(bytes);
+      if (!ps.muon) ps.v = alloc(bytes);
       // Initial values (docs/runtime.md): norms gamma 1, beta 0; every
       // matrix U(-a, a) with a = 1/sqrt(fan_in), fan_in its input width
       // (the embedding and a tied head: hidden).
@@ -121,7 +124,7 @@ void Executor::InitParams(Rank& r) {
       std::vector<float> zero(static_cast<size_t>(n), 0.f);
       backend_->FromHost(*r.stat, ps.grad.ptr, zero.data(), bytes);
       backend_->FromHost(*r.stat, ps.m.ptr, zero.data(), bytes);
-      backend_->FromHost(*r.stat, ps.v.ptr, zero.data(), bytes);
+      if (!ps.muon) backend_->FromHost(*r.stat, ps.v.ptr, zero.data(), bytes);
       r.param_index[name] = r.params.size();
       r.params.push_back(std::move(ps));
     }
@@ -174,10 +177,64 @@ void Executor::Optimize(double* grad_norm) {
   kernels::AdamConfig cfg;
   for (auto& r : ranks_) {
     for (auto& ps : r->params) {
-      r->ops->AdamStep(ps.weight.as<float>(), ps.grad.as<float>(), ps.m.as<float>(), ps.v.as<float>(), ps.elements,
-                       cfg, 1);
+      if (ps.muon) {
+        MuonStep(*r, ps, cfg);
+      } else {
+        r->ops->AdamStep(ps.weight.as<float>(), ps.grad.as<float>(), ps.m.as<float>(), ps.v.as<float>(), ps.elements,
+                         cfg, 1);
+      }
     }
     backend_->Finish(*r->dev);
+  }
+}
+
+// One Muon step of every matrix of `ps` (experts: each expert's), with the
+// plan's "muon_ns_scratch" buffer: X and T [rows, cols], A and B [m, m].
+//   M <- mu M + G;  X <- G + mu M  (Nesterov);  X <- X / (||X||_F + eps)
+//   5 x:  A = X X^T;  B = b A + c A A;  X <- a X + B X
+//         (rows > cols: A = X^T X, X <- a X + X B, the same iteration on X^T)
+//   W <- (1 - lr wd) W - lr 0.2 sqrt(max(rows, cols)) X
+void Executor::MuonStep(Rank& r, ParamState& ps, const kernels::AdamConfig& cfg) {
+  kernels::Ops& k = *r.ops;
+  auto [rows, cols] = planner::MuonMatrixShape(*ps.spec);
+  const int64_t n = rows * cols, m = std::min(rows, cols);
+  MEMPLAN_CHECK(n > 0 && ps.elements % n == 0, "Muon parameter is not a stack of matrices");
+  const Buffer& scratch = r.static_buffers.at("muon_ns_scratch");
+  MEMPLAN_CHECK(scratch.bytes >= planner::MuonNsScratchBytes(rows, cols), "Muon scratch smaller than the plan's");
+  float* x = scratch.as<float>();
+  float* t = x + n;
+  float* a = t + n;
+  float* b = a + m * m;
+  const Buffer& ks = r.ops_memory.scratch;
+  std::byte* result = ks.ptr + (ks.bytes - workspace::kScratchResultBytes);
+  const float adjusted_lr =
+      static_cast<float>(cfg.lr * kMuonRmsScale * std::sqrt(static_cast<double>(std::max(rows, cols))));
+  for (int64_t i = 0; i < ps.elements / n; ++i) {
+    float* w = ps.weight.as<float>() + i * n;
+    const float* g = ps.grad.as<float>() + i * n;
+    float* mom = ps.m.as<float>() + i * n;
+    k.Axpby(mom, g, n, kMuonMomentum, 1.f, mom);
+    k.Axpby(g, mom, n, 1.f, kMuonMomentum, x);
+    k.SquaredNorm(x, n, reinterpret_cast<double*>(result));
+    double sq = 0;
+    backend_->ToHost(*r.dev, &sq, result, 8);
+    k.Axpby(x, nullptr, n, static_cast<float>(1.0 / (std::sqrt(sq) + kMuonNormEps)), 0.f, x);
+    for (int s = 0; s < kMuonNsSteps; ++s) {
+      if (rows <= cols) {
+        k.Gemm(false, true, m, m, cols, 1.f, x, x, 0.f, a, nullptr);
+      } else {
+        k.Gemm(true, false, m, m, rows, 1.f, x, x, 0.f, a, nullptr);
+      }
+      k.Gemm(false, false, m, m, m, kMuonNsC, a, a, 0.f, b, nullptr);
+      k.Axpby(b, a, m * m, 1.f, kMuonNsB, b);
+      if (rows <= cols) {
+        k.Gemm(false, false, rows, cols, rows, 1.f, b, x, 0.f, t, nullptr);
+      } else {
+        k.Gemm(false, false, rows, cols, cols, 1.f, x, b, 0.f, t, nullptr);
+      }
+      k.Axpby(x, t, n, kMuonNsA, 1.f, x);
+    }
+    k.Axpby(w, x, n, 1.f - cfg.lr * cfg.weight_decay, -adjusted_lr, w);
   }
 }
 

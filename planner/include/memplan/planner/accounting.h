@@ -44,6 +44,13 @@ int64_t LocalParamElements(const Model& model, const ParamSpec& param);
 // momentum for 2-D weights other than embedding and head, Adam for the rest.
 int64_t OptimizerBytesPerParam(const Model& model, const ParamSpec& param);
 bool UsesMuon(const Model& model, const ParamSpec& param);
+// One Muon matrix of `param` (experts: one expert's [rows, cols]; else the
+// last two dimensions), unsharded: Newton-Schulz runs on the whole matrix.
+std::pair<int64_t, int64_t> MuonMatrixShape(const ParamSpec& param);
+// Newton-Schulz scratch for a [rows, cols] matrix, fp32: the iterate X and
+// the product T (rows x cols each) and A = X X^T and B (m x m each, m =
+// min(rows, cols)) (docs/accounting.md §6b).
+int64_t MuonNsScratchBytes(int64_t rows, int64_t cols);
 
 ModelTotals CountParameters(const Model& model, const std::vector<LayerGraph>& layers);
 
