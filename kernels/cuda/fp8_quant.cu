@@ -66,6 +66,20 @@ __device__ __forceinline__ float2 DecodeTwo(uint32_t codes) {
   return __half22float2(__half2(h));
 }
 
+// Where block `blk` of a row-major [rows, cols] matrix starts (`base`) and
+// how many elements it has (`len`; the last block of a row may be short);
+// len 0 past the last block.
+__device__ __forceinline__ void BlockExtent(int64_t blk, int64_t total, int64_t cols, int64_t blocks_per_row,
+                                           int64_t* base, int* len) {
+  *base = 0;
+  *len = 0;
+  if (blk >= total) return;
+  const int64_t row = blk / blocks_per_row;
+  const int64_t col0 = (blk - row * blocks_per_row) * kFp8Block;
+  *len = static_cast<int>(min(kFp8Block, cols - col0));
+  *base = row * cols + col0;
+}
+
 // Grid-stride over groups of kUnroll consecutive blocks, one warp per
 // group: the warp issues the loads of all kUnroll blocks before reducing any,
 // so that enough bytes are in flight to cover DRAM latency (one 1x128 bf16
@@ -90,14 +104,7 @@ __global__ void __launch_bounds__(kThreadsPerCta)
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t blk = g * kUnroll + u;
-      len[u] = 0;
-      base[u] = 0;
-      if (blk < total) {
-        const int64_t row = blk / blocks_per_row;
-        const int64_t col0 = (blk - row * blocks_per_row) * kFp8Block;
-        len[u] = static_cast<int>(min(kFp8Block, cols - col0));
-        base[u] = row * cols + col0;
-      }
+      BlockExtent(blk, total, cols, blocks_per_row, &base[u], &len[u]);
       // Vector path: lane owns elements [4*lane, 4*lane+4). cols % 4 == 0
       // makes len % 4 == 0, so a lane's quad is either fully inside or fully
       // outside. Scalar path: lane owns lane + 32*j (coalesced). Missing
@@ -176,15 +183,10 @@ __global__ void __launch_bounds__(kThreadsPerCta)
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t blk = g * kUnroll + u;
-      len[u] = 0;
-      base[u] = 0;
+      BlockExtent(blk, total, cols, blocks_per_row, &base[u], &len[u]);
       scale[u] = 0.f;
       codes[u] = 0;
       if (blk < total) {
-        const int64_t row = blk / blocks_per_row;
-        const int64_t col0 = (blk - row * blocks_per_row) * kFp8Block;
-        len[u] = static_cast<int>(min(kFp8Block, cols - col0));
-        base[u] = row * cols + col0;
         scale[u] = __ldg(scales + blk);
         if constexpr (kVector) {
           const int i = kElemsPerLane * lane;

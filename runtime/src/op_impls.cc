@@ -384,12 +384,17 @@ void AttnResBwd(OpContext& c) {
   c.FinishInputGrad(0);
 }
 
+// The sources' bytes that pass through unchanged: all but a running
+// partial block (which this layer's output is added to).
+int64_t AttnResKeptBytes(OpContext& c) {
+  return c.InSpec(0).bytes - (c.AttnResHasPartial() ? c.InSpec(1).bytes : 0);
+}
+
 // next = [this layer's blocks, except a running partial block] + [partial + out].
 void AttnResAccumulateFwd(OpContext& c) {
-  const planner::TensorSpec& src = c.InSpec(0);
   const planner::TensorSpec& o = c.InSpec(1);
   const bool partial = c.AttnResHasPartial();
-  const int64_t keep = src.bytes - (partial ? o.bytes : 0);
+  const int64_t keep = AttnResKeptBytes(c);
   Buffer next = c.Out(0);
   Buffer in0 = c.In(0);
   c.k().Copy(next.ptr, in0.ptr, keep);
@@ -403,10 +408,9 @@ void AttnResAccumulateFwd(OpContext& c) {
 // The blocks' gradients pass through; the partial block's reaches both the
 // earlier partial and this layer's output.
 void AttnResAccumulateBwd(OpContext& c) {
-  const planner::TensorSpec& src = c.InSpec(0);
   const planner::TensorSpec& o = c.InSpec(1);
   const bool partial = c.AttnResHasPartial();
-  const int64_t keep = src.bytes - (partial ? o.bytes : 0);
+  const int64_t keep = AttnResKeptBytes(c);
   Buffer dnext = c.DOut(0);
   auto into = [&](size_t i, std::byte* dst, const std::byte* from, int64_t bytes) {
     if (c.FirstWriter(i)) {

@@ -79,14 +79,26 @@ uint64_t ParseAddress(ObjectReader& r, std::string_view key) {
 constexpr const char* kKindNames[] = {"unknown", "pageable", "pinned", "device", "array", "managed",
                                       "device_static", "managed_static"};
 
-std::vector<AllocationEvent> ParseAllocations(const Json& json, const JsonLocation& where) {
+// A list of time-stamped event objects in time order: `fill` reads the
+// other keys of one event.
+template <class Event, class Fill>
+std::vector<Event> ParseEvents(const Json& json, const JsonLocation& where, std::string_view what, Fill fill) {
   const Json& list = ExpectArray(json, where);
-  std::vector<AllocationEvent> out;
+  std::vector<Event> out;
   for (size_t i = 0; i < list.size(); ++i) {
     ObjectReader r(list[i], where.Child(i));
-    AllocationEvent e;
+    Event e;
     e.t_us = NonNegative(r, "t_us");
-    if (!out.empty() && e.t_us < out.back().t_us) ThrowAt(r.At("t_us"), "allocations go back in time");
+    if (!out.empty() && e.t_us < out.back().t_us) ThrowAt(r.At("t_us"), std::string(what) + " go back in time");
+    fill(r, e);
+    r.Finish();
+    out.push_back(std::move(e));
+  }
+  return out;
+}
+
+std::vector<AllocationEvent> ParseAllocations(const Json& json, const JsonLocation& where) {
+  return ParseEvents<AllocationEvent>(json, where, "allocations", [](ObjectReader& r, AllocationEvent& e) {
     e.release = r.Enum("op", {"alloc", "free"}) == "free";
     e.address = ParseAddress(r, "address");
     e.bytes = ByteCount(r, "bytes");
@@ -94,27 +106,15 @@ std::vector<AllocationEvent> ParseAllocations(const Json& json, const JsonLocati
     e.kind = r.Enum("kind", {kKindNames[0], kKindNames[1], kKindNames[2], kKindNames[3], kKindNames[4],
                              kKindNames[5], kKindNames[6], kKindNames[7]});
     if (r.Get("pool")) e.pool = ParseAddress(r, "pool");
-    r.Finish();
-    out.push_back(std::move(e));
-  }
-  return out;
+  });
 }
 
 std::vector<PoolEvent> ParsePoolEvents(const Json& json, const JsonLocation& where) {
-  const Json& list = ExpectArray(json, where);
-  std::vector<PoolEvent> out;
-  for (size_t i = 0; i < list.size(); ++i) {
-    ObjectReader r(list[i], where.Child(i));
-    PoolEvent e;
-    e.t_us = NonNegative(r, "t_us");
-    if (!out.empty() && e.t_us < out.back().t_us) ThrowAt(r.At("t_us"), "pool events go back in time");
+  return ParseEvents<PoolEvent>(json, where, "pool events", [](ObjectReader& r, PoolEvent& e) {
     e.op = r.Enum("op", {"created", "trimmed", "destroyed"});
     e.address = ParseAddress(r, "address");
     e.bytes = ByteCount(r, "bytes");
-    r.Finish();
-    out.push_back(std::move(e));
-  }
-  return out;
+  });
 }
 
 CuptiRankBytes ParseCupti(const Json& json, const JsonLocation& where) {
