@@ -156,3 +156,9 @@ TEST_CASE("gradients match central differences: MoE and Block AttnRes") {
   total += CheckCase({"tiny-attnres", LoadJson(kModels[3]), ""});
   CHECK(total >= 25);
 }
+
+// MLA: low-rank q and kv, the decoupled RoPE key shared by the heads.
+TEST_CASE("gradients match central differences: MLA") {
+  int total = CheckCase({"tiny-mla", LoadJson("examples/models/tiny-mla.json"), ""});
+  CHECK(total >= 12);
+}

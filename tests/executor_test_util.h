@@ -51,6 +51,7 @@ inline std::filesystem::path UniqueTempDir(const std::string& stem) {
 }
 
 inline const char* kModels[] = {"examples/models/tiny-gpt.json", "examples/models/tiny-llama.json",
-                                "examples/models/tiny-deepseek.json", "examples/models/tiny-attnres.json"};
+                                "examples/models/tiny-deepseek.json", "examples/models/tiny-attnres.json",
+                                "examples/models/tiny-mla.json"};
 
 }  // namespace memplan::test::exec

@@ -29,6 +29,8 @@
 namespace memplan::kernels {
 namespace {
 
+cuda::MlaDims Dims(const MlaShape& sh) { return {sh.b, sh.s, sh.heads, sh.nope, sh.rope, sh.v, sh.rope_theta}; }
+
 // DispatchPlan copies the E+1 offsets to the host through a device buffer of
 // this many entries, one window at a time.
 constexpr int64_t kStagedOffsets = workspace::kStagedOffsets;
@@ -168,6 +170,14 @@ class CudaOps final : public Ops {
     MEMPLAN_CUDA_CHECK(cuda::LaunchDropoutBwd(ctx_, dy, mask, n, p, dx));
   }
 
+  void MlaSplitFwd(const float* q_lin, const float* kv, const float* k_pe, const MlaShape& sh, float* q, float* k,
+                   float* v) override {
+    MEMPLAN_CUDA_CHECK(cuda::LaunchMlaSplitFwd(ctx_, q_lin, kv, k_pe, Dims(sh), q, k, v));
+  }
+  void MlaSplitBwd(const float* dq, const float* dk, const float* dv, const MlaShape& sh, float* dq_lin, float* dkv,
+                   float* dk_pe) override {
+    MEMPLAN_CUDA_CHECK(cuda::LaunchMlaSplitBwd(ctx_, dq, dk, dv, Dims(sh), dq_lin, dkv, dk_pe));
+  }
   void Axpby(const float* x, const float* y, int64_t n, float a, float b, float* out) override {
     MEMPLAN_CUDA_CHECK(cuda::LaunchAxpby(ctx_, x, y, n, a, b, out));
   }

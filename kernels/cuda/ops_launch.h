@@ -101,6 +101,17 @@ cudaError_t LaunchSplitHeadsBwd(const LaunchContext& ctx, const float* dq, const
 cudaError_t LaunchAdamStep(const LaunchContext& ctx, float* master, const float* grad, float* m, float* v, int64_t n,
                            float lr, float beta1, float beta2, float eps, float weight_decay, float bc1, float bc2);
 
+// MLA heads (ops.h MlaSplitFwd/Bwd, MlaShape's fields spelled out;
+// kernels/cuda/mla.cu).
+struct MlaDims {
+  int64_t b, s, heads, nope, rope, v;
+  float rope_theta;
+};
+cudaError_t LaunchMlaSplitFwd(const LaunchContext& ctx, const float* q_lin, const float* kv, const float* k_pe,
+                              const MlaDims& sh, float* q, float* k, float* v);
+cudaError_t LaunchMlaSplitBwd(const LaunchContext& ctx, const float* dq, const float* dk, const float* dv,
+                              const MlaDims& sh, float* dq_lin, float* dkv, float* dk_pe);
+
 // Squared norm in double: kSquaredNormPartials blocks write their partial
 // sums to `partials` (device, kSquaredNormPartials doubles, owned by the
 // caller), then one block sums them into *out (device). Fixed grid, fixed

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <vector>
 
 #include "memplan/common/workspace.h"
 #include "memplan/kernels/ops.h"
@@ -616,6 +617,55 @@ void RefMath<T>::SplitHeadsBwd(const T* dq, const T* dk, const T* dv, const Spli
   });
 }
 
+template <typename T>
+void RefMath<T>::MlaSplitFwd(const T* q_lin, const T* kv, const T* k_pe, const MlaShape& sh, T* q, T* k, T* v) {
+  const int64_t qk = sh.nope + sh.rope, qw = sh.heads * qk, kvw = sh.heads * (sh.nope + sh.v);
+  const SplitShape rope{sh.b, sh.s, 1, 1, sh.rope, true, sh.rope_theta};
+  for (int64_t bb = 0; bb < sh.b; ++bb) {
+    for (int64_t pos = 0; pos < sh.s; ++pos) {
+      const int64_t row = bb * sh.s + pos;
+      for (int64_t h = 0; h < sh.heads; ++h) {
+        const int64_t out = ((bb * sh.heads + h) * sh.s + pos);
+        const T* qs = q_lin + row * qw + h * qk;
+        const T* kvs = kv + row * kvw + h * (sh.nope + sh.v);
+        std::copy(qs, qs + sh.nope, q + out * qk);
+        if (sh.rope > 0) RopeRow(qs + sh.nope, q + out * qk + sh.nope, pos, rope, true, false);
+        std::copy(kvs, kvs + sh.nope, k + out * qk);
+        if (sh.rope > 0) RopeRow(k_pe + row * sh.rope, k + out * qk + sh.nope, pos, rope, true, false);
+        std::copy(kvs + sh.nope, kvs + sh.nope + sh.v, v + out * sh.v);
+      }
+    }
+  }
+}
+
+template <typename T>
+void RefMath<T>::MlaSplitBwd(const T* dq, const T* dk, const T* dv, const MlaShape& sh, T* dq_lin, T* dkv,
+                             T* dk_pe) {
+  const int64_t qk = sh.nope + sh.rope, qw = sh.heads * qk, kvw = sh.heads * (sh.nope + sh.v);
+  const SplitShape rope{sh.b, sh.s, 1, 1, sh.rope, true, sh.rope_theta};
+  std::vector<T> back(static_cast<size_t>(sh.rope));
+  for (int64_t bb = 0; bb < sh.b; ++bb) {
+    for (int64_t pos = 0; pos < sh.s; ++pos) {
+      const int64_t row = bb * sh.s + pos;
+      T* pe = dk_pe + row * sh.rope;
+      std::fill(pe, pe + sh.rope, T(0));
+      for (int64_t h = 0; h < sh.heads; ++h) {
+        const int64_t in = ((bb * sh.heads + h) * sh.s + pos);
+        T* qd = dq_lin + row * qw + h * qk;
+        T* kvd = dkv + row * kvw + h * (sh.nope + sh.v);
+        std::copy(dq + in * qk, dq + in * qk + sh.nope, qd);
+        if (sh.rope > 0) RopeRow(dq + in * qk + sh.nope, qd + sh.nope, pos, rope, true, true);
+        std::copy(dk + in * qk, dk + in * qk + sh.nope, kvd);
+        std::copy(dv + in * sh.v, dv + in * sh.v + sh.v, kvd + sh.nope);
+        if (sh.rope > 0) {
+          RopeRow(dk + in * qk + sh.nope, back.data(), pos, rope, true, true);
+          for (int64_t j = 0; j < sh.rope; ++j) pe[j] += back[static_cast<size_t>(j)];
+        }
+      }
+    }
+  }
+}
+
 // --- Optimizer -------------------------------------------------------------------
 
 template <typename T>
@@ -832,6 +882,14 @@ class RefOps final : public Ops {
   }
   void SplitHeadsBwd(const float* dq, const float* dk, const float* dv, const SplitShape& sh, float* dqkv) override {
     M::SplitHeadsBwd(dq, dk, dv, sh, dqkv);
+  }
+  void MlaSplitFwd(const float* q_lin, const float* kv, const float* k_pe, const MlaShape& sh, float* q, float* k,
+                   float* v) override {
+    M::MlaSplitFwd(q_lin, kv, k_pe, sh, q, k, v);
+  }
+  void MlaSplitBwd(const float* dq, const float* dk, const float* dv, const MlaShape& sh, float* dq_lin, float* dkv,
+                   float* dk_pe) override {
+    M::MlaSplitBwd(dq, dk, dv, sh, dq_lin, dkv, dk_pe);
   }
   void AdamStep(float* master, const float* grad, float* m, float* v, int64_t n, const AdamConfig& c,
                 int64_t step) override {

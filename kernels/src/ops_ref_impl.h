@@ -97,6 +97,8 @@ struct RefMath {
 
   // cos/sin as stated on SplitShape (double, rounded to T once).
   static void SplitHeadsFwd(const T* qkv, const SplitShape& sh, T* q, T* k, T* v);
+  static void MlaSplitFwd(const T* q_lin, const T* kv, const T* k_pe, const MlaShape& sh, T* q, T* k, T* v);
+  static void MlaSplitBwd(const T* dq, const T* dk, const T* dv, const MlaShape& sh, T* dq_lin, T* dkv, T* dk_pe);
   static void SplitHeadsBwd(const T* dq, const T* dk, const T* dv, const SplitShape& sh, T* dqkv);
 
   // The order of ops.h's AdamStep, in T (the library is built with

@@ -36,6 +36,7 @@ std::vector<OpDef> MakeTable() {
       {K::kIdentity, "identity", {}, true, {}, ParamNaming::kByName, kRuns, ""},
       {K::kCopy, "copy", {}, true, {}, ParamNaming::kByName, kRuns, ""},
       {K::kSplitRope, "split_rope", {}, false, {}, ParamNaming::kByName, kRuns, ""},
+      {K::kMlaSplit, "mla_split", {}, false, {}, ParamNaming::kByName, kRuns, ""},
       {K::kFlashAttention, "flash_attention", {In(0), In(1), In(2), Out(0), Out(1)}, false, {},
        ParamNaming::kByName, kRuns, ""},
       {K::kTopK, "topk", {In(0), Out(0), Out(1)}, false, {}, ParamNaming::kByName, kRuns, ""},

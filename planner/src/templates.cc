@@ -269,13 +269,18 @@ std::string AddMlaAttention(Builder& B, const Dims& d, const std::string& x_in) 
   }
   int64_t wq = B.Param("attn", m.q_lora_rank > 0 ? "q_b.weight" : "q.weight", {q_in, a.heads * qk},
                        ParamKind::kLinear, true);
-  std::string q = B.Act("attn", "q", {d.b, hq, d.s, qk}, true, "tp");
-  B.Op("attn", m.q_lora_rank > 0 ? "q_b" : "q", "linear", {q_src}, {q}, Gemm(d.tokens, q_in, hq * qk), wq);
+  std::string q_lin = B.Act("attn", "q_lin", {d.tokens, hq * qk}, false, "tp");
+  B.Op("attn", m.q_lora_rank > 0 ? "q_b" : "q", "linear", {q_src}, {q_lin}, Gemm(d.tokens, q_in, hq * qk), wq);
 
-  int64_t kv_a_width = m.kv_lora_rank + m.qk_rope_head_dim;
-  int64_t wkva = B.Param("attn", "kv_a.weight", {d.h, kv_a_width}, ParamKind::kLinear, false);
-  std::string kva = B.Act("attn", "kv_a", {d.tokens, kv_a_width}, true, "replicated");
-  B.Op("attn", "kv_a", "linear", {x_in}, {kva}, Gemm(d.tokens, d.h, kv_a_width), wkva);
+  // The kv down-projection in two parts (one matrix in DeepSeek's code,
+  // kv_a_proj_with_mqa, split by columns here): the latent c_kv, normed and
+  // up-projected per head, and the decoupled RoPE key k_pe shared by heads.
+  int64_t wkva = B.Param("attn", "kv_a.weight", {d.h, m.kv_lora_rank}, ParamKind::kLinear, false);
+  std::string kva = B.Act("attn", "kv_a", {d.tokens, m.kv_lora_rank}, true, "replicated");
+  B.Op("attn", "kv_a", "linear", {x_in}, {kva}, Gemm(d.tokens, d.h, m.kv_lora_rank), wkva);
+  int64_t wkpe = B.Param("attn", "k_pe.weight", {d.h, m.qk_rope_head_dim}, ParamKind::kLinear, false);
+  std::string k_pe = B.Act("attn", "k_pe", {d.tokens, m.qk_rope_head_dim}, false, "replicated");
+  B.Op("attn", "k_pe", "linear", {x_in}, {k_pe}, Gemm(d.tokens, d.h, m.qk_rope_head_dim), wkpe);
   int64_t nw = B.Param("attn", "kv_norm.weight", {m.kv_lora_rank}, ParamKind::kNorm, false);
   std::string kvb_in = B.Act("attn", "kv_b_in", {d.tokens, m.kv_lora_rank}, true, "replicated");
   B.Op("attn", "kv_norm", "rmsnorm", {kva}, {kvb_in}, 4.0 * static_cast<double>(d.tokens * m.kv_lora_rank), nw);
@@ -283,9 +288,13 @@ std::string AddMlaAttention(Builder& B, const Dims& d, const std::string& x_in) 
   int64_t wkvb = B.Param("attn", "kv_b.weight", {m.kv_lora_rank, kvb_full}, ParamKind::kLinear, true);
   std::string kv = B.Act("attn", "kv", {d.tokens, kvb_full / d.t}, false, "tp");
   B.Op("attn", "kv_b", "linear", {kvb_in}, {kv}, Gemm(d.tokens, m.kv_lora_rank, kvb_full / d.t), wkvb);
+  std::string q = B.Act("attn", "q", {d.b, hq, d.s, qk}, true, "tp");
   std::string k = B.Act("attn", "k", {d.b, hq, d.s, qk}, true, "tp");
   std::string v = B.Act("attn", "v", {d.b, hq, d.s, m.v_head_dim}, true, "tp");
-  B.Op("attn", "split", "split_rope", {kv, kva}, {k, v}, 4.0 * static_cast<double>(d.tokens * hq * qk));
+  // Heads out of q_lin and kv, RoPE on q's and k_pe's rope parts, k_pe
+  // broadcast to every head's key.
+  B.Op("attn", "split", "mla_split", {q_lin, kv, k_pe}, {q, k, v},
+       4.0 * static_cast<double>(d.tokens * hq * (qk + m.qk_rope_head_dim)));
   std::string ctx = AddAttentionCore(B, d, "attn", q, k, v, hq, qk, m.v_head_dim);
   return AddOutputProjection(B, d, "attn", ctx, a.heads * m.v_head_dim);
 }

@@ -32,11 +32,13 @@ class CudaBackend final : public Backend {
     return std::string(prop.name);
   }
 
-  Expected<std::unique_ptr<Device>> MakeDevice(const std::string& name, int64_t capacity_bytes) override {
+  Expected<std::unique_ptr<Device>> MakeDevice(const std::string& name, int64_t capacity_bytes,
+                                               int64_t alignment) override {
     CudaDevice::Options o;
     o.name = name;
     o.capacity_bytes = capacity_bytes;
     o.arena = arena_;
+    o.alignment = alignment;
     auto d = CudaDevice::Create(o);
     if (!d.ok()) return d.error();
     return std::unique_ptr<Device>(std::move(*d));

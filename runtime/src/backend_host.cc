@@ -15,9 +15,11 @@ class HostBackend final : public Backend {
 
   std::string device_name() const override { return "CPU reference kernels"; }
 
-  Expected<std::unique_ptr<Device>> MakeDevice(const std::string& name, int64_t capacity_bytes) override {
+  Expected<std::unique_ptr<Device>> MakeDevice(const std::string& name, int64_t capacity_bytes,
+                                               int64_t alignment) override {
     HostDevice::Options o;
     o.capacity_bytes = capacity_bytes;
+    o.alignment = alignment;
     o.name = name;
     o.copy_jitter_us = jitter_us_;
     return std::unique_ptr<Device>(std::make_unique<HostDevice>(o));

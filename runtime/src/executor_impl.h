@@ -82,6 +82,11 @@ inline int64_t Elements(const std::vector<int64_t>& shape) {
 
 inline Error BadInput(const std::string& msg) { return Error{ErrorCode::kBadInput, msg}; }
 
+// Arena alignments (Backend::MakeDevice): the planner's placement granule
+// for activations; fp32 words for the packed static arena.
+inline constexpr int64_t kActivationAlignment = 256;
+inline constexpr int64_t kStaticAlignment = 4;
+
 // --- Static state -------------------------------------------------------------
 
 struct ParamState {

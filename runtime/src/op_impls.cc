@@ -256,12 +256,32 @@ void BatchedGemmBwd(OpContext& c) {
   c.FinishInputGrad(1);
 }
 
+// From the tensors: q [b, heads, s, dqk], k [b, kv_heads, s, dqk], v [b,
+// kv_heads, s, dv] (MLA: dqk = nope + rope, dv its own); scale 1/sqrt(dqk).
 kernels::AttentionShape FlashShapeOf(OpContext& c) {
-  const auto& a = A(c);
-  kernels::AttentionShape sh{c.model().train.micro_batch, a.heads, a.kv_heads, c.model().train.seq_len,
-                             a.head_dim, a.head_dim, 1.f / std::sqrt(static_cast<float>(a.head_dim)), true};
+  const auto& q = c.InSpec(0).shape;
+  const auto& k = c.InSpec(1).shape;
+  const auto& v = c.InSpec(2).shape;
+  kernels::AttentionShape sh{q[0], q[1], k[1], q[2], q[3], v[3], 1.f / std::sqrt(static_cast<float>(q[3])), true};
   sh.o_token_major = true;
   return sh;
+}
+
+// MLA: q_lin, kv, k_pe -> q, k, v (ops.h MlaShape).
+kernels::MlaShape MlaShapeOf(OpContext& c) {
+  const auto& a = A(c);
+  const auto& m = *a.mla;
+  return {c.model().train.micro_batch, c.model().train.seq_len, c.OutSpec(0).shape[1], m.qk_nope_head_dim,
+          m.qk_rope_head_dim, m.v_head_dim, kernels::MlaShape{}.rope_theta};
+}
+void MlaSplitFwd(OpContext& c) {
+  c.k().MlaSplitFwd(c.In(0).as<float>(), c.In(1).as<float>(), c.In(2).as<float>(), MlaShapeOf(c),
+                    c.Out(0).as<float>(), c.Out(1).as<float>(), c.Out(2).as<float>());
+}
+void MlaSplitBwd(OpContext& c) {
+  c.k().MlaSplitBwd(c.DOut(0).as<float>(), c.DOut(1).as<float>(), c.DOut(2).as<float>(), MlaShapeOf(c),
+                    c.InputGrad(0).as<float>(), c.InputGrad(1).as<float>(), c.InputGrad(2).as<float>());
+  for (size_t i = 0; i < 3; ++i) c.FinishInputGrad(i);
 }
 void FlashAttentionFwd(OpContext& c) {
   c.k().FlashAttentionFwd(FlashShapeOf(c), c.In(0).as<float>(), c.In(1).as<float>(), c.In(2).as<float>(),
@@ -441,6 +461,7 @@ std::array<OpImpl, static_cast<size_t>(OpKind::kCount)> MakeImpls() {
   set(OpKind::kRmsNorm, RmsNormFwd, RmsNormBwd);
   set(OpKind::kLinear, LinearFwd, LinearBwd);
   set(OpKind::kSplitRope, SplitRopeFwd, SplitRopeBwd);
+  set(OpKind::kMlaSplit, MlaSplitFwd, MlaSplitBwd);
   set(OpKind::kBatchedGemm, BatchedGemmFwd, BatchedGemmBwd);
   set(OpKind::kFlashAttention, FlashAttentionFwd, FlashAttentionBwd);
   set(OpKind::kCrossEntropy, CrossEntropyFwd, CrossEntropyBwd);

@@ -51,7 +51,9 @@ Expected<std::monostate> Executor::Setup() {
     }
   }
   const auto& a = model_.arch;
-  if (a.mla) return BadInput(file + ": /model/arch/mla: MLA layers are not executable yet");
+  if (a.mla && a.attention != planner::Attention::kFlash) {
+    return BadInput(file + ": /model/arch/mla: MLA executes with flash attention (arch.attention \"flash\")");
+  }
   if (a.linear_attention) return BadInput(file + ": /model/arch/linear_attention: KDA layers are not executable yet");
   if (a.attn_res && model_.options.attn_res_single_copy) {
     return BadInput(file + ": /model/options/attn_res_single_copy: with a single copy, every layer reads the block "

@@ -19,10 +19,11 @@ Expected<std::monostate> Executor::MakeRanks() {
     // hence its headroom.
     const bool exact = options_.backend == BackendKind::kHost || !options_.cuda_pool;
     const int64_t statics = p_.statics[static_cast<size_t>(r)].total;
-    auto dev = backend_->MakeDevice(name, exact ? std::max<int64_t>(act, 1) : 2 * act + 64 * kMiB);
+    auto dev = backend_->MakeDevice(name, exact ? std::max<int64_t>(act, 1) : 2 * act + 64 * kMiB, kActivationAlignment);
     if (!dev.ok()) return dev.error();
     rank->dev = std::move(*dev);
-    auto stat = backend_->MakeDevice(name + ".static", exact ? std::max<int64_t>(statics, 1) : statics + 64 * kMiB);
+    auto stat = backend_->MakeDevice(name + ".static", exact ? std::max<int64_t>(statics, 1) : statics + 64 * kMiB,
+                                     kStaticAlignment);
     if (!stat.ok()) return stat.error();
     rank->stat = std::move(*stat);
     // Host memory for host offloads: at most every payload at once.

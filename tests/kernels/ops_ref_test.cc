@@ -1252,6 +1252,56 @@ TEST_CASE("Embedding forward and backward (accumulates in token order)") {
   CHECK(Bytes(dtf) == Bytes(want));
 }
 
+TEST_CASE("MlaSplit: layout, RoPE on the rope parts, k_pe shared by heads; the backward is the adjoint") {
+  auto ops = mk::MakeRefOps();
+  const mk::MlaShape sh{2, 5, 3, 4, 6, 2, 10000.f};
+  const int64_t t = sh.b * sh.s, qk = sh.nope + sh.rope;
+  const VecF ql = Rand(t * sh.heads * qk, 401), kv = Rand(t * sh.heads * (sh.nope + sh.v), 402),
+             pe = Rand(t * sh.rope, 403);
+  VecF q(static_cast<size_t>(t * sh.heads * qk)), k(q.size()), v(static_cast<size_t>(t * sh.heads * sh.v));
+  ops->MlaSplitFwd(ql.data(), kv.data(), pe.data(), sh, q.data(), k.data(), v.data());
+  int checked = 0;
+  for (int64_t bb = 0; bb < sh.b; ++bb) {
+    for (int64_t pos = 0; pos < sh.s; ++pos) {
+      const int64_t row = bb * sh.s + pos;
+      for (int64_t h = 0; h < sh.heads; ++h) {
+        const int64_t o = (bb * sh.heads + h) * sh.s + pos;
+        for (int64_t j = 0; j < sh.nope; ++j) {
+          CHECK(q[static_cast<size_t>(o * qk + j)] == ql[static_cast<size_t>(row * sh.heads * qk + h * qk + j)]);
+          CHECK(k[static_cast<size_t>(o * qk + j)] == kv[static_cast<size_t>(row * sh.heads * (sh.nope + sh.v) + h * (sh.nope + sh.v) + j)]);
+        }
+        for (int64_t j = 0; j < sh.v; ++j) {
+          CHECK(v[static_cast<size_t>(o * sh.v + j)] ==
+                kv[static_cast<size_t>(row * sh.heads * (sh.nope + sh.v) + h * (sh.nope + sh.v) + sh.nope + j)]);
+        }
+        const int64_t half = sh.rope / 2;
+        for (int64_t i = 0; i < half; ++i) {  // k's rope part: k_pe rotated, the same for every head
+          const double angle = static_cast<double>(pos) * std::pow(10000.0, -2.0 * static_cast<double>(i) / sh.rope);
+          const double x0 = pe[static_cast<size_t>(row * sh.rope + i)], x1 = pe[static_cast<size_t>(row * sh.rope + i + half)];
+          CHECK(k[static_cast<size_t>(o * qk + sh.nope + i)] == doctest::Approx(x0 * std::cos(angle) - x1 * std::sin(angle)).epsilon(1e-6));
+          CHECK(k[static_cast<size_t>(o * qk + sh.nope + i + half)] == doctest::Approx(x1 * std::cos(angle) + x0 * std::sin(angle)).epsilon(1e-6));
+          ++checked;
+        }
+      }
+    }
+  }
+  CHECK(checked == sh.b * sh.s * sh.heads * sh.rope / 2);
+  // <Fwd(x), g> == <x, Bwd(g)>: the backward is the forward's adjoint
+  // (RoPE is orthogonal, the copies are identities, k_pe's heads sum).
+  const VecF gq = Rand(static_cast<int64_t>(q.size()), 404), gk = Rand(static_cast<int64_t>(k.size()), 405),
+             gv = Rand(static_cast<int64_t>(v.size()), 406);
+  VecF dql(ql.size()), dkv(kv.size()), dpe(pe.size());
+  ops->MlaSplitBwd(gq.data(), gk.data(), gv.data(), sh, dql.data(), dkv.data(), dpe.data());
+  auto dot = [](const VecF& a, const VecF& b) {
+    double s = 0;
+    for (size_t i = 0; i < a.size(); ++i) s += double(a[i]) * double(b[i]);
+    return s;
+  };
+  const double lhs = dot(q, gq) + dot(k, gk) + dot(v, gv);
+  const double rhs = dot(ql, dql) + dot(kv, dkv) + dot(pe, dpe);
+  CHECK(lhs == doctest::Approx(rhs).epsilon(1e-5));
+}
+
 TEST_CASE("SplitHeads: layout, RoPE, backward (adjoint and inverse)") {
   auto ops = mk::MakeRefOps();
   for (bool rope : {false, true}) {

@@ -75,6 +75,19 @@ struct SplitShape {
   float rope_theta = 10000.f;
 };
 
+// MLA heads (DeepSeek-V2/V3 multi-head latent attention), T = b*s tokens,
+// row = batch * s + position:
+//   q_lin [T, heads*(nope+rope)], kv [T, heads*(nope+v)], k_pe [T, rope] ->
+//   q [b, heads, s, nope+rope] = [q_nope | RoPE(q_rope)],
+//   k [b, heads, s, nope+rope] = [k_nope | RoPE(k_pe)] (k_pe shared by every head),
+//   v [b, heads, s, v].
+// RoPE is SplitShape's on the rope part (its head_dim = rope in the angle).
+// Preconditions: heads, v >= 1; rope even.
+struct MlaShape {
+  int64_t b = 1, s = 1, heads = 1, nope = 0, rope = 0, v = 1;
+  float rope_theta = 10000.f;
+};
+
 // AdamW hyperparameters (AdamStep).
 struct AdamConfig {
   float lr = 1e-3f, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0.f;
@@ -186,6 +199,12 @@ class Ops {
   // The adjoint: dqkv (overwrite) from dq, dk, dv; with rope, dq and dk are
   // rotated back: dx_i = dy_i*c + dy_{i+half}*s, dx_{i+half} =
   // dy_{i+half}*c - dy_i*s (same float evaluation rules as the forward).
+  // MLA heads (MlaShape). Backward overwrites dq_lin and dkv, and dk_pe with
+  // the sum over heads, in head order, of each head's rotated-back gradient.
+  virtual void MlaSplitFwd(const float* q_lin, const float* kv, const float* k_pe, const MlaShape& sh, float* q,
+                           float* k, float* v) = 0;
+  virtual void MlaSplitBwd(const float* dq, const float* dk, const float* dv, const MlaShape& sh, float* dq_lin,
+                           float* dkv, float* dk_pe) = 0;
   virtual void SplitHeadsBwd(const float* dq, const float* dk, const float* dv, const SplitShape& sh,
                              float* dqkv) = 0;
 

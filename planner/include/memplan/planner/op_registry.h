@@ -37,6 +37,7 @@ enum class OpKind : uint8_t {
   kIdentity,
   kCopy,
   kSplitRope,
+  kMlaSplit,
   kFlashAttention,
   kTopK,
   kDispatch,

@@ -36,7 +36,12 @@ class Backend {
   virtual ~Backend() = default;
   virtual std::string device_name() const = 0;
   // One rank's device memory (`capacity_bytes` is a bound, not a reservation).
-  virtual Expected<std::unique_ptr<Device>> MakeDevice(const std::string& name, int64_t capacity_bytes) = 0;
+  // Arenas round every buffer up to `alignment` bytes: the planner's 256 for
+  // activations (its placement), 4 (fp32 words, packed) for static memory,
+  // which is allocated once in order and never freed, so that its arena holds
+  // exactly the plan's static bytes.
+  virtual Expected<std::unique_ptr<Device>> MakeDevice(const std::string& name, int64_t capacity_bytes,
+                                                       int64_t alignment) = 0;
   // Host memory that receives host offloads (pinned on CUDA).
   virtual Expected<std::unique_ptr<HostArena>> MakeHostArena(const std::string& name, int64_t capacity_bytes) = 0;
   // Kernels running in order with `device`'s allocations and frees, using
