@@ -553,6 +553,7 @@ TEST_CASE("a profile has one entry per device; check maps devices to ranks only 
   // It is a valid MEASURED.json (no digest: a profile ran no plan), and the
   // lists round-trip with 64-bit addresses intact.
   m.ranks[1].cupti->allocations[0].address = 0xffff800000001000ull;
+  m.ranks[1].cupti->allocations[0].stream = 4000000000;  // CUPTI stream ids are uint32
   m.ranks[1].cupti->pools.push_back({0.5, "trimmed", 0xA000000, 1 << 20});
   Json j = Json::parse(MeasuredToJson(m).dump());
   CHECK(j["ranks"][1]["cupti"]["allocations"][0]["address"] == "0xffff800000001000");

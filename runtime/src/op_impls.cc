@@ -344,15 +344,22 @@ void DispatchBwd(OpContext& c) {
   c.FinishInputGrad(0);
 }
 
+// The expert offsets DispatchFwd wrote for this layer and microbatch.
+const std::vector<int64_t>& Offsets(OpContext& c) {
+  const auto& offsets = c.Routing();
+  MEMPLAN_CHECK(!offsets.empty(), "grouped GEMM before its layer's dispatch: no expert offsets");
+  return offsets;
+}
+
 void GroupedGemmFwd(OpContext& c) {
   const ParamState& w = c.Param(0);
-  c.k().GroupedGemm(c.Routing().data(), A(c).moe->experts, w.shape[1], w.shape[2], c.In(0).as<float>(),
+  c.k().GroupedGemm(Offsets(c).data(), A(c).moe->experts, w.shape[1], w.shape[2], c.In(0).as<float>(),
                     w.weight.as<float>(), c.Out(0).as<float>(), nullptr);
 }
 void GroupedGemmBwd(OpContext& c) {
   const ParamState& w = c.Param(0);
   const auto& a = A(c);
-  c.k().GroupedGemmBwd(c.Routing().data(), a.moe->experts, w.shape[1], w.shape[2], c.In(0).as<float>(),
+  c.k().GroupedGemmBwd(Offsets(c).data(), a.moe->experts, w.shape[1], w.shape[2], c.In(0).as<float>(),
                        w.weight.as<float>(), c.DOut(0).as<float>(), c.InputGrad(0).as<float>(), w.grad.as<float>(),
                        nullptr);
   c.FinishInputGrad(0);

@@ -89,8 +89,12 @@ std::string ResultString(CUptiResult r) {
 }
 
 const CUpti_ActivityKind kMemoryKinds[] = {CUPTI_ACTIVITY_KIND_MEMORY2, CUPTI_ACTIVITY_KIND_MEMORY_POOL};
+// EXTERNAL_CORRELATION records are only written beside driver API records,
+// so DRIVER is enabled too (its records themselves are not decoded), as
+// kineto and nvFuser's CUPTI profiler do.
 const CUpti_ActivityKind kTimelineKinds[] = {CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL, CUPTI_ACTIVITY_KIND_MEMCPY,
-                                             CUPTI_ACTIVITY_KIND_MEMSET, CUPTI_ACTIVITY_KIND_EXTERNAL_CORRELATION};
+                                             CUPTI_ACTIVITY_KIND_MEMSET, CUPTI_ACTIVITY_KIND_EXTERNAL_CORRELATION,
+                                             CUPTI_ACTIVITY_KIND_DRIVER};
 
 void DisableAll() {
   for (auto k : kMemoryKinds) cuptiActivityDisable(k);
@@ -164,8 +168,13 @@ std::vector<GpuActivity> CuptiSource::DrainActivities() {
   std::lock_guard<std::mutex> lock(s.mu);
   std::vector<GpuActivity> out;
   out.swap(s.activities);
+  // Correlation ids are unique: a matched entry is done with. Entries of
+  // API calls that launched nothing stay until the source dies.
   for (auto& a : out) {
-    if (auto it = s.external.find(a.correlation_id); it != s.external.end()) a.external_id = it->second;
+    if (auto it = s.external.find(a.correlation_id); it != s.external.end()) {
+      a.external_id = it->second;
+      s.external.erase(it);
+    }
   }
   return out;
 }

@@ -102,7 +102,7 @@ std::vector<AllocationEvent> ParseAllocations(const Json& json, const JsonLocati
     e.release = r.Enum("op", {"alloc", "free"}) == "free";
     e.address = ParseAddress(r, "address");
     e.bytes = ByteCount(r, "bytes");
-    e.stream = r.Int("stream", -1, INT32_MAX);
+    e.stream = r.Int("stream", -1, int64_t{UINT32_MAX} - 1);  // CUPTI's ids are uint32 (UINT32_MAX: none)
     e.kind = r.Enum("kind", {kKindNames[0], kKindNames[1], kKindNames[2], kKindNames[3], kKindNames[4],
                              kKindNames[5], kKindNames[6], kKindNames[7]});
     if (r.Get("pool")) e.pool = ParseAddress(r, "pool");
