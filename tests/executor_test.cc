@@ -214,6 +214,22 @@ TEST_CASE("plans the runtime cannot execute are refused with a reason") {
   CHECK(decomposed.error().message.find("not executable") != std::string::npos);
   // The op registry's reason comes with it.
   CHECK(decomposed.error().message.find("attn_res_checkpoint") != std::string::npos);
+  // tiny-k3 (every K3 mechanism) plans, and run names everything that still
+  // keeps it from executing, in one line: no more, no less.
+  for (const char* file : {"examples/models/tiny-k3.json", "examples/models/tiny-k3-fp32.json"}) {
+    CAPTURE(file);
+    auto k3 = RunPlan(PlanOf(LoadJson(file)), {});
+    REQUIRE_FALSE(k3.ok());
+    const std::string& msg = k3.error().message;
+    CHECK(msg.find('\n') == std::string::npos);
+    CHECK(msg.size() < 1000);
+    const bool bf16 = std::string(file).find("fp32") == std::string::npos;
+    CHECK((msg.find("bf16") != std::string::npos) == bf16);
+    for (const char* blocker : {"attn_res_single_copy", "kda_chunked", "gated_rmsnorm", "lowrank_linear"}) {
+      CHECK(msg.find(blocker) != std::string::npos);
+    }
+    for (const char* runs : {"muon", "mla", "grouped_gemm", "dispatch", "topk"}) CHECK(msg.find(runs) == std::string::npos);
+  }
   // Malformed or illegal plans: exit 2 with the JSON path, never a crash.
   Json good = PlanOf(LoadJson("examples/models/tiny-llama.json"));
   auto index_of = [&](const std::string& name) {

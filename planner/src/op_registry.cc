@@ -12,21 +12,21 @@ OpSlot InIfSaved(uint8_t i) { return {false, i, true}; }
 std::vector<OpDef> MakeTable() {
   using K = OpKind;
   constexpr bool kRuns = true;
-  constexpr std::string_view kKdaWhy = "the KDA chunked delta rule has no kernels yet";
+  constexpr std::string_view kKdaWhy = "no kernels for KDA's chunked delta rule yet";
   constexpr std::string_view kDecomposedAttnResWhy =
-      "the decomposed Block AttnRes ops run only checkpointed (options.attn_res_checkpoint on)";
+      "no kernels for the decomposed Block AttnRes, used with a single copy or attn_res_checkpoint off";
   std::vector<OpDef> t = {
       {K::kUnknown, "", {}, false, {}, ParamNaming::kByName, false, "no op registry entry has this kind"},
       {K::kLinear, "linear", {In(0)}, false, {"weight"}, ParamNaming::kByName, kRuns, ""},
       {K::kLowRankLinear, "lowrank_linear", {In(0)}, false, {"a", "b"}, ParamNaming::kByName, false,
-       "low-rank projections (x A B, the KDA gates) have no runtime implementation yet"},
+       "no runtime implementation of low-rank projections x A B (KDA's gates) yet"},
       {K::kGroupedGemm, "grouped_gemm", {In(0)}, false, {"weight"}, ParamNaming::kByName, kRuns, ""},
       {K::kBatchedGemm, "batched_gemm", {In(0), In(1)}, false, {}, ParamNaming::kByName, kRuns, ""},
       {K::kEmbedding, "embedding", {In(0)}, false, {"weight"}, ParamNaming::kByName, kRuns, ""},
       {K::kLayerNorm, "layernorm", {In(0)}, false, {"weight", "bias"}, ParamNaming::kByName, kRuns, ""},
       {K::kRmsNorm, "rmsnorm", {In(0)}, false, {"weight"}, ParamNaming::kByName, kRuns, ""},
       {K::kGatedRmsNorm, "gated_rmsnorm", {}, false, {"weight"}, ParamNaming::kByName, false,
-       "the KDA gated RMSNorm has no kernels yet"},
+       "no kernels for KDA's gated RMSNorm yet"},
       {K::kGelu, "gelu", {In(0)}, false, {}, ParamNaming::kByName, kRuns, ""},
       {K::kSwiglu, "swiglu", {In(0)}, false, {}, ParamNaming::kByName, kRuns, ""},
       {K::kSoftmax, "softmax", {Out(0)}, false, {}, ParamNaming::kByName, kRuns, ""},

@@ -33,47 +33,56 @@ Expected<std::monostate> Executor::Setup() {
   if (plan_json_["digest"].get<std::string>() != planner::ModelDigest(model_)) {
     return BadInput(file + ": /digest does not match the embedded model (the plan was edited or is corrupt)");
   }
+  // Everything that keeps this plan from executing, said at once (one line,
+  // each reason with its JSON path or op).
+  std::vector<std::string> why;
   const auto& par = model_.parallel;
   for (auto [name, v] : {std::pair<const char*, int64_t>{"tp", par.tp}, {"ep", par.ep}, {"cp", par.cp}, {"dp", par.dp}}) {
     if (v > 1) {
-      return BadInput(file + ": /model/parallel/" + name + " is " + std::to_string(v) +
-                      ": the runtime emulates pipeline ranks in one process and cannot execute " + name +
-                      " > 1 yet (multi-process ranks come later)");
+      why.push_back("/model/parallel/" + std::string(name) + " is " + std::to_string(v) +
+                    ": the runtime emulates pipeline ranks in one process and cannot execute " + name +
+                    " > 1 yet (multi-process ranks come later)");
     }
   }
   const auto& tr = model_.train;
+  std::string dtypes;
   for (auto [name, d] : {std::pair<const char*, planner::DType>{"act_dtype", tr.act_dtype},
                          {"param_dtype", tr.param_dtype},
                          {"grad_dtype", tr.grad_dtype}}) {
     if (d != planner::DType::kFP32) {
-      return BadInput(file + ": /model/train/" + name + " is " + std::string(planner::DTypeName(d)) +
-                      ": the runtime's kernels compute and store fp32, so it executes fp32 models only");
+      dtypes += (dtypes.empty() ? "/model/train/" : ", ") + std::string(name) + " " + std::string(planner::DTypeName(d));
     }
   }
+  if (!dtypes.empty()) why.push_back(dtypes + ": the kernels compute and store fp32 only");
   const auto& a = model_.arch;
   if (a.mla && a.attention != planner::Attention::kFlash) {
-    return BadInput(file + ": /model/arch/mla: MLA executes with flash attention (arch.attention \"flash\")");
+    why.push_back("/model/arch/mla: MLA executes with flash attention (arch.attention \"flash\")");
   }
-  if (a.linear_attention) return BadInput(file + ": /model/arch/linear_attention: KDA layers are not executable yet");
   if (a.attn_res && model_.options.attn_res_single_copy) {
-    return BadInput(file + ": /model/options/attn_res_single_copy: with a single copy, every layer reads the block "
-                           "representations of all earlier layers (and stages) in place; the runtime executes Block "
-                           "AttnRes with attn_res_single_copy false, the blocks travelling from layer to layer");
+    why.push_back("/model/options/attn_res_single_copy: later layers would read earlier layers' (and stages') "
+                  "blocks in place; Block AttnRes executes with the blocks travelling (single copy false)");
   }
-  if (!model_.graph.empty()) return BadInput(file + ": /model/graph: explicit layer graphs are not executable");
+  if (!model_.graph.empty()) {
+    return BadInput(file + ": /model/graph: explicit layer graphs are not executable");
+  }
 
   auto layers = planner::ExpandModel(model_);
   if (!layers.ok()) return layers.error();
   // The op registry says what executes (planner/op_registry.h), the runtime's
-  // half of it how (op_impls.h).
+  // half of it how (op_impls.h): the first op of each kind that does not.
+  std::set<std::string> kinds;
   for (const auto& g : *layers) {
     for (const auto& op : g.ops) {
       const planner::OpDef& def = planner::GetOpDef(op.op);
-      if (!def.executable || GetOpImpl(op.op).forward == nullptr) {
-        return BadInput(file + ": " + op.name + ": ops of kind \"" + op.kind + "\" are not executable yet (" +
-                        std::string(def.why_not.empty() ? "no runtime implementation" : def.why_not) + ")");
-      }
+      if ((def.executable && GetOpImpl(op.op).forward != nullptr) || !kinds.insert(op.kind).second) continue;
+      why.push_back(op.name + ": \"" + op.kind + "\" ops are not executable yet (" +
+                    std::string(def.why_not.empty() ? "no runtime implementation" : def.why_not) + ")");
     }
+  }
+  if (!why.empty()) {
+    std::string all;
+    for (const auto& w : why) all += (all.empty() ? "" : "; ") + w;
+    return BadInput(file + ": " + all);
   }
   try {
     p_ = planner::BuildProblem(model_, std::move(*layers));
