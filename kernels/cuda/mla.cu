@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "ops_launch.h"
+#include "rope_cuda.h"
 
 namespace memplan::kernels::cuda {
 namespace {
@@ -26,40 +27,45 @@ struct MlaArgs {
   float theta;
 };
 
-__device__ __forceinline__ void CosSin(int64_t pos, int64_t i, const MlaArgs& a, float* c, float* s) {
-  const double angle =
-      static_cast<double>(pos) * pow(static_cast<double>(a.theta), -static_cast<double>(2 * i) / static_cast<double>(a.rope));
-  *c = __double2float_rn(cos(angle));
-  *s = __double2float_rn(sin(angle));
-}
-
 // Element j of the rope part [0, rope) of `x` rotated (forward) or rotated
 // back (inverse), as ops_ref's RopeRow.
 __device__ __forceinline__ float Rotate(const float* x, int64_t j, int64_t pos, const MlaArgs& a, bool inverse) {
   const int64_t half = a.rope / 2;
   const int64_t i = j < half ? j : j - half;
   float c, s;
-  CosSin(pos, i, a, &c, &s);
+  RopeCosSin(pos, i, a.rope, a.theta, &c, &s);
   const float x0 = x[i], x1 = x[i + half];
   if (j < half) return inverse ? __fadd_rn(__fmul_rn(x0, c), __fmul_rn(x1, s)) : __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
   return inverse ? __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x0, s)) : __fadd_rn(__fmul_rn(x1, c), __fmul_rn(x0, s));
 }
 
-// Item (row, head, j), j < nope+rope (q and k) + v: writes q[j] and k[j] for
-// j < qk, and v[j - qk] beyond.
+// Work item (row, head, j) of both kernels, j < nope + rope (q and k) + v:
+// the token row and its position, the head row of q/k/v [b, heads, s, ·],
+// and where the head starts in q_lin's and kv's token rows.
+struct MlaItem {
+  int64_t j, row, pos, head_row, q_lin_at, kv_at;
+};
+
+__device__ __forceinline__ MlaItem Decode(int64_t item, const MlaArgs& a) {
+  const int64_t qk = a.nope + a.rope, per = qk + a.v;
+  const int64_t h = (item / per) % a.heads;
+  const int64_t row = item / per / a.heads;
+  const int64_t bb = row / a.s, pos = row - bb * a.s;
+  return {item % per, row, pos, (bb * a.heads + h) * a.s + pos, row * a.heads * qk + h * qk,
+          row * a.heads * (a.nope + a.v) + h * (a.nope + a.v)};
+}
+
+// Item (row, head, j): writes q[j] and k[j] for j < qk, and v[j - qk] beyond.
 __global__ void __launch_bounds__(kThreads)
     MlaSplitFwdKernel(MlaArgs a, const float* q_lin, const float* kv, const float* k_pe, float* q, float* k, float* v) {
-  const int64_t qk = a.nope + a.rope, per = qk + a.v;
-  const int64_t total = a.b * a.s * a.heads * per;
+  const int64_t qk = a.nope + a.rope;
+  const int64_t total = a.b * a.s * a.heads * (qk + a.v);
   for (int64_t item = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; item < total;
        item += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t j = item % per;
-    const int64_t h = (item / per) % a.heads;
-    const int64_t row = item / per / a.heads;
-    const int64_t bb = row / a.s, pos = row - bb * a.s;
-    const int64_t out = (bb * a.heads + h) * a.s + pos;
-    const float* qs = q_lin + row * a.heads * qk + h * qk;
-    const float* kvs = kv + row * a.heads * (a.nope + a.v) + h * (a.nope + a.v);
+    const MlaItem it = Decode(item, a);
+    const int64_t j = it.j, row = it.row, pos = it.pos, out = it.head_row;
+    const float* qs = q_lin + it.q_lin_at;
+    const float* kvs = kv + it.kv_at;
     if (j < a.nope) {
       q[out * qk + j] = qs[j];
       k[out * qk + j] = kvs[j];
@@ -75,17 +81,14 @@ __global__ void __launch_bounds__(kThreads)
 // Item (row, head, j) as the forward, into dq_lin and dkv.
 __global__ void __launch_bounds__(kThreads)
     MlaSplitBwdKernel(MlaArgs a, const float* dq, const float* dk, const float* dv, float* dq_lin, float* dkv) {
-  const int64_t qk = a.nope + a.rope, per = qk + a.v;
-  const int64_t total = a.b * a.s * a.heads * per;
+  const int64_t qk = a.nope + a.rope;
+  const int64_t total = a.b * a.s * a.heads * (qk + a.v);
   for (int64_t item = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; item < total;
        item += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t j = item % per;
-    const int64_t h = (item / per) % a.heads;
-    const int64_t row = item / per / a.heads;
-    const int64_t bb = row / a.s, pos = row - bb * a.s;
-    const int64_t in = (bb * a.heads + h) * a.s + pos;
-    float* qd = dq_lin + row * a.heads * qk + h * qk;
-    float* kvd = dkv + row * a.heads * (a.nope + a.v) + h * (a.nope + a.v);
+    const MlaItem it = Decode(item, a);
+    const int64_t j = it.j, pos = it.pos, in = it.head_row;
+    float* qd = dq_lin + it.q_lin_at;
+    float* kvd = dkv + it.kv_at;
     if (j < a.nope) {
       qd[j] = dq[in * qk + j];
       kvd[j] = dk[in * qk + j];

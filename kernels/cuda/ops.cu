@@ -28,6 +28,7 @@
 #include <type_traits>
 
 #include "ops_launch.h"
+#include "rope_cuda.h"
 
 namespace memplan::kernels::cuda {
 namespace {
@@ -1532,14 +1533,6 @@ struct SplitArgs {
   float rope_theta;
 };
 
-// cos/sin in double, rounded to float once (the reference's definition).
-__device__ __forceinline__ void RopeCosSin(int64_t pos, int64_t i, const SplitArgs& a, float* c, float* s) {
-  const double angle = static_cast<double>(pos) *
-                       pow(static_cast<double>(a.rope_theta), -static_cast<double>(2 * i) / static_cast<double>(a.head_dim));
-  *c = __double2float_rn(cos(angle));
-  *s = __double2float_rn(sin(angle));
-}
-
 // kBwd = false: qkv -> q, k, v (rotate); true: dq, dk, dv -> dqkv (rotate
 // back). `heads_ptr[0..2]` are q, k, v (or their gradients).
 template <bool kBwd>
@@ -1588,7 +1581,7 @@ __global__ void __launch_bounds__(kThreads)
       dst[i + half] = src[i + half];
     } else {
       float c, s;
-      RopeCosSin(pos, i, a, &c, &s);
+      RopeCosSin(pos, i, a.head_dim, a.rope_theta, &c, &s);
       const float x0 = src[i];
       const float x1 = src[i + half];
       if constexpr (kBwd) {
