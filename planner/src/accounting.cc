@@ -69,9 +69,9 @@ std::pair<int64_t, int64_t> MuonMatrixShape(const ParamSpec& param) {
 int64_t MuonNsScratchBytes(int64_t rows, int64_t cols) {
   const int64_t m = std::min(rows, cols);
   const int64_t rc = CheckedMul(rows, cols, "Muon matrix");
-  return CheckedMul(CheckedAdd(CheckedMul(2, rc, "Muon scratch"), CheckedMul(2, CheckedMul(m, m, "Muon scratch"),
-                                                                        "Muon scratch"), "Muon scratch"),
-                    4, "Muon scratch");
+  const int64_t mm = CheckedMul(m, m, "Muon matrix");
+  // fp32: 4 B x (2 rc + 2 m^2).
+  return CheckedMul(CheckedAdd(rc, mm, "Muon scratch"), 8, "Muon scratch");
 }
 
 bool UsesMuon(const Model& model, const ParamSpec& param) {

@@ -159,6 +159,8 @@ class Executor {
   void SyncTied();
   void Optimize(double* grad_norm);
   void MuonStep(Rank& r, ParamState& ps, const kernels::AdamConfig& cfg);
+  // sum x_i^2 in double (Ops::SquaredNorm) through the planned kernel scratch.
+  double SquaredNorm(Rank& r, const float* x, int64_t n);
   void MakeBatch();
   // --dump: the initial weights and the batch (kWeights), the gradients
   // after the step (kGrads), the weights after the optimizer (kUpdated).

@@ -159,19 +159,23 @@ void Executor::SyncTied() {
   }
 }
 
+double Executor::SquaredNorm(Rank& r, const float* x, int64_t n) {
+  // The result lands in the kernel scratch's last granule (common/workspace.h),
+  // in the plan like the rest of it.
+  const Buffer& scratch = r.ops_memory.scratch;
+  std::byte* result = scratch.ptr + (scratch.bytes - workspace::kScratchResultBytes);
+  r.ops->SquaredNorm(x, n, reinterpret_cast<double*>(result));
+  double v = 0;
+  backend_->ToHost(*r.dev, &v, result, 8);  // in order with the ops' stream
+  return v;
+}
+
 void Executor::Optimize(double* grad_norm) {
   double sum = 0;
   for (auto& r : ranks_) {
-    // The norm's result lands in the kernel scratch's last granule
-    // (common/workspace.h), in the plan like the rest of it.
-    const Buffer& scratch = r->ops_memory.scratch;
-    std::byte* result = scratch.ptr + (scratch.bytes - workspace::kScratchResultBytes);
     for (auto& ps : r->params) {
       if (ps.tied_head && r.get() != ranks_.front().get()) continue;  // counted once, with the embedding
-      r->ops->SquaredNorm(ps.grad.as<float>(), ps.elements, reinterpret_cast<double*>(result));
-      double v = 0;
-      backend_->ToHost(*r->dev, &v, result, 8);  // in order with the ops' stream
-      sum += v;
+      sum += SquaredNorm(*r, ps.grad.as<float>(), ps.elements);
     }
   }
   *grad_norm = std::sqrt(sum);
@@ -206,8 +210,6 @@ void Executor::MuonStep(Rank& r, ParamState& ps, const kernels::AdamConfig& cfg)
   float* t = x + n;
   float* a = t + n;
   float* b = a + m * m;
-  const Buffer& ks = r.ops_memory.scratch;
-  std::byte* result = ks.ptr + (ks.bytes - workspace::kScratchResultBytes);
   const float adjusted_lr =
       static_cast<float>(cfg.lr * kMuonRmsScale * std::sqrt(static_cast<double>(std::max(rows, cols))));
   for (int64_t i = 0; i < ps.elements / n; ++i) {
@@ -216,9 +218,7 @@ void Executor::MuonStep(Rank& r, ParamState& ps, const kernels::AdamConfig& cfg)
     float* mom = ps.m.as<float>() + i * n;
     k.Axpby(mom, g, n, kMuonMomentum, 1.f, mom);
     k.Axpby(g, mom, n, 1.f, kMuonMomentum, x);
-    k.SquaredNorm(x, n, reinterpret_cast<double*>(result));
-    double sq = 0;
-    backend_->ToHost(*r.dev, &sq, result, 8);
+    const double sq = SquaredNorm(r, x, n);
     k.Axpby(x, nullptr, n, static_cast<float>(1.0 / (std::sqrt(sq) + kMuonNormEps)), 0.f, x);
     for (int s = 0; s < kMuonNsSteps; ++s) {
       if (rows <= cols) {
