@@ -54,10 +54,7 @@ std::map<std::string, std::vector<std::string>> ByRole(const std::filesystem::pa
 
 // The gradient's element of largest magnitude: (index, value).
 std::pair<size_t, float> LargestElement(const std::filesystem::path& file) {
-  auto g = memplan::runtime::ReadNpy(file.string());
-  REQUIRE(g.ok());
-  std::vector<float> grad(g->bytes.size() / 4);
-  std::memcpy(grad.data(), g->bytes.data(), g->bytes.size());
+  const std::vector<float> grad = NpyFloats(file);
   size_t at = static_cast<size_t>(
       std::max_element(grad.begin(), grad.end(), [](float a, float b) { return std::abs(a) < std::abs(b); }) -
       grad.begin());

@@ -6,12 +6,15 @@
 #include <doctest/doctest.h>
 #include <unistd.h>
 
+#include <cstring>
 #include <filesystem>
 #include <string>
+#include <vector>
 
 #include "json_test_util.h"
 #include "memplan/planner/plan.h"
 #include "memplan/runtime/executor.h"
+#include "memplan/runtime/npy.h"
 #include "test_util.h"
 
 namespace memplan::test::exec {
@@ -46,6 +49,16 @@ inline RunResult MustRun(const Json& plan, RunOptions options = {}) {
 }
 
 // A fresh directory per process: test runs may overlap.
+// The float32 array of a --dump file, and its shape when `shape` is given.
+inline std::vector<float> NpyFloats(const std::filesystem::path& file, std::vector<int64_t>* shape = nullptr) {
+  auto npy = memplan::runtime::ReadNpy(file.string());
+  REQUIRE_MESSAGE(npy.ok(), file.string());
+  std::vector<float> v(npy->bytes.size() / 4);
+  std::memcpy(v.data(), npy->bytes.data(), npy->bytes.size());
+  if (shape) *shape = npy->shape;
+  return v;
+}
+
 inline std::filesystem::path UniqueTempDir(const std::string& stem) {
   return std::filesystem::temp_directory_path() / (stem + "_" + std::to_string(::getpid()));
 }

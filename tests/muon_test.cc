@@ -7,28 +7,17 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <filesystem>
 #include <string>
 #include <vector>
 
 #include "executor_test_util.h"
-#include "memplan/runtime/npy.h"
 
 namespace {
 
 using memplan::Json;
 using namespace memplan::test::exec;
 namespace fs = std::filesystem;
-
-std::vector<float> Floats(const fs::path& file, std::vector<int64_t>* shape = nullptr) {
-  auto npy = memplan::runtime::ReadNpy(file.string());
-  REQUIRE_MESSAGE(npy.ok(), file.string());
-  std::vector<float> v(npy->bytes.size() / 4);
-  std::memcpy(v.data(), npy->bytes.data(), npy->bytes.size());
-  if (shape) *shape = npy->shape;
-  return v;
-}
 
 // The first Muon step of one [rows, cols] matrix from zero momentum, in
 // double: U = (1 + mu) G, X = U / ||U||_F, five quintic Newton-Schulz
@@ -120,9 +109,9 @@ TEST_CASE("Muon: updated matrices equal a double-precision Muon of the dumped gr
       const std::string name = e.path().filename().string();
       CAPTURE(name);
       std::vector<int64_t> shape;
-      auto w0 = Floats(dir / "weights" / name, &shape);
-      auto g = Floats(dir / "grads" / name);
-      auto w1 = Floats(e.path());
+      auto w0 = NpyFloats(dir / "weights" / name, &shape);
+      auto g = NpyFloats(dir / "grads" / name);
+      auto w1 = NpyFloats(e.path());
       REQUIRE(w0.size() == w1.size());
       const bool embedding_or_head = name.find(".embed.") != std::string::npos || name.find(".head.") != std::string::npos;
       if (shape.size() >= 2 && !embedding_or_head) {
@@ -172,7 +161,7 @@ TEST_CASE("Muon: the step does not depend on where saved tensors were kept") {
     for (const auto& e : fs::directory_iterator(dir / "updated")) names.push_back(e.path().filename().string());
     std::sort(names.begin(), names.end());
     std::vector<std::vector<float>> now;
-    for (const auto& n : names) now.push_back(Floats(dir / "updated" / n));
+    for (const auto& n : names) now.push_back(NpyFloats(dir / "updated" / n));
     if (first.empty()) {
       first = now;
     } else {
