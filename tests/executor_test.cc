@@ -202,11 +202,6 @@ TEST_CASE("plans the runtime cannot execute are refused with a reason") {
   auto bf16 = RunPlan(PlanOf(LoadJson("examples/models/tiny-moe.json")), {});
   REQUIRE_FALSE(bf16.ok());
   CHECK(bf16.error().code == memplan::ErrorCode::kBadInput);
-  Json single = LoadJson("examples/models/tiny-attnres.json");
-  single["options"]["attn_res_single_copy"] = true;
-  auto shared = RunPlan(PlanOf(single), {});
-  REQUIRE_FALSE(shared.ok());
-  CHECK(shared.error().message.find("attn_res_single_copy") != std::string::npos);
   Json unchecked = LoadJson("examples/models/tiny-attnres.json");
   unchecked["options"]["attn_res_checkpoint"] = false;
   auto decomposed = RunPlan(PlanOf(unchecked), {});
@@ -225,10 +220,12 @@ TEST_CASE("plans the runtime cannot execute are refused with a reason") {
     CHECK(msg.size() < 1000);
     const bool bf16 = std::string(file).find("fp32") == std::string::npos;
     CHECK((msg.find("bf16") != std::string::npos) == bf16);
-    for (const char* blocker : {"attn_res_single_copy", "kda_chunked", "gated_rmsnorm", "lowrank_linear"}) {
+    for (const char* blocker : {"kda_chunked", "gated_rmsnorm", "lowrank_linear"}) {
       CHECK(msg.find(blocker) != std::string::npos);
     }
-    for (const char* runs : {"muon", "mla", "grouped_gemm", "dispatch", "topk"}) CHECK(msg.find(runs) == std::string::npos);
+    for (const char* runs : {"muon", "mla", "grouped_gemm", "dispatch", "topk", "attn_res"}) {
+      CHECK(msg.find(runs) == std::string::npos);
+    }
   }
   // Malformed or illegal plans: exit 2 with the JSON path, never a crash.
   Json good = PlanOf(LoadJson("examples/models/tiny-llama.json"));

@@ -231,7 +231,10 @@ TEST_CASE("tensor names follow layer<i>.<module>.<tensor> and graphs are DAGs") 
         std::smatch mm;
         CAPTURE(t.name);
         REQUIRE(std::regex_match(t.name, mm, name));
-        CHECK(std::stoll(mm[1]) == i);
+        // Another layer's name: an earlier layer's block read in place
+        // (Block AttnRes with a single copy), never saved here.
+        const int64_t owner = std::stoll(mm[1]);
+        CHECK((owner == i || (owner < i && !t.saved && t.module == "attn_res")));
         CHECK(t.bytes > 0);
       }
       for (const auto& op : g.ops) CHECK(op.bytes_read + op.bytes_written > 0);

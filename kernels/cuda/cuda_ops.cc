@@ -321,13 +321,15 @@ class CudaOps final : public Ops {
     MEMPLAN_CUDA_CHECK(cuda::LaunchCrossEntropyBwd(ctx_, probs, targets, tokens, vocab, scale, dlogits));
   }
 
-  void AttnResFwd(const float* sources, const float* w, const float* gamma, int64_t n, int64_t tokens, int64_t d,
-                  float eps, float* h, float* weights) override {
-    MEMPLAN_CUDA_CHECK(cuda::LaunchAttnResFwd(ctx_, sources, w, gamma, n, tokens, d, eps, h, weights));
+  void AttnResFwd(const float* const* sources, int64_t n, const float* w, const float* gamma, int64_t tokens,
+                  int64_t d, float eps, float* h, float* weights) override {
+    MEMPLAN_CUDA_CHECK(cuda::LaunchAttnResFwd(ctx_, sources, n, w, gamma, tokens, d, eps, h, weights));
   }
-  void AttnResBwd(const float* sources, const float* w, const float* gamma, const float* dh, int64_t n, int64_t tokens,
-                  int64_t d, float eps, float* dsources, float* dw, float* dgamma) override {
-    MEMPLAN_CUDA_CHECK(cuda::LaunchAttnResBwd(ctx_, sources, w, gamma, dh, n, tokens, d, eps, dsources, dw, dgamma));
+  void AttnResBwd(const float* const* sources, int64_t n, const float* w, const float* gamma, const float* dh,
+                  int64_t tokens, int64_t d, float eps, float* const* dsources, float* dw, float* dgamma,
+                  float* workspace) override {
+    MEMPLAN_CUDA_CHECK(
+        cuda::LaunchAttnResBwd(ctx_, sources, n, w, gamma, dh, tokens, d, eps, dsources, dw, dgamma, workspace));
   }
 
  private:

@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "memplan/common/workspace.h"
 #include "ops_launch.h"
 #include "rope_cuda.h"
 
@@ -1185,12 +1186,22 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // ---------------------------------------------------------------------------
-// Block AttnRes, one block per token. Source i of token t is
-// sources[(i * T + t) * d, +d). With r_i = 1/sqrt(mean(v_i^2) + eps),
-// z_i = sum_c w_c gamma_c v_ic: logit_i = r_i z_i, a = softmax(logit).
+// Block AttnRes, one block per token. Source i of token t is src.p[i] + t * d
+// (the blocks are separate tensors, read in place). With
+// r_i = 1/sqrt(mean(v_i^2) + eps), z_i = sum_c w_c gamma_c v_ic:
+// logit_i = r_i z_i, a = softmax(logit).
 // Backward, with da_i = <dh, v_i> and dlogit_i = a_i (da_i - sum_j a_j da_j):
-//   dv_ic = a_i dh_c + dlogit_i r_i (w_c gamma_c - v_ic r_i^2 z_i / d)
+//   dv_ic += a_i dh_c + dlogit_i r_i (w_c gamma_c - v_ic r_i^2 z_i / d)
 //   dw_c += gamma_c U_c, dgamma_c += w_c U_c, U_c = sum_{t,i} dlogit_i r_i v_ic.
+
+// The blocks' addresses, passed by value (__grid_constant__: read in place
+// from the launch's parameter space).
+struct AttnResSources {
+  const float* p[workspace::kMaxAttnResSources];
+};
+struct AttnResGrads {
+  float* p[workspace::kMaxAttnResSources];
+};
 
 // Per-token statistics in shared memory, n floats each.
 struct AttnResShared {
@@ -1206,10 +1217,10 @@ constexpr int64_t kAttnResStatArrays = 4;
 // Fills s.a, s.r, s.z (and s.coef when dh != nullptr) for token t. Ends with
 // a barrier, so every thread may read them.
 template <int W>
-__device__ void AttnResTokenStats(const float* sources, const float* w, const float* gamma, const float* dh, int64_t n,
-                                  int64_t tokens, int64_t d, float eps, int64_t t, AttnResShared s, float* red) {
+__device__ void AttnResTokenStats(const AttnResSources& src, const float* w, const float* gamma, const float* dh,
+                                  int64_t n, int64_t d, float eps, int64_t t, AttnResShared s, float* red) {
   for (int64_t i = 0; i < n; ++i) {
-    const float* v = sources + (i * tokens + t) * d;
+    const float* v = src.p[i] + t * d;
     float sums[3] = {0.f, 0.f, 0.f};  // sum v^2, z, <dh, v>
     ForEachInRow<W>(d, [&](int64_t c) {
       float x[W], wc[W], g[W], h[W] = {};
@@ -1249,13 +1260,13 @@ __device__ void AttnResTokenStats(const float* sources, const float* w, const fl
 
 template <int W>
 __global__ void __launch_bounds__(kThreads)
-    AttnResFwdKernel(const float* sources, const float* w, const float* gamma, int64_t n, int64_t tokens, int64_t d,
-                     float eps, float* h, float* weights) {
+    AttnResFwdKernel(const __grid_constant__ AttnResSources src, int64_t n, const float* w, const float* gamma,
+                     int64_t tokens, int64_t d, float eps, float* h, float* weights) {
   __shared__ float red[3 * kWarps];
   extern __shared__ float4 attn_res_fwd_smem[];
   const AttnResShared s = AttnResShared::At(reinterpret_cast<float*>(attn_res_fwd_smem), n);
   for (int64_t t = blockIdx.x; t < tokens; t += gridDim.x) {
-    AttnResTokenStats<W>(sources, w, gamma, nullptr, n, tokens, d, eps, t, s, red);
+    AttnResTokenStats<W>(src, w, gamma, nullptr, n, d, eps, t, s, red);
     if (weights != nullptr) {
       for (int64_t i = threadIdx.x; i < n; i += kThreads) weights[t * n + i] = s.a[i];
     }
@@ -1263,7 +1274,7 @@ __global__ void __launch_bounds__(kThreads)
       float acc[W] = {};
       for (int64_t i = 0; i < n; ++i) {
         float v[W];
-        LoadRo<W>(sources + (i * tokens + t) * d + c, v);
+        LoadRo<W>(src.p[i] + t * d + c, v);
 #pragma unroll
         for (int j = 0; j < W; ++j) acc[j] += s.a[i] * v[j];
       }
@@ -1274,12 +1285,12 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // Pass 1: block b sums U over its tokens into shared memory or directly into
-// part + b * d (a row of dsources), each thread owning fixed columns.
+// part + b * d (the planned workspace), each thread owning fixed columns.
 template <int W>
 __global__ void __launch_bounds__(kThreads)
-    AttnResBwdPartialKernel(const float* sources, const float* w, const float* gamma, const float* dh, int64_t n,
-                            int64_t tokens, int64_t d, float eps, int64_t tokens_per_block, float* part,
-                            bool use_smem) {
+    AttnResBwdPartialKernel(const __grid_constant__ AttnResSources src, int64_t n, const float* w, const float* gamma,
+                            const float* dh, int64_t tokens, int64_t d, float eps, int64_t tokens_per_block,
+                            float* part, bool use_smem) {
   __shared__ float red[3 * kWarps];
   extern __shared__ float4 attn_res_bwd_smem[];
   float* smem = reinterpret_cast<float*>(attn_res_bwd_smem);
@@ -1298,13 +1309,13 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t t0 = static_cast<int64_t>(blockIdx.x) * tokens_per_block;
   const int64_t t1 = t0 + tokens_per_block < tokens ? t0 + tokens_per_block : tokens;
   for (int64_t t = t0; t < t1; ++t) {
-    AttnResTokenStats<W>(sources, w, gamma, dh, n, tokens, d, eps, t, s, red);
+    AttnResTokenStats<W>(src, w, gamma, dh, n, d, eps, t, s, red);
     ForEachInRow<W>(d, [&](int64_t c) {
       float u[W];
       Load<W>(acc + c, u);
       for (int64_t i = 0; i < n; ++i) {
         float v[W];
-        LoadRo<W>(sources + (i * tokens + t) * d + c, v);
+        LoadRo<W>(src.p[i] + t * d + c, v);
 #pragma unroll
         for (int j = 0; j < W; ++j) u[j] += s.coef[i] * v[j];
       }
@@ -1338,30 +1349,30 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Pass 3: dsources.
+// Pass 3: dsources (added into).
 template <int W>
 __global__ void __launch_bounds__(kThreads)
-    AttnResBwdDsKernel(const float* sources, const float* w, const float* gamma, const float* dh, int64_t n,
-                       int64_t tokens, int64_t d, float eps, float* dsources) {
+    AttnResBwdDsKernel(const __grid_constant__ AttnResSources src, int64_t n, const float* w, const float* gamma,
+                       const float* dh, int64_t tokens, int64_t d, float eps, const __grid_constant__ AttnResGrads ds) {
   __shared__ float red[3 * kWarps];
   extern __shared__ float4 attn_res_ds_smem[];
   const AttnResShared s = AttnResShared::At(reinterpret_cast<float*>(attn_res_ds_smem), n);
   const float inv_d = 1.f / static_cast<float>(d);
   for (int64_t t = blockIdx.x; t < tokens; t += gridDim.x) {
-    AttnResTokenStats<W>(sources, w, gamma, dh, n, tokens, d, eps, t, s, red);
+    AttnResTokenStats<W>(src, w, gamma, dh, n, d, eps, t, s, red);
     ForEachInRow<W>(d, [&](int64_t c) {
       float g[W], wc[W], h[W];
       LoadRo<W>(gamma + c, g);
       LoadRo<W>(w + c, wc);
       LoadRo<W>(dh + t * d + c, h);
       for (int64_t i = 0; i < n; ++i) {
-        const int64_t at = (i * tokens + t) * d + c;
         const float k = s.r[i] * s.r[i] * s.z[i] * inv_d;
-        float v[W];
-        LoadRo<W>(sources + at, v);
+        float v[W], acc[W];
+        LoadRo<W>(src.p[i] + t * d + c, v);
+        Load<W>(ds.p[i] + t * d + c, acc);
 #pragma unroll
-        for (int j = 0; j < W; ++j) v[j] = s.a[i] * h[j] + s.coef[i] * (wc[j] * g[j] - v[j] * k);
-        Store<W>(dsources + at, v);
+        for (int j = 0; j < W; ++j) acc[j] += s.a[i] * h[j] + s.coef[i] * (wc[j] * g[j] - v[j] * k);
+        Store<W>(ds.p[i] + t * d + c, acc);
       }
     });
     __syncthreads();  // s is reused for the next token
@@ -1369,11 +1380,12 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <int W>
-cudaError_t AttnResBwd(const LaunchContext& ctx, const float* sources, const float* w, const float* gamma,
-                       const float* dh, int64_t n, int64_t tokens, int64_t d, float eps, float* dsources, float* dw,
-                       float* dgamma) {
+cudaError_t AttnResBwd(const LaunchContext& ctx, const AttnResSources& src, int64_t n, const float* w,
+                       const float* gamma, const float* dh, int64_t tokens, int64_t d, float eps,
+                       const AttnResGrads& ds, float* dw, float* dgamma, float* workspace) {
   const int64_t stat_bytes = kAttnResStatArrays * n * static_cast<int64_t>(sizeof(float));
-  int64_t blocks = std::min<int64_t>(tokens, int64_t{ctx.sm_count} * 2);
+  // A fixed number of token groups (workspace::AttnResBwdBytes), not one per SM.
+  int64_t blocks = std::min<int64_t>(tokens, workspace::kAttnResBwdGroups);
   const int64_t tokens_per_block = (tokens + blocks - 1) / blocks;
   blocks = (tokens + tokens_per_block - 1) / tokens_per_block;
   cudaError_t err = cudaSuccess;
@@ -1387,17 +1399,16 @@ cudaError_t AttnResBwd(const LaunchContext& ctx, const float* sources, const flo
       return err != cudaSuccess ? err : cudaErrorInvalidValue;
     }
   }
-  // dsources has n * tokens >= blocks rows of d floats for the partials.
   partial<<<static_cast<unsigned>(blocks), kThreads, partial_bytes, ctx.stream>>>(
-      sources, w, gamma, dh, n, tokens, d, eps, tokens_per_block, dsources, use_smem);
+      src, n, w, gamma, dh, tokens, d, eps, tokens_per_block, workspace, use_smem);
   if (err = cudaGetLastError(); err != cudaSuccess) return err;
-  AttnResWeightGradKernel<<<FlatGrid(ctx, d), kThreads, 0, ctx.stream>>>(dsources, blocks, w, gamma, d, dw, dgamma);
+  AttnResWeightGradKernel<<<FlatGrid(ctx, d), kThreads, 0, ctx.stream>>>(workspace, blocks, w, gamma, d, dw, dgamma);
   if (err = cudaGetLastError(); err != cudaSuccess) return err;
   if (!UseSharedMemory(ctx, &AttnResBwdDsKernel<W>, stat_bytes, &err)) {
     return err != cudaSuccess ? err : cudaErrorInvalidValue;
   }
   AttnResBwdDsKernel<W>
-      <<<RowGrid(ctx, tokens), kThreads, stat_bytes, ctx.stream>>>(sources, w, gamma, dh, n, tokens, d, eps, dsources);
+      <<<RowGrid(ctx, tokens), kThreads, stat_bytes, ctx.stream>>>(src, n, w, gamma, dh, tokens, d, eps, ds);
   return cudaGetLastError();
 }
 
@@ -1867,34 +1878,45 @@ cudaError_t LaunchCrossEntropyBwd(const LaunchContext& ctx, const float* probs, 
   });
 }
 
-cudaError_t LaunchAttnResFwd(const LaunchContext& ctx, const float* sources, const float* w, const float* gamma,
-                             int64_t n, int64_t tokens, int64_t d, float eps, float* h, float* weights) {
+cudaError_t LaunchAttnResFwd(const LaunchContext& ctx, const float* const* sources, int64_t n, const float* w,
+                             const float* gamma, int64_t tokens, int64_t d, float eps, float* h, float* weights) {
   if (tokens <= 0 || d <= 0 || n <= 0) return cudaSuccess;
+  if (n > workspace::kMaxAttnResSources) return cudaErrorInvalidValue;
+  AttnResSources src{};
+  bool aligned = d % 4 == 0 && AllAligned16(w, gamma, h);
+  for (int64_t i = 0; i < n; ++i) {
+    src.p[i] = sources[i];
+    aligned = aligned && AllAligned16(sources[i]);
+  }
   const int64_t smem_bytes = kAttnResStatArrays * n * static_cast<int64_t>(sizeof(float));
   cudaError_t err = cudaSuccess;
-  if (d % 4 == 0 && AllAligned16(sources, w, gamma, h)) {
-    if (!UseSharedMemory(ctx, &AttnResFwdKernel<4>, smem_bytes, &err)) {
-      return err != cudaSuccess ? err : cudaErrorInvalidValue;
+  const cudaError_t launched = LaunchByWidth(aligned, [&](auto width) {
+    constexpr int kW = decltype(width)::value;
+    if (!UseSharedMemory(ctx, &AttnResFwdKernel<kW>, smem_bytes, &err)) {
+      if (err == cudaSuccess) err = cudaErrorInvalidValue;
+      return;
     }
-    AttnResFwdKernel<4>
-        <<<RowGrid(ctx, tokens), kThreads, smem_bytes, ctx.stream>>>(sources, w, gamma, n, tokens, d, eps, h, weights);
-  } else {
-    if (!UseSharedMemory(ctx, &AttnResFwdKernel<1>, smem_bytes, &err)) {
-      return err != cudaSuccess ? err : cudaErrorInvalidValue;
-    }
-    AttnResFwdKernel<1>
-        <<<RowGrid(ctx, tokens), kThreads, smem_bytes, ctx.stream>>>(sources, w, gamma, n, tokens, d, eps, h, weights);
-  }
-  return cudaGetLastError();
+    AttnResFwdKernel<kW>
+        <<<RowGrid(ctx, tokens), kThreads, smem_bytes, ctx.stream>>>(src, n, w, gamma, tokens, d, eps, h, weights);
+  });
+  return err != cudaSuccess ? err : launched;
 }
 
-cudaError_t LaunchAttnResBwd(const LaunchContext& ctx, const float* sources, const float* w, const float* gamma,
-                             const float* dh, int64_t n, int64_t tokens, int64_t d, float eps, float* dsources,
-                             float* dw, float* dgamma) {
+cudaError_t LaunchAttnResBwd(const LaunchContext& ctx, const float* const* sources, int64_t n, const float* w,
+                             const float* gamma, const float* dh, int64_t tokens, int64_t d, float eps,
+                             float* const* dsources, float* dw, float* dgamma, float* workspace) {
   if (tokens <= 0 || d <= 0 || n <= 0) return cudaSuccess;
-  return d % 4 == 0 && AllAligned16(sources, w, gamma, dh, dsources, dw, dgamma)
-             ? AttnResBwd<4>(ctx, sources, w, gamma, dh, n, tokens, d, eps, dsources, dw, dgamma)
-             : AttnResBwd<1>(ctx, sources, w, gamma, dh, n, tokens, d, eps, dsources, dw, dgamma);
+  if (n > workspace::kMaxAttnResSources) return cudaErrorInvalidValue;
+  AttnResSources src{};
+  AttnResGrads ds{};
+  bool aligned = d % 4 == 0 && AllAligned16(w, gamma, dh, dw, dgamma, workspace);
+  for (int64_t i = 0; i < n; ++i) {
+    src.p[i] = sources[i];
+    ds.p[i] = dsources[i];
+    aligned = aligned && AllAligned16(sources[i], dsources[i]);
+  }
+  return aligned ? AttnResBwd<4>(ctx, src, n, w, gamma, dh, tokens, d, eps, ds, dw, dgamma, workspace)
+                 : AttnResBwd<1>(ctx, src, n, w, gamma, dh, tokens, d, eps, ds, dw, dgamma, workspace);
 }
 
 cudaError_t LaunchScaleMatrices(const LaunchContext& ctx, int64_t m, int64_t n, float beta, float* c, int64_t ldc,

@@ -157,12 +157,13 @@ cudaError_t LaunchCrossEntropyFwd(const LaunchContext& ctx, const float* logits,
 cudaError_t LaunchCrossEntropyBwd(const LaunchContext& ctx, const float* probs, const int32_t* targets, int64_t tokens,
                                   int64_t vocab, float scale, float* dlogits);
 
-// weights [T, n] may be nullptr. dsources doubles as scratch for the dw/dgamma
-// partials before it is written.
-cudaError_t LaunchAttnResFwd(const LaunchContext& ctx, const float* sources, const float* w, const float* gamma,
-                             int64_t n, int64_t tokens, int64_t d, float eps, float* h, float* weights);
-cudaError_t LaunchAttnResBwd(const LaunchContext& ctx, const float* sources, const float* w, const float* gamma,
-                             const float* dh, int64_t n, int64_t tokens, int64_t d, float eps, float* dsources,
-                             float* dw, float* dgamma);
+// weights [T, n] may be nullptr. Sources and their gradients are n separate
+// [T, d] tensors (n <= workspace::kMaxAttnResSources); dsources, dw and dgamma
+// are added into; `workspace` holds workspace::AttnResBwdBytes(T, d).
+cudaError_t LaunchAttnResFwd(const LaunchContext& ctx, const float* const* sources, int64_t n, const float* w,
+                             const float* gamma, int64_t tokens, int64_t d, float eps, float* h, float* weights);
+cudaError_t LaunchAttnResBwd(const LaunchContext& ctx, const float* const* sources, int64_t n, const float* w,
+                             const float* gamma, const float* dh, int64_t tokens, int64_t d, float eps,
+                             float* const* dsources, float* dw, float* dgamma, float* workspace);
 
 }  // namespace memplan::kernels::cuda

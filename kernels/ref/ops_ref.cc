@@ -111,17 +111,13 @@ T AttnResLogit(const T* v, const T* w, const T* gamma, int64_t d, T eps, T* r_ou
 // Max and sum of exp(z_i - max) over token t's n sources. Shared by the
 // forward and the backward so that both see the same a_i bit for bit.
 template <typename T>
-void AttnResStats(const T* sources, const T* w, const T* gamma, int64_t n, int64_t tokens, int64_t d, T eps,
-                  int64_t t, T* max_out, T* sum_out) {
+void AttnResStats(const T* const* sources, const T* w, const T* gamma, int64_t n, int64_t d, T eps, int64_t t,
+                  T* max_out, T* sum_out) {
   T r;
   T mx = -std::numeric_limits<T>::infinity();
-  for (int64_t i = 0; i < n; ++i) {
-    mx = std::max(mx, AttnResLogit(sources + (i * tokens + t) * d, w, gamma, d, eps, &r));
-  }
+  for (int64_t i = 0; i < n; ++i) mx = std::max(mx, AttnResLogit(sources[i] + t * d, w, gamma, d, eps, &r));
   T sum = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    sum += std::exp(AttnResLogit(sources + (i * tokens + t) * d, w, gamma, d, eps, &r) - mx);
-  }
+  for (int64_t i = 0; i < n; ++i) sum += std::exp(AttnResLogit(sources[i] + t * d, w, gamma, d, eps, &r) - mx);
   *max_out = mx;
   *sum_out = sum;
 }
@@ -738,15 +734,15 @@ void RefMath<T>::CrossEntropyBwd(const T* probs, const int32_t* targets, int64_t
 // --- Block AttnRes ------------------------------------------------------------
 
 template <typename T>
-void RefMath<T>::AttnResFwd(const T* sources, const T* w, const T* gamma, int64_t n, int64_t tokens, int64_t d,
+void RefMath<T>::AttnResFwd(const T* const* sources, int64_t n, const T* w, const T* gamma, int64_t tokens, int64_t d,
                             T eps, T* h, T* weights) {
   for (int64_t t = 0; t < tokens; ++t) {
     T mx, sum, r;
-    AttnResStats(sources, w, gamma, n, tokens, d, eps, t, &mx, &sum);
+    AttnResStats(sources, w, gamma, n, d, eps, t, &mx, &sum);
     T* ht = h + t * d;
     std::fill(ht, ht + d, T(0));
     for (int64_t i = 0; i < n; ++i) {
-      const T* v = sources + (i * tokens + t) * d;
+      const T* v = sources[i] + t * d;
       const T a = std::exp(AttnResLogit(v, w, gamma, d, eps, &r) - mx) / sum;
       weights[t * n + i] = a;
       for (int64_t c = 0; c < d; ++c) ht[c] += a * v[c];
@@ -755,22 +751,22 @@ void RefMath<T>::AttnResFwd(const T* sources, const T* w, const T* gamma, int64_
 }
 
 template <typename T>
-void RefMath<T>::AttnResBwd(const T* sources, const T* w, const T* gamma, const T* dh, int64_t n, int64_t tokens,
-                            int64_t d, T eps, T* dsources, T* dw, T* dgamma) {
+void RefMath<T>::AttnResBwd(const T* const* sources, int64_t n, const T* w, const T* gamma, const T* dh,
+                            int64_t tokens, int64_t d, T eps, T* const* dsources, T* dw, T* dgamma) {
   for (int64_t t = 0; t < tokens; ++t) {
     T mx, sum, r;
-    AttnResStats(sources, w, gamma, n, tokens, d, eps, t, &mx, &sum);
+    AttnResStats(sources, w, gamma, n, d, eps, t, &mx, &sum);
     const T* dht = dh + t * d;
     // da_i = <dh, v_i>; the softmax backward needs sum_j a_j da_j first.
     T dot_ada = 0;
     for (int64_t i = 0; i < n; ++i) {
-      const T* v = sources + (i * tokens + t) * d;
+      const T* v = sources[i] + t * d;
       const T a = std::exp(AttnResLogit(v, w, gamma, d, eps, &r) - mx) / sum;
       dot_ada += a * DotN(dht, v, d);
     }
     for (int64_t i = 0; i < n; ++i) {
-      const T* v = sources + (i * tokens + t) * d;
-      T* dv = dsources + (i * tokens + t) * d;
+      const T* v = sources[i] + t * d;
+      T* dv = dsources[i] + t * d;
       const T a = std::exp(AttnResLogit(v, w, gamma, d, eps, &r) - mx) / sum;
       const T dz = a * (DotN(dht, v, d) - dot_ada);
       // z = sum_c w_c gamma_c xhat_c with xhat = v * r; g = dz/dxhat.
@@ -780,7 +776,7 @@ void RefMath<T>::AttnResBwd(const T* sources, const T* w, const T* gamma, const 
       for (int64_t c = 0; c < d; ++c) {
         const T xhat = v[c] * r;
         const T g = dz * w[c] * gamma[c];
-        dv[c] = a * dht[c] + r * (g - xhat * mean_gx);
+        dv[c] += a * dht[c] + r * (g - xhat * mean_gx);
         dw[c] += dz * gamma[c] * xhat;
         dgamma[c] += dz * w[c] * xhat;
       }
@@ -965,13 +961,14 @@ class RefOps final : public Ops {
     M::CrossEntropyBwd(probs, targets, tokens, vocab, scale, dlogits);
   }
 
-  void AttnResFwd(const float* sources, const float* w, const float* gamma, int64_t n, int64_t tokens, int64_t d,
-                  float eps, float* h, float* weights) override {
-    M::AttnResFwd(sources, w, gamma, n, tokens, d, eps, h, weights);
+  void AttnResFwd(const float* const* sources, int64_t n, const float* w, const float* gamma, int64_t tokens,
+                  int64_t d, float eps, float* h, float* weights) override {
+    M::AttnResFwd(sources, n, w, gamma, tokens, d, eps, h, weights);
   }
-  void AttnResBwd(const float* sources, const float* w, const float* gamma, const float* dh, int64_t n,
-                  int64_t tokens, int64_t d, float eps, float* dsources, float* dw, float* dgamma) override {
-    M::AttnResBwd(sources, w, gamma, dh, n, tokens, d, eps, dsources, dw, dgamma);
+  void AttnResBwd(const float* const* sources, int64_t n, const float* w, const float* gamma, const float* dh,
+                  int64_t tokens, int64_t d, float eps, float* const* dsources, float* dw, float* dgamma,
+                  float* /*workspace*/) override {
+    M::AttnResBwd(sources, n, w, gamma, dh, tokens, d, eps, dsources, dw, dgamma);
   }
 };
 

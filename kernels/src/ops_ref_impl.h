@@ -136,14 +136,14 @@ struct RefMath {
   static void CrossEntropyBwd(const T* probs, const int32_t* targets, int64_t tokens, int64_t vocab, T scale,
                               T* dlogits);
 
-  // weights is [tokens, n] (row t: token t's softmax over the n sources).
-  // Both directions recompute each source's logit instead of storing n
-  // per-token scalars; dw/dgamma receive terms token by token, source by
-  // source.
-  static void AttnResFwd(const T* sources, const T* w, const T* gamma, int64_t n, int64_t tokens, int64_t d, T eps,
-                         T* h, T* weights);
-  static void AttnResBwd(const T* sources, const T* w, const T* gamma, const T* dh, int64_t n, int64_t tokens,
-                         int64_t d, T eps, T* dsources, T* dw, T* dgamma);
+  // Source i is [tokens, d] at sources[i]; weights is [tokens, n] (row t:
+  // token t's softmax over the n sources). Both directions recompute each
+  // source's logit instead of storing n per-token scalars; dsources[i],
+  // dw and dgamma receive terms (+=) token by token, source by source.
+  static void AttnResFwd(const T* const* sources, int64_t n, const T* w, const T* gamma, int64_t tokens, int64_t d,
+                         T eps, T* h, T* weights);
+  static void AttnResBwd(const T* const* sources, int64_t n, const T* w, const T* gamma, const T* dh, int64_t tokens,
+                         int64_t d, T eps, T* const* dsources, T* dw, T* dgamma);
 };
 
 // Scores are scale * (q . k) with the dot product summed over dqk in order.

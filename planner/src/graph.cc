@@ -99,6 +99,14 @@ bool ParseParamKind(std::string_view name, ParamKind* out) {
   return false;
 }
 
+int64_t TensorLayer(std::string_view name) {
+  if (!name.starts_with("layer")) return -1;
+  int64_t layer = 0;
+  size_t i = 5;
+  for (; i < name.size() && i < 15 && name[i] >= '0' && name[i] <= '9'; ++i) layer = layer * 10 + (name[i] - '0');
+  return i > 5 && i < name.size() && name[i] == '.' ? layer : -1;
+}
+
 int64_t ParamSpec::Elements() const {
   int64_t n = 1;
   for (int64_t d : shape) n = CheckedMul(n, d, "parameter " + name);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <map>
 #include <cmath>
 #include <numeric>
 #include <unordered_map>
@@ -60,6 +61,7 @@ int64_t StoredBytes(const SavedTensor& t, Storage s) {
 }
 
 bool Legal(const SavedTensor& t, Storage s, int64_t pp) {
+  if (t.shared && s != Storage::kKeep) return false;
   if (IsFp8(s) && !t.can_fp8) return false;
   if (s == Storage::kRecompute && !t.can_recompute) return false;
   if (IsRemote(s) && pp < 2) return false;
@@ -76,6 +78,7 @@ double Roofline(const Hardware& hw, double flops, double bytes) {
 // no fp8 for masks and indices, no recompute without a local producer, no
 // remote offload without a second pipeline rank.
 Storage Fallback(const SavedTensor& t, Storage s, int64_t pp) {
+  if (t.shared) return Storage::kKeep;
   if (IsFp8(s) && !t.can_fp8) {
     s = s == Storage::kFp8 ? Storage::kKeep : s == Storage::kFp8OffloadHost ? Storage::kOffloadHost
                                                                            : Storage::kOffloadRemote;
@@ -101,6 +104,8 @@ struct LayerInfo {
   std::vector<int32_t> last_use;                // per tensor: last local consumer's topo position, -1 when none
   std::vector<int32_t> export_to;               // per tensor: the next layer's tensor it becomes, or -1
   std::vector<int32_t> import_from;             // per tensor: the previous layer's tensor it is, or -1
+  std::vector<int32_t> share_layer, share_index;  // per tensor: the earlier layer's saved tensor it is, or -1
+  std::vector<uint8_t> shared_out;                // per tensor: later layers read it in place
   std::unordered_map<std::string_view, int32_t> op_pos;      // op name -> topo position
   std::unordered_map<std::string_view, int32_t> tensor_idx;  // tensor name -> index
   double fwd_total = 0, bwd_total = 0;
@@ -114,6 +119,9 @@ LayerInfo Analyze(const LayerGraph& g, const Hardware* hw) {
   info.last_use.assign(g.tensors.size(), -1);
   info.export_to.assign(g.tensors.size(), -1);
   info.import_from.assign(g.tensors.size(), -1);
+  info.share_layer.assign(g.tensors.size(), -1);
+  info.share_index.assign(g.tensors.size(), -1);
+  info.shared_out.assign(g.tensors.size(), 0);
   for (size_t pos = 0; pos < order.size(); ++pos) {
     const OpSpec& op = g.ops[order[pos]];
     info.op_pos.emplace(op.name, static_cast<int32_t>(pos));
@@ -138,6 +146,35 @@ LayerInfo Analyze(const LayerGraph& g, const Hardware* hw) {
   return info;
 }
 
+// Links the tensors a layer declares under an earlier layer's name to that
+// layer's saved tensor, which it reads in place (Block AttnRes with a single
+// copy). Throws kBadInput when the earlier layer does not save it.
+void LinkShared(const std::vector<LayerGraph>& layers, std::vector<LayerInfo>* info, const std::string& file) {
+  for (size_t l = 0; l < layers.size(); ++l) {
+    const LayerGraph& g = layers[l];
+    for (size_t t = 0; t < g.tensors.size(); ++t) {
+      const TensorSpec& ts = g.tensors[t];
+      const int64_t owner = TensorLayer(ts.name);
+      if (owner < 0 || owner == static_cast<int64_t>(l) || (*info)[l].prod[t] >= 0) continue;
+      const JsonLocation where{file, "/graph/layers/" + std::to_string(l) + "/tensors/" + std::to_string(t)};
+      if (owner > static_cast<int64_t>(l) || owner >= static_cast<int64_t>(layers.size())) {
+        ThrowAt(where, "tensor \"" + ts.name + "\" names layer " + std::to_string(owner) +
+                           ", which is not an earlier layer (a layer reads earlier layers' tensors in place)");
+      }
+      LayerInfo& oi = (*info)[static_cast<size_t>(owner)];
+      auto it = oi.tensor_idx.find(ts.name);
+      const TensorSpec* o = it == oi.tensor_idx.end() ? nullptr : &layers[static_cast<size_t>(owner)].tensors[static_cast<size_t>(it->second)];
+      if (o == nullptr || !o->saved || o->bytes != ts.bytes || oi.prod[static_cast<size_t>(it->second)] < 0) {
+        ThrowAt(where, "tensor \"" + ts.name + "\" is read in place from layer " + std::to_string(owner) +
+                           ", which must produce and save it with the same bytes");
+      }
+      (*info)[l].share_layer[t] = static_cast<int32_t>(owner);
+      (*info)[l].share_index[t] = it->second;
+      oi.shared_out[static_cast<size_t>(it->second)] = 1;
+    }
+  }
+}
+
 // Links each layer's inputs produced by the previous layer to the tensor
 // that op writes there (the residual stream crossing layers).
 void LinkLayers(const std::vector<LayerGraph>& layers, std::vector<LayerInfo>* info) {
@@ -147,7 +184,7 @@ void LinkLayers(const std::vector<LayerGraph>& layers, std::vector<LayerInfo>* i
     LayerInfo& li = (*info)[l];
     LayerInfo& pi = (*info)[l - 1];
     for (size_t t = 0; t < g.tensors.size(); ++t) {
-      if (li.prod[t] >= 0 || g.tensors[t].producer.empty()) continue;
+      if (li.prod[t] >= 0 || g.tensors[t].producer.empty() || li.share_layer[t] >= 0) continue;
       auto op = pi.op_pos.find(g.tensors[t].producer);
       if (op == pi.op_pos.end()) continue;
       const OpSpec& o = prev.ops[prev.TopologicalOrder()[static_cast<size_t>(op->second)]];
@@ -176,6 +213,9 @@ LayerBuffers MakeLayerBuffers(const LayerGraph& g, const std::vector<LayerInfo>&
   lb.last_use = li.last_use;
   lb.export_to = li.export_to;
   lb.import_from = li.import_from;
+  lb.share_layer = li.share_layer;
+  lb.share_index = li.share_index;
+  lb.shared_out = li.shared_out;
   auto push = [](std::vector<B>* v, B::Role role, B::When when, int32_t tensor, int32_t op, int32_t first,
                  int32_t last, int64_t bytes, int32_t next_last = -1) {
     if (bytes <= 0) return;
@@ -195,7 +235,7 @@ LayerBuffers MakeLayerBuffers(const LayerGraph& g, const std::vector<LayerInfo>&
   // with it (or, when that block saves it, written into the saved instance).
   for (size_t t = 0; t < g.tensors.size(); ++t) {
     const TensorSpec& ts = g.tensors[t];
-    if (ts.saved) continue;
+    if (ts.saved || li.share_layer[t] >= 0) continue;  // shared: read in place
     int32_t ti = static_cast<int32_t>(t);
     int32_t prod = li.prod[t];
     int32_t use = li.last_use[t];
@@ -222,7 +262,8 @@ LayerBuffers MakeLayerBuffers(const LayerGraph& g, const std::vector<LayerInfo>&
   auto bstep = [n](int32_t pos) { return n - 1 - pos; };
   for (size_t t = 0; t < g.tensors.size(); ++t) {
     const TensorSpec& ts = g.tensors[t];
-    if (!IsFloat(ts.dtype)) continue;
+    // Shared tensors' gradients are cross buffers (CrossBuffer).
+    if (!IsFloat(ts.dtype) || li.share_layer[t] >= 0 || li.shared_out[t]) continue;
     int32_t ti = static_cast<int32_t>(t);
     int32_t prod = li.prod[t];
     int32_t use = li.last_use[t];
@@ -257,7 +298,7 @@ LayerBuffers MakeLayerBuffers(const LayerGraph& g, const std::vector<LayerInfo>&
       for (const auto& in : op.inputs) {
         size_t t = static_cast<size_t>(li.tensor_idx.at(in));
         if (!IsFloat(g.tensors[t].dtype)) continue;
-        bool later_reader = li.last_use[t] > pos || li.export_to[t] >= 0;
+        bool later_reader = li.last_use[t] > pos || li.export_to[t] >= 0 || li.share_layer[t] >= 0 || li.shared_out[t];
         if (later_reader) {
           push(&lb.backward, B::Role::kGradTemp, B::When::kAlways, static_cast<int32_t>(t), pos, bstep(pos),
                bstep(pos), g.tensors[t].bytes);
@@ -265,6 +306,7 @@ LayerBuffers MakeLayerBuffers(const LayerGraph& g, const std::vector<LayerInfo>&
       }
     }
     for (int32_t t : BackwardReads(g, op)) {
+      // Saved and shared tensors are resident; inputs from elsewhere arrive.
       if (g.tensors[static_cast<size_t>(t)].saved || li.prod[static_cast<size_t>(t)] < 0) continue;
       // Backward runs from the last op down: the first reader is the highest position.
       auto& f = need_first[static_cast<size_t>(t)];
@@ -341,7 +383,9 @@ void AddToChain(const std::vector<LayerGraph>& layers, const std::vector<LayerIn
     return;
   }
   const TensorSpec& t = g.tensors[static_cast<size_t>(ti->second)];
-  if (!root && t.saved) return;  // available
+  // Available: saved here, or another layer's tensor read in place (shared,
+  // so kept resident until that layer's backward, after this one's).
+  if (!root && (t.saved || li.share_layer[static_cast<size_t>(ti->second)] >= 0)) return;
   auto pi = li.op_pos.find(t.producer);
   if (pi == li.op_pos.end()) {
     // Produced by another layer: the chain would read that layer's saved
@@ -372,6 +416,117 @@ std::optional<double> FirstCost(const Model& m, const std::string& name, T field
   return std::nullopt;
 }
 
+// The cross buffers of every shared instance (CrossBuffer), per rank. A use
+// is a step of some rank at which an op reads a shared instance in place: its
+// forward, the re-run of its producer in backward (a rebuilt value), or its
+// backward (which also adds into the gradient).
+std::vector<std::vector<CrossBuffer>> CrossBuffers(const PlanningProblem& p,
+                                                   const std::vector<std::vector<int32_t>>& tensor_base) {
+  const int64_t pp = static_cast<int64_t>(p.timelines.size());
+  const int64_t mbs = p.model->train.microbatches;
+  std::vector<std::vector<CrossBuffer>> out(static_cast<size_t>(pp));
+  std::vector<int32_t> layer_rank(p.layers.size(), 0);
+  for (int64_t r = 0; r < pp; ++r) {
+    for (const auto& chunk : p.layout.chunks[static_cast<size_t>(r)]) {
+      for (int64_t l : chunk) layer_rank[static_cast<size_t>(l)] = static_cast<int32_t>(r);
+    }
+  }
+  // Saved index of each graph tensor (the rank-local tensor is base + it).
+  auto instance_of = [&](int64_t layer, int32_t tensor, int32_t mb) {
+    const LayerGraph& g = p.layers[static_cast<size_t>(layer)];
+    int32_t k = 0;
+    for (int32_t t = 0; t < tensor; ++t) k += g.tensors[static_cast<size_t>(t)].saved ? 1 : 0;
+    return (tensor_base[static_cast<size_t>(layer)].front() + k) * static_cast<int32_t>(mbs) + mb;
+  };
+  struct Use {
+    int64_t fwd_first = -1, bwd_first = -1, bwd_last = -1;
+  };
+  // (owner rank, instance) -> reading rank -> its uses.
+  std::map<std::pair<int32_t, int32_t>, std::map<int32_t, Use>> uses;
+  bool any = false;
+  for (const auto& lb : p.layer_buffers) {
+    for (size_t t = 0; t < lb.share_layer.size(); ++t) any |= lb.share_layer[t] >= 0;
+  }
+  if (!any) return out;
+  auto note = [](int64_t* lo, int64_t* hi, int64_t step) {
+    if (lo) *lo = *lo < 0 ? step : std::min(*lo, step);
+    if (hi) *hi = std::max(*hi, step);
+  };
+  for (int64_t r = 0; r < pp; ++r) {
+    const RankTimeline& tl = p.timelines[static_cast<size_t>(r)];
+    for (const Block& blk : tl.blocks) {
+      const LayerGraph& g = p.layers[static_cast<size_t>(blk.layer)];
+      const LayerBuffers& lb = p.layer_buffers[static_cast<size_t>(blk.layer)];
+      const auto& order = g.TopologicalOrder();
+      const int32_t n = lb.ops;
+      auto use_inputs = [&](int32_t pos, int64_t step, bool forward, bool grad) {
+        const OpSpec& op = g.ops[order[static_cast<size_t>(pos)]];
+        for (const auto& name : op.inputs) {
+          const TensorSpec* ts = g.FindTensor(name);
+          const size_t t = static_cast<size_t>(ts - g.tensors.data());
+          int64_t layer = blk.layer;
+          int32_t tensor = static_cast<int32_t>(t);
+          if (lb.share_layer[t] >= 0) {
+            layer = lb.share_layer[t];
+            tensor = lb.share_index[t];
+          } else if (!lb.shared_out[t]) {
+            continue;
+          }
+          const int32_t owner = layer_rank[static_cast<size_t>(layer)];
+          Use& u = uses[{owner, instance_of(layer, tensor, blk.microbatch)}][static_cast<int32_t>(r)];
+          if (forward) {
+            note(&u.fwd_first, nullptr, step);
+          } else {
+            note(grad ? &u.bwd_first : nullptr, &u.bwd_last, step);
+          }
+        }
+      };
+      if (blk.forward) {
+        for (int32_t pos = 0; pos < n; ++pos) use_inputs(pos, blk.first + pos, true, false);
+        continue;
+      }
+      for (const BlockBuffer& b : lb.backward) {
+        if (b.role != BlockBuffer::Role::kRebuilt) continue;
+        int64_t first = 0, last = 0;
+        if (BlockBufferSteps(blk, lb, b, &first, &last)) use_inputs(b.op, first, false, false);
+      }
+      for (int32_t pos = 0; pos < n; ++pos) use_inputs(pos, blk.first + (n - 1 - pos), false, true);
+    }
+  }
+  using R = CrossBuffer::Role;
+  for (const auto& [key, by_rank] : uses) {
+    const int32_t owner = key.first, index = key.second;
+    const Instance& in = p.instances[static_cast<size_t>(owner)][static_cast<size_t>(index)];
+    const SavedTensor& st = p.tensors[static_cast<size_t>(owner)][static_cast<size_t>(in.tensor)];
+    const int32_t n = p.layer_buffers[static_cast<size_t>(st.layer)].ops;
+    auto add = [&](R role, int32_t rank, int64_t first, int64_t last) {
+      MEMPLAN_CHECK(first >= 0 && first <= last, "shared tensor used outside its lifetime");
+      out[static_cast<size_t>(rank)].push_back({role, rank, first, last, st.bytes, owner, index});
+    };
+    // The owner's gradient: from the first local backward that adds into it
+    // (or the owner layer's first backward step, where the other ranks'
+    // cache gradients arrive) to the producer's backward.
+    int64_t grad_first = -1;
+    bool remote = false;
+    for (const auto& [rank, u] : by_rank) {
+      if (rank != owner) {
+        remote = true;
+        note(&grad_first, nullptr, in.b_first);
+        add(R::kCache, rank, u.fwd_first, u.bwd_last);
+        add(R::kCacheGrad, rank, u.bwd_first, u.bwd_last);
+      } else if (u.bwd_first >= 0) {
+        note(&grad_first, nullptr, u.bwd_first);
+      }
+    }
+    add(R::kSharedGrad, owner, grad_first, in.b_first + (n - 1 - std::max<int64_t>(0, st.prod_pos)));
+    if (remote) add(R::kGradInbox, owner, in.b_first, in.b_first);
+  }
+  for (auto& v : out) {
+    std::stable_sort(v.begin(), v.end(), [](const CrossBuffer& a, const CrossBuffer& b) { return a.first < b.first; });
+  }
+  return out;
+}
+
 }  // namespace
 
 int64_t StepAt(const RankTimeline& t, double s) {
@@ -398,6 +553,7 @@ PlanningProblem BuildProblem(const Model& model, std::vector<LayerGraph> layers)
   std::vector<LayerInfo> info;
   info.reserve(p.layers.size());
   for (const auto& g : p.layers) info.push_back(Analyze(g, &hw));
+  LinkShared(p.layers, &info, model.file);
   LinkLayers(p.layers, &info);
   for (size_t l = 0; l < p.layers.size(); ++l) p.layer_buffers.push_back(MakeLayerBuffers(p.layers[l], info, l));
 
@@ -425,6 +581,7 @@ PlanningProblem BuildProblem(const Model& model, std::vector<LayerGraph> layers)
           t.fp8_bytes = Fp8Bytes(spec.shape);
           t.can_fp8 = spec.dtype == DType::kBF16 || spec.dtype == DType::kFP16 || spec.dtype == DType::kFP32;
           t.prod_pos = li.prod_pos[k];
+          t.shared = li.shared_out[static_cast<size_t>(li.saved[k])] != 0;
           Chain chain;
           AddToChain(p.layers, info, layer, spec.name, true, &chain, 0);
           t.can_recompute = chain.legal;
@@ -603,6 +760,17 @@ PlanningProblem BuildProblem(const Model& model, std::vector<LayerGraph> layers)
       in.pf_start_s = tl.start_s[static_cast<size_t>(in.pf_start)];
       in.need_s = tl.start_s[static_cast<size_t>(in.b_first)];
     }
+  }
+  p.cross = CrossBuffers(p, tensor_base);
+  for (int64_t r = 0; r < pp; ++r) {
+    RankTimeline& tl = p.timelines[static_cast<size_t>(r)];
+    std::vector<int64_t> diff(static_cast<size_t>(tl.steps) + 1, 0);
+    for (const CrossBuffer& c : p.cross[static_cast<size_t>(r)]) {
+      diff[static_cast<size_t>(c.first)] += c.bytes;
+      diff[static_cast<size_t>(c.last) + 1] -= c.bytes;
+    }
+    int64_t run = 0;
+    for (size_t st = 0; st < tl.transient.size(); ++st) tl.transient[st] += run += diff[st];
   }
   p.tensor_cost_s.resize(static_cast<size_t>(pp));
   for (int64_t r = 0; r < pp; ++r) {
@@ -899,22 +1067,15 @@ std::vector<int32_t> BackwardReads(const LayerGraph& g, const OpSpec& op) {
   std::vector<int32_t> r;
   for (const OpSlot& s : GetOpDef(op.op).backward_reads) {
     const auto& names = s.output ? op.outputs : op.inputs;
-    if (s.index >= names.size()) continue;
-    int32_t t = idx(names[s.index]);
-    if (t < 0 || (s.only_if_saved && !g.tensors[static_cast<size_t>(t)].saved)) continue;
-    r.push_back(t);
+    const size_t lo = s.index == OpSlot::kAll ? 0 : s.index;
+    const size_t hi = s.index == OpSlot::kAll ? names.size() : std::min<size_t>(s.index + 1, names.size());
+    for (size_t k = lo; k < hi; ++k) {
+      int32_t t = idx(names[k]);
+      if (t < 0 || (s.only_if_saved && !g.tensors[static_cast<size_t>(t)].saved)) continue;
+      r.push_back(t);
+    }
   }
   return r;
-}
-
-std::vector<LayerBuffers> BuildLayerBuffers(const std::vector<LayerGraph>& layers) {
-  std::vector<LayerInfo> info;
-  info.reserve(layers.size());
-  for (const auto& g : layers) info.push_back(Analyze(g, nullptr));
-  LinkLayers(layers, &info);
-  std::vector<LayerBuffers> out;
-  for (size_t l = 0; l < layers.size(); ++l) out.push_back(MakeLayerBuffers(layers[l], info, l));
-  return out;
 }
 
 bool BlockBufferSteps(const Block& block, const LayerBuffers& lb, const BlockBuffer& b, int64_t* first, int64_t* last) {

@@ -8,13 +8,14 @@ namespace {
 OpSlot In(uint8_t i) { return {false, i, false}; }
 OpSlot Out(uint8_t i) { return {true, i, false}; }
 OpSlot InIfSaved(uint8_t i) { return {false, i, true}; }
+OpSlot AllIn() { return {false, OpSlot::kAll, false}; }
 
 std::vector<OpDef> MakeTable() {
   using K = OpKind;
   constexpr bool kRuns = true;
   constexpr std::string_view kKdaWhy = "no kernels for KDA's chunked delta rule yet";
   constexpr std::string_view kDecomposedAttnResWhy =
-      "no kernels for the decomposed Block AttnRes, used with a single copy or attn_res_checkpoint off";
+      "no kernels for the decomposed Block AttnRes (options.attn_res_checkpoint off)";
   std::vector<OpDef> t = {
       {K::kUnknown, "", {}, false, {}, ParamNaming::kByName, false, "no op registry entry has this kind"},
       {K::kLinear, "linear", {In(0)}, false, {"weight"}, ParamNaming::kByName, kRuns, ""},
@@ -44,10 +45,12 @@ std::vector<OpDef> MakeTable() {
       {K::kCombine, "combine", {InIfSaved(0), In(1), In(2)}, false, {}, ParamNaming::kByName, kRuns, ""},
       {K::kCrossEntropy, "cross_entropy", {Out(0), In(1)}, false, {}, ParamNaming::kByName, kRuns, ""},
       {K::kKdaChunked, "kda_chunked", {}, false, {"a_log"}, ParamNaming::kByName, false, kKdaWhy},
-      {K::kAttnRes, "attn_res", {In(0)}, false, {"query", "norm.weight"}, ParamNaming::kAttnRes, kRuns, ""},
+      // Its inputs are the blocks (one tensor of them all, or each block read
+      // in place); the backward recomputes the weights from them.
+      {K::kAttnRes, "attn_res", {AllIn()}, true, {"query", "norm.weight"}, ParamNaming::kAttnRes, kRuns, ""},
       {K::kAttnResSoftmax, "attn_res_softmax", {In(0), Out(0)}, false, {"query"}, ParamNaming::kAttnRes, false,
        kDecomposedAttnResWhy},
-      {K::kAttnResMix, "attn_res_mix", {In(0), In(1)}, false, {}, ParamNaming::kAttnRes, false,
+      {K::kAttnResMix, "attn_res_mix", {AllIn()}, false, {}, ParamNaming::kAttnRes, false,
        kDecomposedAttnResWhy},
       {K::kAttnResAccumulate, "attn_res_accumulate", {}, true, {}, ParamNaming::kByName, kRuns, ""},
   };

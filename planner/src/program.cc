@@ -7,7 +7,11 @@ namespace memplan::planner {
 
 ProgramWalker::ProgramWalker(const PlanningProblem& p, int32_t rank, const std::vector<Interval>& intervals,
                              std::vector<size_t> mine)
-    : p_(p), tl_(p.timelines[static_cast<size_t>(rank)]), ivs_(intervals), mine_(std::move(mine)) {
+    : p_(p),
+      tl_(p.timelines[static_cast<size_t>(rank)]),
+      ivs_(intervals),
+      cross_(p.cross[static_cast<size_t>(rank)]),
+      mine_(std::move(mine)) {
   std::stable_sort(mine_.begin(), mine_.end(), [&](size_t x, size_t y) { return ivs_[x].first < ivs_[y].first; });
 }
 
@@ -26,6 +30,14 @@ bool ProgramWalker::Next() {
     b.last = iv.last;
     b.bytes = iv.bytes;
     b.interval = static_cast<int64_t>(mine_[next_interval_]);
+    go_live(b);
+  }
+  for (; next_cross_ < cross_.size() && cross_[next_cross_].first == step_; ++next_cross_) {
+    ProgramBuffer b;
+    b.first = cross_[next_cross_].first;
+    b.last = cross_[next_cross_].last;
+    b.bytes = cross_[next_cross_].bytes;
+    b.cross = static_cast<int32_t>(next_cross_);
     go_live(b);
   }
   for (; next_block_ < tl_.blocks.size() && tl_.blocks[next_block_].first == step_; ++next_block_) {

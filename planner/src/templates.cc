@@ -57,6 +57,25 @@ class Builder {
     return Tensor(module, name, std::move(shape), model_.train.act_dtype, saved, sharding);
   }
 
+  // Declares another (earlier) layer's saved tensor `name`, produced by
+  // `producer` there, which this layer reads in place (Block AttnRes with a
+  // single copy): it keeps its owner's name, so liveness links the two.
+  std::string Shared(const std::string& name, std::string producer, Shape shape, std::string_view sharding) {
+    for (const auto& t : g_->tensors) {
+      if (t.name == name) return name;  // declared once, read by several ops
+    }
+    TensorSpec t;
+    t.name = name;
+    t.module = "attn_res";
+    t.bytes = CheckedMul(Product(shape, t.name), DTypeBytes(model_.train.act_dtype), t.name);
+    t.shape = std::move(shape);
+    t.dtype = model_.train.act_dtype;
+    t.producer = std::move(producer);
+    t.sharding = std::string(sharding);
+    g_->tensors.push_back(std::move(t));
+    return g_->tensors.back().name;
+  }
+
   void SetProducer(const std::string& tensor, std::string producer) {
     for (auto& t : g_->tensors) {
       if (t.name == tensor) t.producer = std::move(producer);
@@ -445,10 +464,42 @@ std::string AddMoe(Builder& B, const Dims& d, const std::string& x_in) {
   return a.dropout ? AddResidualDropout(B, d, "moe", out) : out;
 }
 
-// Number of block representations layer `layer` attends over: the embedding
-// block, every completed block, and the current partial block.
-int64_t AttnResSources(int64_t layer, int64_t block_layers) {
-  return 1 + layer / block_layers + (layer % block_layers != 0 ? 1 : 0);
+int64_t AttnResSources(int64_t layer, int64_t block_layers) { return AttnResSourceCount(layer, block_layers); }
+
+// Block AttnRes with a single copy: the one tensor holding block
+// representation b_0 (the embedding output, after dropout) and the running
+// block sum after layer `layer` ("attn_res.partial"; a block's first layer
+// writes it with its residual add, the others with attn_res.accumulate).
+std::string EmbeddingBlock(const Model& model) {
+  return model.arch.dropout ? "layer0.embed.dropout_out" : "layer0.embed.out";
+}
+std::string EmbeddingBlockProducer(const Model& model) {
+  return model.arch.dropout ? "layer0.embed.dropout" : "layer0.embed.lookup";
+}
+std::string PartialBlock(int64_t layer) { return "layer" + std::to_string(layer) + ".attn_res.partial"; }
+std::string PartialBlockProducer(const Model& model, int64_t layer) {
+  const std::string prefix = "layer" + std::to_string(layer) + ".";
+  if (layer % model.arch.attn_res->block_layers != 0) return prefix + "attn_res.accumulate";
+  return prefix + (model.arch.IsMoeLayer(layer) ? "moe" : "mlp") + ".residual";
+}
+
+// The blocks layer `layer` attends over (the head's: layer = layers), by
+// name: b_0, every completed block (the partial sum after its last layer),
+// and the running partial block. Tensors of other layers are declared
+// shared (read in place); `layer`'s own partial (the head's last source) is
+// local.
+std::vector<std::string> SingleCopySources(Builder& B, const Dims& d, int64_t layer, int64_t self) {
+  const Model& m = B.model();
+  const int64_t bl = m.arch.attn_res->block_layers;
+  std::vector<std::pair<std::string, std::string>> blocks = {{EmbeddingBlock(m), EmbeddingBlockProducer(m)}};
+  for (int64_t k = 1; k * bl <= layer; ++k) blocks.emplace_back(PartialBlock(k * bl - 1), PartialBlockProducer(m, k * bl - 1));
+  if (layer % bl != 0) blocks.emplace_back(PartialBlock(layer - 1), PartialBlockProducer(m, layer - 1));
+  std::vector<std::string> names;
+  const std::string own = "layer" + std::to_string(self) + ".";
+  for (auto& [name, producer] : blocks) {
+    names.push_back(name.starts_with(own) ? name : B.Shared(name, producer, {d.tokens_r, d.h}, d.shard_r));
+  }
+  return names;
 }
 
 std::string LayerInputProducer(int64_t layer, const Model& model) {
@@ -460,6 +511,10 @@ std::string LayerInputProducer(int64_t layer, const Model& model) {
 }
 
 }  // namespace
+
+int64_t AttnResSourceCount(int64_t layer, int64_t block_layers) {
+  return 1 + layer / block_layers + (layer % block_layers != 0 ? 1 : 0);
+}
 
 LayerGraph ExpandTemplateLayer(const Model& model, int64_t layer) {
   MEMPLAN_CHECK(layer >= 0 && layer < model.arch.layers, "layer index out of range");
@@ -492,37 +547,47 @@ LayerGraph ExpandTemplateLayer(const Model& model, int64_t layer) {
   std::string x;
   if (a.attn_res) {
     const Options& o = model.options;
+    const bool single = o.attn_res_single_copy;
     int64_t n = AttnResSources(layer, a.attn_res->block_layers);
     // The block representations this layer attends over. With a single copy
-    // they are the earlier layers' `attn_res.partial` tensors, shared; without
-    // it each layer keeps a copy of its own.
-    std::string sources = B.Act("attn_res", "sources", {n * d.tokens_r, d.h}, !o.attn_res_single_copy, d.shard_r);
-    if (layer == 0) {
-      B.Op("attn_res", "gather", "copy", {stream}, {sources}, 0);
-    } else if (!o.attn_res_single_copy) {
-      // Without single copy the blocks travel as one tensor from layer to
-      // layer (and across pipeline stages): the previous layer's
-      // accumulate writes this layer's sources.
-      B.SetProducer(sources, "layer" + std::to_string(layer - 1) + ".attn_res.accumulate");
+    // they are the earlier layers' `attn_res.partial` tensors and b_0, read
+    // in place; without it each layer receives one tensor of all of them
+    // (and copies it on).
+    std::vector<std::string> sources;
+    if (single) {
+      sources = SingleCopySources(B, d, layer, layer);
+    } else {
+      sources = {B.Act("attn_res", "sources", {n * d.tokens_r, d.h}, true, d.shard_r)};
+      if (layer == 0) {
+        B.Op("attn_res", "gather", "copy", {stream}, {sources[0]}, 0);
+      } else {
+        // Without single copy the blocks travel as one tensor from layer to
+        // layer (and across pipeline stages): the previous layer's
+        // accumulate writes this layer's sources.
+        B.SetProducer(sources[0], "layer" + std::to_string(layer - 1) + ".attn_res.accumulate");
+      }
     }
     int64_t wq = B.Param("attn_res", "query", {d.h}, ParamKind::kNorm, false) +
                  B.Param("attn_res", "norm.weight", {d.h}, ParamKind::kNorm, false);
     // With checkpointing the softmax over blocks is recomputed in backward
     // and the layer input itself is rebuilt from the sources.
     bool saved = !o.attn_res_checkpoint;
-    if (o.attn_res_checkpoint && !o.attn_res_single_copy) {
+    if (o.attn_res_checkpoint) {
       // One fused op (kernels::AttnResFwd/Bwd): its backward recomputes the
       // norm and the softmax from the sources; the layer input is rebuilt.
       std::string weights = B.Tensor("attn_res", "weights", {d.tokens_r, n}, DType::kFP32, false, d.shard_r);
       x = B.Act("attn_norm", "x", {d.tokens_r, d.h}, false, d.shard_r);
-      B.Op("attn_res", "mix", "attn_res", {sources}, {x, weights}, 8.0 * static_cast<double>(n * d.tokens_r * d.h), wq);
+      B.Op("attn_res", "mix", "attn_res", sources, {x, weights}, 8.0 * static_cast<double>(n * d.tokens_r * d.h), wq);
+      B.SetWorkspace(workspace::AttnResBwdBytes(d.tokens_r, d.h));
     } else {
-    std::string normed = B.Act("attn_res", "normed", {n * d.tokens_r, d.h}, saved, d.shard_r);
-    B.Op("attn_res", "norm", "rmsnorm", {sources}, {normed}, 4.0 * static_cast<double>(n * d.tokens_r * d.h), wq);
-    std::string weights = B.Tensor("attn_res", "weights", {d.tokens_r, n}, DType::kFP32, saved, d.shard_r);
-    B.Op("attn_res", "softmax", "attn_res_softmax", {normed}, {weights}, 2.0 * static_cast<double>(n * d.tokens_r * d.h));
-    x = B.Act("attn_norm", "x", {d.tokens_r, d.h}, saved, d.shard_r);
-    B.Op("attn_res", "mix", "attn_res_mix", {weights, sources}, {x}, 2.0 * static_cast<double>(n * d.tokens_r * d.h));
+      std::string normed = B.Act("attn_res", "normed", {n * d.tokens_r, d.h}, saved, d.shard_r);
+      B.Op("attn_res", "norm", "rmsnorm", sources, {normed}, 4.0 * static_cast<double>(n * d.tokens_r * d.h), wq);
+      std::string weights = B.Tensor("attn_res", "weights", {d.tokens_r, n}, DType::kFP32, saved, d.shard_r);
+      B.Op("attn_res", "softmax", "attn_res_softmax", {normed}, {weights}, 2.0 * static_cast<double>(n * d.tokens_r * d.h));
+      x = B.Act("attn_norm", "x", {d.tokens_r, d.h}, saved, d.shard_r);
+      std::vector<std::string> mix_in = {weights};
+      mix_in.insert(mix_in.end(), sources.begin(), sources.end());
+      B.Op("attn_res", "mix", "attn_res_mix", mix_in, {x}, 2.0 * static_cast<double>(n * d.tokens_r * d.h));
     }
   } else if (layer == 0) {
     // The embedding output is the first layer's input: rename by a copy-free
@@ -549,11 +614,16 @@ LayerGraph ExpandTemplateLayer(const Model& model, int64_t layer) {
   std::string ffn_out = moe ? AddMoe(B, d, ffn_in) : AddMlp(B, d, ffn_in);
 
   // --- Layer output ----------------------------------------------------------
-  std::string out = last && !a.attn_res
-                        ? B.Act("head", "norm_x", {d.tokens_r, d.h}, true, d.shard_r)
+  const bool single = a.attn_res && model.options.attn_res_single_copy;
+  const bool block_start = a.attn_res && layer % a.attn_res->block_layers == 0;
+  std::string out = last && !a.attn_res ? B.Act("head", "norm_x", {d.tokens_r, d.h}, true, d.shard_r)
+                    : single && block_start
+                        // A block's first layer starts the running block sum: the
+                        // single copy of the block, written by the residual add.
+                        ? B.Act("attn_res", "partial", {d.tokens_r, d.h}, true, d.shard_r)
                         : B.Act(ffn_module, "out", {d.tokens_r, d.h}, false, d.shard_r);
   B.Op(ffn_module, "residual", "add", {h2, ffn_out}, {out}, static_cast<double>(d.tokens_r * d.h));
-  if (a.attn_res && !model.options.attn_res_single_copy) {
+  if (a.attn_res && !single) {
     // The next layer's sources: this layer's blocks with its output added to
     // the running block sum (a new block starts on a block's first layer).
     int64_t n = AttnResSources(layer, a.attn_res->block_layers);
@@ -570,15 +640,29 @@ LayerGraph ExpandTemplateLayer(const Model& model, int64_t layer) {
                    B.Param("head", "attn_res.norm.weight", {d.h}, ParamKind::kNorm, false);
       B.Op("head", "final_mix", "attn_res", {next}, {out, weights},
            8.0 * static_cast<double>(n_next * d.tokens_r * d.h), wq);
+      B.SetWorkspace(workspace::AttnResBwdBytes(d.tokens_r, d.h));
     }
   } else if (a.attn_res) {
-    // The running block sum after this layer: the single generated copy of
-    // the block representation (completed at the block's last layer).
-    std::string partial = B.Act("attn_res", "partial", {d.tokens_r, d.h}, true, d.shard_r);
-    B.Op("attn_res", "accumulate", "add", {out}, {partial}, static_cast<double>(d.tokens_r * d.h));
+    // The running block sum after this layer: the single copy of the block
+    // (complete after the block's last layer), which later layers read in
+    // place; the previous layer's partial is read in place too.
+    if (!block_start) {
+      std::string prev = B.Shared(PartialBlock(layer - 1), PartialBlockProducer(model, layer - 1), {d.tokens_r, d.h},
+                                  d.shard_r);
+      std::string partial = B.Act("attn_res", "partial", {d.tokens_r, d.h}, true, d.shard_r);
+      B.Op("attn_res", "accumulate", "add", {prev, out}, {partial}, static_cast<double>(d.tokens_r * d.h));
+    }
     if (last) {
+      // The head's mix over every block, the last one this layer's partial.
+      std::vector<std::string> blocks = SingleCopySources(B, d, layer + 1, layer);
+      int64_t n_next = static_cast<int64_t>(blocks.size());
       out = B.Act("head", "norm_x", {d.tokens_r, d.h}, true, d.shard_r);
-      B.Op("head", "final_mix", "attn_res_mix", {partial}, {out}, 2.0 * static_cast<double>(d.tokens_r * d.h));
+      std::string weights = B.Tensor("head", "attn_res_weights", {d.tokens_r, n_next}, DType::kFP32, false, d.shard_r);
+      int64_t wq = B.Param("head", "attn_res.query", {d.h}, ParamKind::kNorm, false) +
+                   B.Param("head", "attn_res.norm.weight", {d.h}, ParamKind::kNorm, false);
+      B.Op("head", "final_mix", "attn_res", blocks, {out, weights},
+           8.0 * static_cast<double>(n_next * d.tokens_r * d.h), wq);
+      B.SetWorkspace(workspace::AttnResBwdBytes(d.tokens_r, d.h));
     }
   }
 

@@ -35,6 +35,7 @@ struct ActivationManager::Rank {
   std::vector<ProgramBuffer> allocations;  // of the current step
   std::unordered_map<int64_t, Buffer> interval_buf;              // interval -> buffer
   std::unordered_map<int64_t, std::vector<Buffer>> block_bufs;  // block -> per list entry
+  std::unordered_map<int32_t, Buffer> cross_bufs;                // cross buffer index -> buffer
   std::map<std::string, int64_t> events;
   std::vector<CopyRecord> copies;
 };
@@ -95,6 +96,10 @@ void ActivationManager::Allocate(Rank& r, const ProgramBuffer& b) {
   auto buf = r.mem.device->Allocate(b.bytes);
   if (!buf.ok()) ThrowError(buf.error().code, buf.error().message);
   ++r.events["allocations"];
+  if (b.cross >= 0) {
+    r.cross_bufs[b.cross] = *buf;
+    return;
+  }
   if (b.interval < 0) {
     auto& v = r.block_bufs[b.block];
     const planner::Block& blk = p_.timelines[static_cast<size_t>(r.index)].blocks[static_cast<size_t>(b.block)];
@@ -151,6 +156,12 @@ void ActivationManager::Allocate(Rank& r, const ProgramBuffer& b) {
 
 void ActivationManager::Free(Rank& r, const ProgramBuffer& b) {
   ++r.events["frees"];
+  if (b.cross >= 0) {
+    auto it = r.cross_bufs.find(b.cross);
+    r.mem.device->Free(it->second);
+    r.cross_bufs.erase(it);
+    return;
+  }
   if (b.interval < 0) {
     auto it = r.block_bufs.find(b.block);
     Buffer& buf = it->second[static_cast<size_t>(b.buffer)];
@@ -215,6 +226,13 @@ Buffer ActivationManager::BlockBufferAt(int32_t rank, int64_t block, int32_t ind
                     !it->second[static_cast<size_t>(index)].empty(),
                 "block buffer used outside its steps");
   return it->second[static_cast<size_t>(index)];
+}
+
+Buffer ActivationManager::Cross(int32_t rank, int32_t index) const {
+  const Rank& r = *ranks_[static_cast<size_t>(rank)];
+  auto it = r.cross_bufs.find(index);
+  MEMPLAN_CHECK(it != r.cross_bufs.end(), "cross buffer used outside its steps");
+  return it->second;
 }
 
 Buffer ActivationManager::Forward(int32_t rank, int32_t instance) const {

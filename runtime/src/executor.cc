@@ -42,6 +42,7 @@ void Executor::Step(Rank& r) {
   traces::ScopedGpuOp gpu_op(gpu_trace, gpu_ops_.size());
   acts_->BeginStep(r.index);
   MEMPLAN_CHECK(acts_->step(r.index) == s, "memory program out of step");
+  BeginCross(r);
 
   int32_t chunk = p_.schedules[static_cast<size_t>(r.index)][static_cast<size_t>(tl.step_pass[static_cast<size_t>(s)])].chunk;
   int64_t stage = chunk * model_.parallel.pp + r.index;
@@ -50,7 +51,7 @@ void Executor::Step(Rank& r) {
       // Inputs: the batch, or the previous stage's activation.
       for (size_t t = 0; t < g.tensors.size(); ++t) {
         const TensorSpec& spec = g.tensors[t];
-        if (lb.prod[t] >= 0) continue;
+        if (lb.prod[t] >= 0 || lb.share_layer[t] >= 0) continue;  // produced here, or read in place
         bool received = lb.import_from[t] >= 0 ? !blk.prev_in_pass : !spec.producer.empty();
         if (spec.producer.empty() || received) {
           LoadInput(r, bi, static_cast<int32_t>(t), Value(r, bi, static_cast<int32_t>(t)));
@@ -61,8 +62,11 @@ void Executor::Step(Rank& r) {
           r.ops->Copy(Value(r, bi, static_cast<int32_t>(t)).ptr, src.ptr, spec.bytes);
         }
       }
+      // The previous stage's pass is over (it may hand over nothing).
+      if (!blk.prev_in_pass) mailbox_.erase({stage, blk.microbatch, true});
     } else {
       RestoreLayer(r, bi);
+      ReceiveSharedGrads(r, bi);
       if (!blk.prev_in_pass) {
         // The gradient of this chunk's output, from the next stage.
         for (size_t t = 0; t < g.tensors.size(); ++t) {
@@ -73,6 +77,7 @@ void Executor::Step(Rank& r) {
                              g.tensors[t].bytes);
           mailbox_.erase(it);
         }
+        mailbox_.erase({stage, blk.microbatch, false});
       }
     }
   }
@@ -97,21 +102,24 @@ void Executor::Step(Rank& r) {
   if (blk.forward) {
     for (int32_t i : r.produced_at[static_cast<size_t>(s)]) acts_->Save(r.index, i);
   }
-  // The end of a pass on this rank: hand the boundary tensor to the neighbour stage.
-  if (local == n - 1 && !blk.next_in_pass) {
-    int64_t stages = model_.parallel.pp * model_.parallel.vp;
+  // The end of a pass on this rank: hand the boundary tensor (if any: with
+  // shared blocks nothing is handed over) to the neighbour stage.
+  const int64_t stages = model_.parallel.pp * model_.parallel.vp;
+  const int64_t neighbour = blk.forward ? stage + 1 : stage - 1;
+  if (local == n - 1 && !blk.next_in_pass && neighbour >= 0 && neighbour < stages) {
+    std::vector<std::byte> msg;
     for (size_t t = 0; t < g.tensors.size(); ++t) {
-      bool send = blk.forward ? (lb.prod[t] >= 0 && lb.export_to[t] >= 0 && stage + 1 < stages)
-                              : (lb.prod[t] < 0 && lb.import_from[t] >= 0 && stage > 0);
+      bool send = blk.forward ? (lb.prod[t] >= 0 && lb.export_to[t] >= 0) : (lb.prod[t] < 0 && lb.import_from[t] >= 0);
       if (!send) continue;
       Buffer src = blk.forward ? Value(r, bi, static_cast<int32_t>(t)) : Grad(r, bi, static_cast<int32_t>(t));
-      std::vector<std::byte> msg(static_cast<size_t>(g.tensors[t].bytes));
+      msg.resize(static_cast<size_t>(g.tensors[t].bytes));
       backend_->ToHost(*r.dev, msg.data(), src.ptr, g.tensors[t].bytes);
-      mailbox_[{blk.forward ? stage + 1 : stage - 1, blk.microbatch, blk.forward}] = std::move(msg);
     }
+    mailbox_[{neighbour, blk.microbatch, blk.forward}] = std::move(msg);
   }
   // Routing offsets live on the host until the layer's backward is over.
   if (!blk.forward && local == n - 1) r.routing.erase({blk.layer, blk.microbatch});
+  EndCross(r);
   acts_->EndStep(r.index);
   TakeCopies(r);
   Span(r, span_name, "kernel", t_start);

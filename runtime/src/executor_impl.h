@@ -6,6 +6,8 @@
 //   op_exec.cc        running one op (forward, backward, recompute) through
 //                     the op registry (op_impls.h)
 //   measurement.cc    MEASURED.json, TRACE.json and --dump
+//   shared_blocks.cc  Block AttnRes with a single copy: blocks read in place,
+//                     the pp cache, the blocks' gradients (cross buffers)
 #pragma once
 
 #include "memplan/runtime/executor.h"
@@ -191,6 +193,23 @@ class Executor {
   // Whether layer `layer`'s sources end with a running (partial) block.
   bool AttnResHasPartial(int64_t layer) const { return layer % model_.arch.attn_res->block_layers != 0; }
 
+  // Shared blocks (shared_blocks.cc): tensors later layers read in place.
+  void SetupShared();
+  bool IsShared(const LayerBuffers& lb, int32_t t) const {
+    return lb.share_layer[static_cast<size_t>(t)] >= 0 || lb.shared_out[static_cast<size_t>(t)] != 0;
+  }
+  // The value / gradient of shared tensor `t` of block `bi`'s layer on rank
+  // `r`: the owner's instance and summed gradient, or this rank's pp cache.
+  Buffer SharedValue(Rank& r, size_t bi, int32_t t);
+  Buffer SharedGrad(Rank& r, size_t bi, int32_t t);
+  // After BeginStep: zero the new gradient buffers, fill the new caches.
+  // Before EndStep: send the cache gradients whose last reader ran.
+  void BeginCross(Rank& r);
+  void EndCross(Rank& r);
+  // At a layer's first backward step: the other ranks' gradients of its
+  // shared tensors, added into their sums.
+  void ReceiveSharedGrads(Rank& r, size_t bi);
+
   // Ops.
   void Forward(Rank& r, size_t bi, int32_t pos, const std::function<Buffer(int32_t)>& value, int32_t mb);
   void Backward(Rank& r, size_t bi, int32_t pos);
@@ -235,6 +254,13 @@ class Executor {
   std::vector<std::vector<int32_t>> tensor_base_;  // layer -> rank-local index of its first saved tensor
   std::vector<std::vector<int32_t>> saved_index_;  // layer -> per graph tensor, index among saved or -1
   std::map<std::tuple<int64_t, int32_t, bool>, std::vector<std::byte>> mailbox_;  // (stage, mb, forward)
+  // Shared blocks: each layer's rank; (rank, owner rank, instance, role) ->
+  // index into p_.cross[rank]; per rank and step, the cross buffers ending
+  // there; per shared instance, the cache gradients on their way to it.
+  std::vector<int32_t> layer_rank_;
+  std::map<std::tuple<int32_t, int32_t, int32_t, planner::CrossBuffer::Role>, int32_t> cross_index_;
+  std::vector<std::vector<std::vector<int32_t>>> cross_ends_;
+  std::map<std::pair<int32_t, int32_t>, std::vector<std::vector<std::byte>>> grad_wires_;
   std::vector<std::vector<int32_t>> tokens_, targets_;  // per microbatch
   double loss_sum_ = 0;
   int64_t steps_total_ = 0, steps_done_ = 0;

@@ -54,8 +54,10 @@ class ExecOpContext final : public OpContext {
  private:
   // An input gradient is written directly by the first backward that
   // reaches it (its last forward reader, not handed to the next layer).
+  // A shared tensor's gradient sums every reader's (zeroed when allocated).
   bool FirstWriterOf(int32_t t) const {
-    return lb_.last_use[static_cast<size_t>(t)] == pos_ && lb_.export_to[static_cast<size_t>(t)] < 0;
+    return lb_.last_use[static_cast<size_t>(t)] == pos_ && lb_.export_to[static_cast<size_t>(t)] < 0 &&
+           !e_.IsShared(lb_, t);
   }
 
   Executor& e_;
@@ -103,7 +105,7 @@ void Executor::Recompute(Rank& r, size_t bi, int32_t inst_index) {
     std::vector<Buffer> ins;
     for (const auto& name : op.inputs) {
       int32_t u = static_cast<int32_t>(g.FindTensor(name) - g.tensors.data());
-      if (g.tensors[static_cast<size_t>(u)].saved) continue;
+      if (g.tensors[static_cast<size_t>(u)].saved || lb.share_layer[static_cast<size_t>(u)] >= 0) continue;
       Buffer b{scratch.ptr + extra_used, -1, g.tensors[static_cast<size_t>(u)].bytes};
       extra_used += b.bytes;
       MEMPLAN_CHECK(extra_used <= scratch.bytes, "recompute chain outgrew its buffer");
@@ -114,6 +116,7 @@ void Executor::Recompute(Rank& r, size_t bi, int32_t inst_index) {
       if (u == t) return dst;
       auto it = local.find(u);
       if (it != local.end()) return it->second;
+      if (lb.share_layer[static_cast<size_t>(u)] >= 0) return SharedValue(r, bi, u);
       return BwdFull(r, blk.layer, u, blk.microbatch);
     };
     Forward(r, bi, pos, value, blk.microbatch);

@@ -394,21 +394,46 @@ void CombineBwd(OpContext& c) {
 
 // --- Block AttnRes ------------------------------------------------------------------
 
-// Block AttnRes over sources [n, T, h]: h = sum_i softmax_i(w . RMSNorm(v_i)) v_i.
+// Block AttnRes: h = sum_i softmax_i(w . RMSNorm(v_i)) v_i over the blocks
+// v_i: the op's inputs, each a [T, h] block read in place (single copy), or
+// one input holding all n blocks back to back.
+struct AttnResBlocks {
+  std::vector<const float*> src;
+  std::vector<float*> grad;  // backward only
+};
+AttnResBlocks Blocks(OpContext& c, bool grads) {
+  Dims2 x = RowsCols(c.OutSpec(0));
+  AttnResBlocks b;
+  const size_t inputs = c.op().inputs.size();
+  const int64_t n = inputs > 1 ? static_cast<int64_t>(inputs) : Elements(c.InSpec(0).shape) / (x.rows * x.cols);
+  for (int64_t i = 0; i < n; ++i) {
+    const size_t in = inputs > 1 ? static_cast<size_t>(i) : 0;
+    const int64_t at = inputs > 1 ? 0 : i * x.rows * x.cols;
+    b.src.push_back(c.In(in).as<float>() + at);
+    if (!grads) continue;
+    // The backward adds into the blocks' gradients; one nobody wrote yet
+    // starts at zero.
+    Buffer g = c.InputGrad(in);
+    if (at == 0 && c.FirstWriter(in)) c.k().Zero(g.ptr, g.bytes);
+    b.grad.push_back(g.as<float>() + at);
+  }
+  return b;
+}
 void AttnResFwd(OpContext& c) {
   Dims2 x = RowsCols(c.OutSpec(0));
-  const int64_t n = Elements(c.InSpec(0).shape) / (x.rows * x.cols);
-  c.k().AttnResFwd(c.In(0).as<float>(), c.Param(0).weight.as<float>(), c.Param(1).weight.as<float>(), n, x.rows,
-                   x.cols, kRmsNormEps, c.Out(0).as<float>(), c.Out(1).as<float>());
+  AttnResBlocks b = Blocks(c, false);
+  c.k().AttnResFwd(b.src.data(), static_cast<int64_t>(b.src.size()), c.Param(0).weight.as<float>(),
+                   c.Param(1).weight.as<float>(), x.rows, x.cols, kRmsNormEps, c.Out(0).as<float>(),
+                   c.Out(1).as<float>());
 }
 void AttnResBwd(OpContext& c) {
   Dims2 x = RowsCols(c.OutSpec(0));
-  const int64_t n = Elements(c.InSpec(0).shape) / (x.rows * x.cols);
+  AttnResBlocks b = Blocks(c, true);
   const ParamState& w = c.Param(0);
   const ParamState& gamma = c.Param(1);
-  c.k().AttnResBwd(c.In(0).as<float>(), w.weight.as<float>(), gamma.weight.as<float>(), c.DOut(0).as<float>(), n,
-                   x.rows, x.cols, kRmsNormEps, c.InputGrad(0).as<float>(), w.grad.as<float>(), gamma.grad.as<float>());
-  c.FinishInputGrad(0);
+  c.k().AttnResBwd(b.src.data(), static_cast<int64_t>(b.src.size()), w.weight.as<float>(), gamma.weight.as<float>(),
+                   c.DOut(0).as<float>(), x.rows, x.cols, kRmsNormEps, b.grad.data(), w.grad.as<float>(),
+                   gamma.grad.as<float>(), c.Workspace().as<float>());
 }
 
 // The sources' bytes that pass through unchanged: all but a running

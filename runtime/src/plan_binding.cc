@@ -58,9 +58,11 @@ Expected<std::monostate> Executor::Setup() {
   if (a.mla && a.attention != planner::Attention::kFlash) {
     why.push_back("/model/arch/mla: MLA executes with flash attention (arch.attention \"flash\")");
   }
-  if (a.attn_res && model_.options.attn_res_single_copy) {
-    why.push_back("/model/options/attn_res_single_copy: later layers would read earlier layers' (and stages') "
-                  "blocks in place; Block AttnRes executes with the blocks travelling (single copy false)");
+  if (a.attn_res &&
+      planner::AttnResSourceCount(a.layers, a.attn_res->block_layers) > workspace::kMaxAttnResSources) {
+    why.push_back("/model/arch/attn_res/block_layers: the head attends over " +
+                  std::to_string(planner::AttnResSourceCount(a.layers, a.attn_res->block_layers)) +
+                  " blocks; the AttnRes kernels take at most " + std::to_string(workspace::kMaxAttnResSources));
   }
   if (!model_.graph.empty()) {
     return BadInput(file + ": /model/graph: explicit layer graphs are not executable");
@@ -202,6 +204,7 @@ Expected<std::monostate> Executor::Check() {
                       " hands more than one tensor to its neighbour layer; the runtime's stage mailbox carries one");
     }
   }
+  SetupShared();
   // FP8 payloads are values then fp32 scales: the scales must be aligned.
   for (size_t r = 0; r < p_.tensors.size(); ++r) {
     for (size_t t = 0; t < p_.tensors[r].size(); ++t) {
@@ -232,6 +235,7 @@ Buffer Executor::Value(Rank& r, size_t bi, int32_t t) {
   const LayerGraph& g = G(blk.layer);
   const LayerBuffers& lb = LB(blk.layer);
   const TensorSpec& spec = g.tensors[static_cast<size_t>(t)];
+  if (lb.share_layer[static_cast<size_t>(t)] >= 0) return SharedValue(r, bi, t);
   if (!blk.forward) {
     if (spec.saved) return BwdFull(r, blk.layer, t, blk.microbatch);
     return BlockBuf(r, bi, BlockBuffer::Role::kRebuilt, t);
@@ -257,6 +261,7 @@ Buffer Executor::Value(Rank& r, size_t bi, int32_t t) {
 Buffer Executor::Grad(Rank& r, size_t bi, int32_t t) {
   const Block& blk = p_.timelines[static_cast<size_t>(r.index)].blocks[bi];
   const LayerBuffers& lb = LB(blk.layer);
+  if (IsShared(lb, t)) return SharedGrad(r, bi, t);
   if (lb.prod[static_cast<size_t>(t)] >= 0 && lb.export_to[static_cast<size_t>(t)] >= 0 && blk.prev_in_pass) {
     return BlockBuf(r, bi - 1, BlockBuffer::Role::kGrad, lb.export_to[static_cast<size_t>(t)]);
   }

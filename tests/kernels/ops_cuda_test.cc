@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "memplan/kernels/ops.h"
+#include "memplan/common/workspace.h"
 
 namespace mk = memplan::kernels;
 
@@ -573,21 +574,34 @@ TEST_CASE("AttnRes forward and backward") {
     auto dw = Random(d, ++seed);
     auto dgamma = Random(d, ++seed);
     const float eps = 1e-6f;
+    // dsources starts non-zero: the backward adds into it.
+    const auto ds0 = Random(nsrc, ++seed);
     DevF d_sources(sources, cs.misalign), d_w(w, cs.misalign), d_gamma(gamma, cs.misalign), d_dh(dh, cs.misalign);
-    DevF d_h(td, cs.misalign), d_weights(static_cast<size_t>(cs.n * cs.tokens)), d_ds(nsrc, cs.misalign);
+    DevF d_h(td, cs.misalign), d_weights(static_cast<size_t>(cs.n * cs.tokens)), d_ds(ds0, cs.misalign);
     DevF d_dw(dw, cs.misalign), d_dgamma(dgamma, cs.misalign);
-    std::vector<float> h(td), weights(static_cast<size_t>(cs.n * cs.tokens)), ds(nsrc);
+    DevF d_ws(static_cast<size_t>(memplan::workspace::AttnResBwdBytes(cs.tokens, cs.d) / 4), cs.misalign);
+    std::vector<float> h(td), weights(static_cast<size_t>(cs.n * cs.tokens)), ds = ds0;
+    // Block i at its own address (every other block reversed in memory order).
+    std::vector<const float*> d_src, h_src;
+    std::vector<float*> d_dsrc, h_dsrc;
+    for (int64_t i = 0; i < cs.n; ++i) {
+      const int64_t at = (cs.n - 1 - i) * static_cast<int64_t>(td);
+      d_src.push_back(d_sources.get() + at);
+      h_src.push_back(sources.data() + at);
+      d_dsrc.push_back(d_ds.get() + at);
+      h_dsrc.push_back(ds.data() + at);
+    }
 
-    env.cuda->AttnResFwd(d_sources.get(), d_w.get(), d_gamma.get(), cs.n, cs.tokens, cs.d, eps, d_h.get(),
+    env.cuda->AttnResFwd(d_src.data(), cs.n, d_w.get(), d_gamma.get(), cs.tokens, cs.d, eps, d_h.get(),
                          d_weights.get());
-    env.ref->AttnResFwd(sources.data(), w.data(), gamma.data(), cs.n, cs.tokens, cs.d, eps, h.data(), weights.data());
+    env.ref->AttnResFwd(h_src.data(), cs.n, w.data(), gamma.data(), cs.tokens, cs.d, eps, h.data(), weights.data());
     ExpectNear(d_h.ToHost(), h, kReductionTol, what + " h");
     ExpectNear(d_weights.ToHost(), weights, kReductionTol, what + " weights");
 
-    env.cuda->AttnResBwd(d_sources.get(), d_w.get(), d_gamma.get(), d_dh.get(), cs.n, cs.tokens, cs.d, eps, d_ds.get(),
-                         d_dw.get(), d_dgamma.get());
-    env.ref->AttnResBwd(sources.data(), w.data(), gamma.data(), dh.data(), cs.n, cs.tokens, cs.d, eps, ds.data(),
-                        dw.data(), dgamma.data());
+    env.cuda->AttnResBwd(d_src.data(), cs.n, d_w.get(), d_gamma.get(), d_dh.get(), cs.tokens, cs.d, eps,
+                         d_dsrc.data(), d_dw.get(), d_dgamma.get(), d_ws.get());
+    env.ref->AttnResBwd(h_src.data(), cs.n, w.data(), gamma.data(), dh.data(), cs.tokens, cs.d, eps, h_dsrc.data(),
+                        dw.data(), dgamma.data(), nullptr);
     ExpectNear(d_ds.ToHost(), ds, kReductionTol, what + " dsources");
     ExpectNear(d_dw.ToHost(), dw, kReductionTol, what + " dw");
     ExpectNear(d_dgamma.ToHost(), dgamma, kReductionTol, what + " dgamma");

@@ -1022,15 +1022,29 @@ TEST_CASE("Cross entropy forward and backward") {
 
 // --- Block AttnRes ------------------------------------------------------------------
 
+// Source i of n blocks stored back to back: its address.
+template <typename T>
+std::vector<T*> Blocks(std::vector<T>& v, int64_t n) {
+  std::vector<T*> p;
+  for (int64_t i = 0; i < n; ++i) p.push_back(v.data() + i * (static_cast<int64_t>(v.size()) / n));
+  return p;
+}
+template <typename T>
+std::vector<const T*> ConstBlocks(const std::vector<T>& v, int64_t n) {
+  std::vector<const T*> p;
+  for (int64_t i = 0; i < n; ++i) p.push_back(v.data() + i * (static_cast<int64_t>(v.size()) / n));
+  return p;
+}
+
 TEST_CASE("AttnRes forward (naive formula) and backward") {
   auto ops = mk::MakeRefOps();
   const int64_t n = 3, tokens = 5, d = 67;
   const float eps = 1e-6f;
   const VecF sf = Rand(n * tokens * d, 171, -2.f, 2.f), wf = Rand(d, 172), gf = Rand(d, 173, 0.5f, 1.5f);
-  const VecF rf = Rand(tokens * d, 174), dw0 = Rand(d, 175), dg0 = Rand(d, 176);
+  const VecF rf = Rand(tokens * d, 174), dw0 = Rand(d, 175), dg0 = Rand(d, 176), ds0 = Rand(n * tokens * d, 177);
 
   VecF h(static_cast<size_t>(tokens * d)), a(static_cast<size_t>(tokens * n));
-  ops->AttnResFwd(sf.data(), wf.data(), gf.data(), n, tokens, d, eps, h.data(), a.data());
+  ops->AttnResFwd(ConstBlocks(sf, n).data(), n, wf.data(), gf.data(), tokens, d, eps, h.data(), a.data());
   VecD want_h(h.size()), want_a(a.size());
   for (int64_t t = 0; t < tokens; ++t) {
     VecD z(static_cast<size_t>(n));
@@ -1056,28 +1070,44 @@ TEST_CASE("AttnRes forward (naive formula) and backward") {
   const VecD r = ToD(rf);
   auto loss = [&] {
     VecD hd(r.size()), ad(static_cast<size_t>(tokens * n));
-    MD::AttnResFwd(src.data(), w.data(), g.data(), n, tokens, d, eps, hd.data(), ad.data());
+    MD::AttnResFwd(ConstBlocks(src, n).data(), n, w.data(), g.data(), tokens, d, eps, hd.data(), ad.data());
     return Dot(r, hd);
   };
-  VecD ds(src.size()), dw = ToD(dw0), dg = ToD(dg0);
-  MD::AttnResBwd(src.data(), w.data(), g.data(), r.data(), n, tokens, d, eps, ds.data(), dw.data(), dg.data());
+  // Every gradient is added into what is there.
+  VecD ds = ToD(ds0), dw = ToD(dw0), dg = ToD(dg0);
+  MD::AttnResBwd(ConstBlocks(src, n).data(), n, w.data(), g.data(), r.data(), tokens, d, eps, Blocks(ds, n).data(),
+                 dw.data(), dg.data());
   for (int64_t c = 0; c < d; ++c) {
     dw[c] -= dw0[c];
     dg[c] -= dg0[c];
   }
+  for (size_t k = 0; k < ds.size(); ++k) ds[k] -= ds0[k];
   ExpectClose(ds, NumGrad(src, loss), kFdTol, "attn_res dsources");
   ExpectClose(dw, NumGrad(w, loss), kFdTol, "attn_res dw");
   ExpectClose(dg, NumGrad(g, loss), kFdTol, "attn_res dgamma");
 
-  VecF dsf(src.size(), std::numeric_limits<float>::quiet_NaN()), dwf = dw0, dgf = dg0;
-  ops->AttnResBwd(sf.data(), wf.data(), gf.data(), rf.data(), n, tokens, d, eps, dsf.data(), dwf.data(), dgf.data());
+  VecF dsf = ds0, dwf = dw0, dgf = dg0;
+  ops->AttnResBwd(ConstBlocks(sf, n).data(), n, wf.data(), gf.data(), rf.data(), tokens, d, eps,
+                  Blocks(dsf, n).data(), dwf.data(), dgf.data(), nullptr);
   for (int64_t c = 0; c < d; ++c) {
     dwf[c] -= dw0[c];
     dgf[c] -= dg0[c];
   }
+  for (size_t k = 0; k < dsf.size(); ++k) dsf[k] -= ds0[k];
   ExpectClose(dsf, ds, kF32Tol, "attn_res dsources (float)");
   ExpectClose(dwf, dw, kF32Tol, "attn_res dw (float)");
   ExpectClose(dgf, dg, kF32Tol, "attn_res dgamma (float)");
+
+  // The blocks need not be contiguous or in order: sources given in reverse
+  // give the same h (a permutation of a softmax-weighted sum) up to rounding.
+  std::vector<const float*> rev = ConstBlocks(sf, n);
+  std::reverse(rev.begin(), rev.end());
+  VecF h_rev(h.size()), a_rev(a.size());
+  ops->AttnResFwd(rev.data(), n, wf.data(), gf.data(), tokens, d, eps, h_rev.data(), a_rev.data());
+  ExpectClose(h_rev, want_h, kF32Tol, "attn_res h (sources reversed)");
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t i = 0; i < n; ++i) CHECK(a_rev[t * n + i] == doctest::Approx(a[t * n + (n - 1 - i)]).epsilon(1e-5));
+  }
 }
 
 // --- Executor ops: softmax, sigmoid, top-k, embedding, split heads, optimizer ------
@@ -1603,10 +1633,10 @@ TEST_CASE("Every op gives identical bytes when run twice") {
   const int64_t nsrc = 4;
   const VecF src = Rand(nsrc * tokens * d, 221), w = Rand(d, 222), g = Rand(d, 223);
   twice("attn_res", [&](float fill) {
-    VecF h(x.size(), fill), wts(static_cast<size_t>(tokens * nsrc), fill), ds(src.size(), fill), dw = w, dg = g;
-    ops->AttnResFwd(src.data(), w.data(), g.data(), nsrc, tokens, d, 1e-6f, h.data(), wts.data());
-    ops->AttnResBwd(src.data(), w.data(), g.data(), dout.data(), nsrc, tokens, d, 1e-6f, ds.data(), dw.data(),
-                    dg.data());
+    VecF h(x.size(), fill), wts(static_cast<size_t>(tokens * nsrc), fill), ds(src.size(), 0.f), dw = w, dg = g;
+    ops->AttnResFwd(ConstBlocks(src, nsrc).data(), nsrc, w.data(), g.data(), tokens, d, 1e-6f, h.data(), wts.data());
+    ops->AttnResBwd(ConstBlocks(src, nsrc).data(), nsrc, w.data(), g.data(), dout.data(), tokens, d, 1e-6f,
+                    Blocks(ds, nsrc).data(), dw.data(), dg.data(), nullptr);
     return Bytes(h, wts, ds, dw, dg);
   });
 }

@@ -16,6 +16,17 @@ constexpr int64_t AttentionBwdBytes(int64_t b, int64_t heads, int64_t s_q, int64
 // Flash-style attention backward: D = rowsum(dO * O), fp32 [b, heads, s_q].
 constexpr int64_t FlashAttentionBwdBytes(int64_t b, int64_t heads, int64_t s_q) { return b * heads * s_q * 4; }
 
+// Block AttnRes backward (kernels::Ops::AttnResBwd): the dw/dgamma partial
+// sums, one fp32 row of `d` per group of tokens, at most kAttnResBwdGroups
+// groups (a constant, so that plans do not depend on the GPU's SM count).
+// One op attends over at most kMaxAttnResSources blocks (the kernels take
+// the blocks' addresses as launch arguments).
+inline constexpr int64_t kAttnResBwdGroups = 256;
+inline constexpr int64_t kMaxAttnResSources = 64;
+constexpr int64_t AttnResBwdBytes(int64_t tokens, int64_t d) {
+  return (tokens < kAttnResBwdGroups ? tokens : kAttnResBwdGroups) * d * 4;
+}
+
 // cuBLAS workspace handed to GEMMs (NVIDIA's recommendation on Hopper). One
 // per rank for the whole run: a static buffer of every rank's plan
 // ("gemm_workspace", docs/accounting.md) that the runtime hands to cuBLAS

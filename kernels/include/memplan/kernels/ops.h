@@ -300,14 +300,18 @@ class Ops {
   virtual void CrossEntropyBwd(const float* probs, const int32_t* targets, int64_t tokens, int64_t vocab, float scale,
                                float* dlogits) = 0;
 
-  // Block AttnRes: for each token, weights over n sources (sources
-  // [n, T, d]): a_i = softmax_i(w . RMSNorm(v_i; gamma, eps)), h = sum_i a_i v_i.
-  // Saves nothing; backward recomputes and writes dsources (overwrite) and
-  // accumulates dw, dgamma.
-  virtual void AttnResFwd(const float* sources, const float* w, const float* gamma, int64_t n, int64_t tokens,
+  // Block AttnRes: for each token, weights over n sources, source i a
+  // separate [T, d] tensor at sources[i] (the blocks are read in place, so
+  // they need not be contiguous; n <= workspace::kMaxAttnResSources):
+  // a_i = softmax_i(w . RMSNorm(v_i; gamma, eps)), h = sum_i a_i v_i.
+  // Saves nothing; the backward recomputes the weights and adds (+=) into
+  // dsources[i], dw and dgamma. `workspace` holds
+  // workspace::AttnResBwdBytes(T, d) for the dw/dgamma partials.
+  virtual void AttnResFwd(const float* const* sources, int64_t n, const float* w, const float* gamma, int64_t tokens,
                           int64_t d, float eps, float* h, float* weights) = 0;
-  virtual void AttnResBwd(const float* sources, const float* w, const float* gamma, const float* dh, int64_t n,
-                          int64_t tokens, int64_t d, float eps, float* dsources, float* dw, float* dgamma) = 0;
+  virtual void AttnResBwd(const float* const* sources, int64_t n, const float* w, const float* gamma, const float* dh,
+                          int64_t tokens, int64_t d, float eps, float* const* dsources, float* dw, float* dgamma,
+                          float* workspace) = 0;
 };
 
 // The CPU reference implementation.

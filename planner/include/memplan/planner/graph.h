@@ -35,6 +35,10 @@ std::string_view DTypeName(DType dtype);
 // "bf16", "fp32", ... ; false when unknown.
 bool ParseDType(std::string_view name, DType* out);
 
+// The layer a tensor's name places it in ("layer12.attn_res.partial" -> 12);
+// -1 for a name without the layer<i>. prefix.
+int64_t TensorLayer(std::string_view name);
+
 enum class ParamKind { kLinear, kNorm, kEmbedding, kHead, kRouter, kExpert, kSharedExpert };
 std::string_view ParamKindName(ParamKind kind);
 bool ParseParamKind(std::string_view name, ParamKind* out);

@@ -77,6 +77,9 @@ int64_t Fp8Bytes(const std::vector<int64_t>& shape);
 
 struct SavedTensor {
   std::string name;
+  // Later layers read it in place (Block AttnRes's blocks with a single
+  // copy): it stays resident, kept, until its own layer's backward.
+  bool shared = false;
   int64_t layer = 0;
   int32_t chunk = 0;
   int32_t graph_index = 0;  // index in the layer graph's tensors
@@ -139,10 +142,14 @@ struct LayerBuffers {
   // topological positions (-1: none here), the next layer's tensor it
   // becomes (-1: none) and the previous layer's tensor it is (-1: none).
   std::vector<int32_t> prod, last_use, export_to, import_from;
+  // Shared tensors (Block AttnRes with a single copy): per tensor, the
+  // earlier layer whose saved tensor it is, read in place, and its index
+  // there (-1: a tensor of this layer); whether later layers read this
+  // layer's tensor in place (its gradient is then a cross buffer, summed
+  // over every reader, not a block buffer).
+  std::vector<int32_t> share_layer, share_index;
+  std::vector<uint8_t> shared_out;
 };
-
-// Block buffers of every layer of `layers` (indexed like it).
-std::vector<LayerBuffers> BuildLayerBuffers(const std::vector<LayerGraph>& layers);
 
 // Ops whose backward adds into its input gradients without a temporary
 // (OpDef::grad_accumulates); the others overwrite theirs.
@@ -172,6 +179,31 @@ struct RankTimeline {
   double compute_s = 0;                    // sum of op times
 };
 
+// A buffer that spans blocks and is the same under every storage decision
+// (Block AttnRes with a single copy, docs/design.md "Shared blocks"). For a
+// shared instance (a saved tensor later layers read in place):
+//   kSharedGrad  on its rank: its gradient, summed over every reader's
+//                backward (and the other ranks' cache gradients, added at
+//                its layer's first backward step), until its producer's
+//                backward consumes it;
+//   kCache       on a rank that reads it but does not own it: the pp cache's
+//                copy, from the first reader's forward to the last reader's
+//                backward of the microbatch (only new blocks travel);
+//   kCacheGrad   there: the cached copy's gradient, over the readers'
+//                backwards, then sent to the owner;
+//   kGradInbox   on the owner, for its layer's first backward step when
+//                other ranks read it: where each cache gradient lands before
+//                it is added into kSharedGrad.
+struct CrossBuffer {
+  enum class Role : uint8_t { kSharedGrad, kCache, kCacheGrad, kGradInbox };
+  Role role = Role::kSharedGrad;
+  int32_t rank = 0;  // where the bytes live
+  int64_t first = 0, last = 0;  // steps of that rank, inclusive
+  int64_t bytes = 0;
+  int32_t owner_rank = 0;  // the shared instance
+  int32_t instance = 0;
+};
+
 // Everything the solver, the rebalancer and the bounds need, built once.
 struct PlanningProblem {
   const Model* model = nullptr;
@@ -193,6 +225,8 @@ struct PlanningProblem {
   // instances (the solvers' objective coefficients), computed once.
   std::vector<std::vector<std::array<double, kStorageCount>>> tensor_cost_s;
   std::vector<LayerBuffers> layer_buffers;  // per global layer
+  // Per rank, sorted by first step (included in the timelines' transient).
+  std::vector<std::vector<CrossBuffer>> cross;
 };
 
 // Host-offload capacity of a rank, so that copies hide behind compute: the

@@ -53,6 +53,7 @@ enum class OpKind : uint8_t {
 
 // One tensor of an op by position: inputs[index] or outputs[index].
 struct OpSlot {
+  static constexpr uint8_t kAll = 255;  // every input (or output)
   bool output = false;
   uint8_t index = 0;
   // Read only when the tensor is saved: combine's native router gradient
@@ -77,7 +78,8 @@ struct OpDef {
   // be resident when it runs (saved, or rebuilt).
   std::vector<OpSlot> backward_reads;
   // The backward adds into its input gradients without a temporary (add,
-  // identity, copy, attn_res_accumulate); the others overwrite theirs.
+  // identity, copy, attn_res, attn_res_accumulate); the others overwrite
+  // theirs.
   bool grad_accumulates = false;
   // Parameter roles, in the order OpSpec::params lists them.
   std::vector<std::string_view> params;

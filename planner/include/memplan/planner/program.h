@@ -19,7 +19,8 @@ struct ProgramBuffer {
   int64_t first = 0;  // steps of the rank, inclusive
   int64_t last = 0;
   int64_t bytes = 0;
-  int64_t interval = -1;  // index into the intervals, or -1 for a block buffer
+  int64_t interval = -1;  // index into the intervals, or -1
+  int32_t cross = -1;     // index into the rank's cross buffers, or -1
   int32_t block = -1;     // block buffers: index into the timeline's blocks
   int32_t buffer = -1;    // and into that layer's forward or backward buffers
   int64_t tag = -1;       // the caller's (e.g. the offset it placed the buffer at)
@@ -29,8 +30,9 @@ struct ProgramBuffer {
 // allocated and freed, which the planner's placement (bounds.h) and the
 // runtime's executor both follow, so that the same deterministic allocator
 // reaches the same bytes. At each step: first the intervals that start
-// there (in the order of `intervals`), then the block buffers that start
-// there (blocks in step order, each block's buffers in list order) are
+// there (in the order of `intervals`), then the rank's cross buffers that
+// start there (PlanningProblem::cross order), then the block buffers that
+// start there (blocks in step order, each block's buffers in list order) are
 // allocated; the step's op runs; then every buffer whose last step it is is
 // freed (the order of frees does not change a best-fit heap's state).
 // O(log n) per buffer.
@@ -58,8 +60,10 @@ class ProgramWalker {
   const PlanningProblem& p_;
   const RankTimeline& tl_;
   const std::vector<Interval>& ivs_;
+  const std::vector<CrossBuffer>& cross_;
   std::vector<size_t> mine_;  // sorted by first step (stable)
   size_t next_interval_ = 0;
+  size_t next_cross_ = 0;
   size_t next_block_ = 0;
   int64_t step_ = -1;
   int64_t seq_ = 0;

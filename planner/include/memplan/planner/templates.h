@@ -28,4 +28,9 @@ LayerGraph ExpandTemplateLayer(const Model& model, int64_t layer);
 // one for that index, the template otherwise.
 Expected<std::vector<LayerGraph>> ExpandModel(const Model& model);
 
+// Block AttnRes: the number of block representations layer `layer` attends
+// over (b_0, every completed block, the running one); `layer` = layers is
+// the head's, the most of any.
+int64_t AttnResSourceCount(int64_t layer, int64_t block_layers);
+
 }  // namespace memplan::planner

@@ -10,8 +10,10 @@
 // either an interval of a saved instance (planner::IntervalPart says which
 // part of it: the tensor as produced, its FP8 encoding, the payload until
 // its copy-out is over, the prefetched payload, the restored tensor, a
-// recompute chain's scratch, a remote payload landed on another rank) or a
-// block buffer of a layer pass (values, gradients, workspaces). Because the
+// recompute chain's scratch, a remote payload landed on another rank), a
+// cross buffer (planner::CrossBuffer: a shared block's gradient, the pp
+// cache) or a block buffer of a layer pass (values, gradients,
+// workspaces). Because the
 // allocation sequence is the one the planner placed, a device whose
 // allocator is the planner's best-fit heap reaches exactly the predicted
 // bytes.
@@ -94,6 +96,9 @@ class ActivationManager {
                      int32_t op = -1) const;
   // Entry `index` of the block's list (live).
   Buffer BlockBufferAt(int32_t rank, int64_t block, int32_t index) const;
+  // Cross buffer `index` of `rank` (problem.cross[rank][index]), live. The
+  // manager only binds them; the executor fills, zeroes and sends them.
+  Buffer Cross(int32_t rank, int32_t index) const;
 
   // Saved instances (index into problem.instances[rank]).
   // The full tensor from its producer to its last forward reader.

@@ -1,0 +1,113 @@
+// Block AttnRes with a single copy (docs/design.md, "Shared blocks"): a block
+// representation is one saved tensor of the layer that completes it; later
+// layers read it in place on its rank, other ranks through the pp cache (a
+// copy per rank and microbatch, made when its first reader there runs). The
+// gradients of a block are summed in one buffer on its owner (kSharedGrad),
+// other ranks' first in their cache gradient, which is sent when its last
+// reader there has run and lands in the owner's inbox at the block's layer's
+// first backward step. Every buffer here is a planner::CrossBuffer of the
+// plan, allocated by the memory program; this file moves the bytes.
+#include "executor_impl.h"
+
+namespace memplan::runtime::exec {
+
+using Role = planner::CrossBuffer::Role;
+
+void Executor::SetupShared() {
+  layer_rank_.assign(p_.layers.size(), 0);
+  for (size_t r = 0; r < p_.layout.chunks.size(); ++r) {
+    for (const auto& chunk : p_.layout.chunks[r]) {
+      for (int64_t l : chunk) layer_rank_[static_cast<size_t>(l)] = static_cast<int32_t>(r);
+    }
+  }
+  cross_ends_.assign(p_.cross.size(), {});
+  for (size_t r = 0; r < p_.cross.size(); ++r) {
+    cross_ends_[r].resize(static_cast<size_t>(p_.timelines[r].steps));
+    for (size_t i = 0; i < p_.cross[r].size(); ++i) {
+      const planner::CrossBuffer& c = p_.cross[r][i];
+      cross_index_[{static_cast<int32_t>(r), c.owner_rank, c.instance, c.role}] = static_cast<int32_t>(i);
+      cross_ends_[r][static_cast<size_t>(c.last)].push_back(static_cast<int32_t>(i));
+    }
+  }
+}
+
+namespace {
+
+// The owner layer and graph index of shared tensor `t` of `layer`.
+std::pair<int64_t, int32_t> Owner(const LayerBuffers& lb, int64_t layer, int32_t t) {
+  const int32_t j = lb.share_layer[static_cast<size_t>(t)];
+  return j >= 0 ? std::pair<int64_t, int32_t>{j, lb.share_index[static_cast<size_t>(t)]} : std::pair{layer, t};
+}
+
+}  // namespace
+
+Buffer Executor::SharedValue(Rank& r, size_t bi, int32_t t) {
+  const Block& blk = p_.timelines[static_cast<size_t>(r.index)].blocks[bi];
+  auto [layer, tensor] = Owner(LB(blk.layer), blk.layer, t);
+  const int32_t owner = layer_rank_[static_cast<size_t>(layer)];
+  const int32_t inst = InstIndex(layer, tensor, blk.microbatch);
+  if (owner == r.index) return blk.forward ? acts_->Forward(owner, inst) : acts_->Backward(owner, inst);
+  return acts_->Cross(r.index, cross_index_.at({r.index, owner, inst, Role::kCache}));
+}
+
+Buffer Executor::SharedGrad(Rank& r, size_t bi, int32_t t) {
+  const Block& blk = p_.timelines[static_cast<size_t>(r.index)].blocks[bi];
+  auto [layer, tensor] = Owner(LB(blk.layer), blk.layer, t);
+  const int32_t owner = layer_rank_[static_cast<size_t>(layer)];
+  const int32_t inst = InstIndex(layer, tensor, blk.microbatch);
+  const Role role = owner == r.index ? Role::kSharedGrad : Role::kCacheGrad;
+  return acts_->Cross(r.index, cross_index_.at({r.index, owner, inst, role}));
+}
+
+void Executor::BeginCross(Rank& r) {
+  for (const auto& b : acts_->allocations(r.index)) {
+    if (b.cross < 0) continue;
+    const planner::CrossBuffer& c = p_.cross[static_cast<size_t>(r.index)][static_cast<size_t>(b.cross)];
+    Buffer buf = acts_->Cross(r.index, b.cross);
+    if (c.role == Role::kSharedGrad || c.role == Role::kCacheGrad) {
+      r.ops->Zero(buf.ptr, buf.bytes);
+    } else if (c.role == Role::kCache) {
+      // Only the new block travels, once per rank and microbatch.
+      Rank& owner = *ranks_[static_cast<size_t>(c.owner_rank)];
+      std::vector<std::byte> wire(static_cast<size_t>(c.bytes));
+      backend_->ToHost(*owner.dev, wire.data(), acts_->Forward(c.owner_rank, c.instance).ptr, c.bytes);
+      backend_->FromHost(*r.dev, buf.ptr, wire.data(), c.bytes);
+      ++r.events["block_cache_copies"];
+    }
+  }
+}
+
+void Executor::EndCross(Rank& r) {
+  const int64_t step = acts_->step(r.index);
+  for (int32_t i : cross_ends_[static_cast<size_t>(r.index)][static_cast<size_t>(step)]) {
+    const planner::CrossBuffer& c = p_.cross[static_cast<size_t>(r.index)][static_cast<size_t>(i)];
+    if (c.role != Role::kCacheGrad) continue;
+    std::vector<std::byte> wire(static_cast<size_t>(c.bytes));
+    backend_->ToHost(*r.dev, wire.data(), acts_->Cross(r.index, i).ptr, c.bytes);
+    grad_wires_[{c.owner_rank, c.instance}].push_back(std::move(wire));
+    ++r.events["block_grad_sends"];
+  }
+}
+
+void Executor::ReceiveSharedGrads(Rank& r, size_t bi) {
+  const Block& blk = p_.timelines[static_cast<size_t>(r.index)].blocks[bi];
+  const LayerGraph& g = G(blk.layer);
+  const LayerBuffers& lb = LB(blk.layer);
+  for (size_t t = 0; t < g.tensors.size(); ++t) {
+    if (!lb.shared_out[t]) continue;
+    const int32_t inst = InstIndex(blk.layer, static_cast<int32_t>(t), blk.microbatch);
+    auto inbox = cross_index_.find({r.index, r.index, inst, Role::kGradInbox});
+    if (inbox == cross_index_.end()) continue;  // read on this rank only
+    auto wires = grad_wires_.find({r.index, inst});
+    MEMPLAN_CHECK(wires != grad_wires_.end() && !wires->second.empty(), "a shared block's gradient did not arrive");
+    Buffer in = acts_->Cross(r.index, inbox->second);
+    Buffer sum = SharedGrad(r, bi, static_cast<int32_t>(t));
+    for (const auto& w : wires->second) {
+      backend_->FromHost(*r.dev, in.ptr, w.data(), in.bytes);
+      r.ops->Accumulate(sum.as<float>(), in.as<float>(), in.bytes / 4);
+    }
+    grad_wires_.erase(wires);
+  }
+}
+
+}  // namespace memplan::runtime::exec
