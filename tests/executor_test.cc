@@ -45,14 +45,14 @@ void CheckExact(const Json& plan, const RunResult& r) {
   CHECK(verdict->pass);
 }
 
-}  // namespace
-
-TEST_CASE("host: measured bytes equal the plan's for every model and storage mix") {
+// Every storage mix, a mix per module, and the planner's own choice under a
+// budget between its bounds: measured == predicted on every rank.
+void CheckEveryMix(const char* file) {
   const Json mixes[] = {
       "keep", "recompute", "fp8", "offload_host", Json::array({"fp8", "offload_host"}), "offload_remote",
       Json::array({"fp8", "offload_remote"}),
   };
-  for (const char* file : kModels) {
+  {
     Json model = LoadJson(file);
     for (const Json& mix : mixes) {
       CAPTURE(file);
@@ -81,6 +81,18 @@ TEST_CASE("host: measured bytes equal the plan's for every model and storage mix
   }
 }
 
+}  // namespace
+
+TEST_CASE("host: measured bytes equal the plan's for every model and storage mix") {
+  for (const char* file : kModels) CheckEveryMix(file);
+}
+
+// Every K3 mechanism at once (KDA, MLA, latent MoE, single-copy Block
+// AttnRes, Muon, pp 2 x vp 2): its own Meson test (executor_k3).
+TEST_CASE("host: tiny-k3-fp32, measured bytes equal the plan's for every storage mix") {
+  CheckEveryMix("examples/models/tiny-k3-fp32.json");
+}
+
 TEST_CASE("host: exact under shaken copy engines") {
   Json plan = PlanOf(WithPolicy(LoadJson("examples/models/tiny-llama.json"), Json::array({"fp8", "offload_remote"})));
   RunOptions o;
@@ -92,8 +104,11 @@ TEST_CASE("host: exact under shaken copy engines") {
   CHECK(a.measured.grad_norm == b.measured.grad_norm);
 }
 
-TEST_CASE("loss and grad_norm are bit-identical under keep, recompute and offload; FP8 moves grad_norm a little") {
-  for (const char* file : kModels) {
+namespace {
+
+// `fp8_tolerance`: how far FP8 storage may move grad_norm (relative).
+void CheckSameNumbers(const char* file, double fp8_tolerance = 0.05) {
+  {
     CAPTURE(file);
     Json model = LoadJson(file);
     RunResult keep = MustRun(PlanOf(WithPolicy(model, "keep")));
@@ -112,9 +127,22 @@ TEST_CASE("loss and grad_norm are bit-identical under keep, recompute and offloa
       // step's loss is exact; the backward reads FP8 copies.
       CHECK(r.measured.loss == keep.measured.loss);
       CHECK(r.measured.grad_norm != keep.measured.grad_norm);
-      CHECK(std::abs(r.measured.grad_norm - keep.measured.grad_norm) < 0.05 * keep.measured.grad_norm);
+      CHECK(std::abs(r.measured.grad_norm - keep.measured.grad_norm) < fp8_tolerance * keep.measured.grad_norm);
     }
   }
+}
+
+}  // namespace
+
+TEST_CASE("loss and grad_norm are bit-identical under keep, recompute and offload; FP8 moves grad_norm a little") {
+  for (const char* file : kModels) CheckSameNumbers(file);
+}
+
+// FP8 moves grad_norm by 12 % here: every saved tensor in FP8 includes KDA's
+// per-chunk states and the q, k its L2 norms amplify, summed through eight
+// layers of AttnRes blocks.
+TEST_CASE("tiny-k3-fp32: loss and grad_norm do not depend on where saved tensors were kept") {
+  CheckSameNumbers("examples/models/tiny-k3-fp32.json", 0.2);
 }
 
 TEST_CASE("the dump holds weights, batch and gradients with their shapes") {
@@ -209,23 +237,16 @@ TEST_CASE("plans the runtime cannot execute are refused with a reason") {
   CHECK(decomposed.error().message.find("not executable") != std::string::npos);
   // The op registry's reason comes with it.
   CHECK(decomposed.error().message.find("attn_res_checkpoint") != std::string::npos);
-  // tiny-k3 (every K3 mechanism) plans, and run names everything that still
-  // keeps it from executing, in one line: no more, no less.
-  for (const char* file : {"examples/models/tiny-k3.json", "examples/models/tiny-k3-fp32.json"}) {
-    CAPTURE(file);
-    auto k3 = RunPlan(PlanOf(LoadJson(file)), {});
-    REQUIRE_FALSE(k3.ok());
-    const std::string& msg = k3.error().message;
-    CHECK(msg.find('\n') == std::string::npos);
-    CHECK(msg.size() < 1000);
-    const bool bf16 = std::string(file).find("fp32") == std::string::npos;
-    CHECK((msg.find("bf16") != std::string::npos) == bf16);
-    for (const char* blocker : {"kda_chunked", "gated_rmsnorm", "lowrank_linear"}) {
-      CHECK(msg.find(blocker) != std::string::npos);
-    }
-    for (const char* runs : {"muon", "mla", "grouped_gemm", "dispatch", "topk", "attn_res"}) {
-      CHECK(msg.find(runs) == std::string::npos);
-    }
+  // tiny-k3 (every K3 mechanism, bf16) plans, and run names everything that
+  // still keeps it from executing, in one line: no more, no less.
+  auto k3 = RunPlan(PlanOf(LoadJson("examples/models/tiny-k3.json")), {});
+  REQUIRE_FALSE(k3.ok());
+  const std::string& msg = k3.error().message;
+  CHECK(msg.find('\n') == std::string::npos);
+  CHECK(msg.size() < 1000);
+  CHECK(msg.find("bf16") != std::string::npos);
+  for (const char* runs : {"muon", "mla", "grouped_gemm", "dispatch", "topk", "attn_res", "kda", "gated_rmsnorm"}) {
+    CHECK(msg.find(runs) == std::string::npos);
   }
   // Malformed or illegal plans: exit 2 with the JSON path, never a crash.
   Json good = PlanOf(LoadJson("examples/models/tiny-llama.json"));

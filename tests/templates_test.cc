@@ -198,7 +198,7 @@ TEST_CASE("hybrid KDA/MLA layers and their saved inventory") {
   int64_t heads = m.arch.heads / m.parallel.tp;
   int64_t dk = m.arch.linear_attention->head_dim;
   CHECK(states->bytes == 4 * m.train.micro_batch * heads * ((s + 63) / 64) * dk * dk);
-  for (const char* t : {"q", "k", "v", "g", "beta", "o", "gate", "proj_in"}) {
+  for (const char* t : {"q", "k", "v", "g", "beta", "o", "o_gate", "proj_in"}) {
     CAPTURE(t);
     REQUIRE(g.FindTensor(std::string("layer1.kda.") + t));
     CHECK(g.FindTensor(std::string("layer1.kda.") + t)->saved);

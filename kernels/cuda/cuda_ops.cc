@@ -321,6 +321,23 @@ class CudaOps final : public Ops {
     MEMPLAN_CUDA_CHECK(cuda::LaunchCrossEntropyBwd(ctx_, probs, targets, tokens, vocab, scale, dlogits));
   }
 
+  void KdaFwd(const float* q, const float* k, const float* v, const float* g, const float* beta, const float* a_log,
+              const KdaShape& shape, float* o, float* states) override {
+    MEMPLAN_CUDA_CHECK(cuda::LaunchKdaFwd(ctx_, q, k, v, g, beta, a_log, shape, o, states));
+  }
+  void KdaBwd(const float* q, const float* k, const float* v, const float* g, const float* beta, const float* a_log,
+              const float* states, const float* d_o, const KdaShape& shape, float* dq, float* dk, float* dv,
+              float* dg, float* dbeta, float* da_log, float* workspace) override {
+    MEMPLAN_CUDA_CHECK(cuda::LaunchKdaBwd(ctx_, q, k, v, g, beta, a_log, states, d_o, shape, dq, dk, dv, dg, dbeta,
+                                          da_log, workspace));
+  }
+  void SigmoidGateFwd(const float* x, const float* g, int64_t n, float* y) override {
+    MEMPLAN_CUDA_CHECK(cuda::LaunchSigmoidGateFwd(ctx_, x, g, n, y));
+  }
+  void SigmoidGateBwd(const float* x, const float* g, const float* dy, int64_t n, float* dx, float* dg) override {
+    MEMPLAN_CUDA_CHECK(cuda::LaunchSigmoidGateBwd(ctx_, x, g, dy, n, dx, dg));
+  }
+
   void AttnResFwd(const float* const* sources, int64_t n, const float* w, const float* gamma, int64_t tokens,
                   int64_t d, float eps, float* h, float* weights) override {
     MEMPLAN_CUDA_CHECK(cuda::LaunchAttnResFwd(ctx_, sources, n, w, gamma, tokens, d, eps, h, weights));

@@ -20,6 +20,7 @@
 #include <cuda_runtime_api.h>
 
 #include "memplan/common/workspace.h"
+#include "memplan/kernels/ops.h"
 
 #include <cstdint>
 
@@ -165,5 +166,16 @@ cudaError_t LaunchAttnResFwd(const LaunchContext& ctx, const float* const* sourc
 cudaError_t LaunchAttnResBwd(const LaunchContext& ctx, const float* const* sources, int64_t n, const float* w,
                              const float* gamma, const float* dh, int64_t tokens, int64_t d, float eps,
                              float* const* dsources, float* dw, float* dgamma, float* workspace);
+
+// KDA (kda.cu). The backward's workspace holds workspace::KdaBwdBytes.
+cudaError_t LaunchKdaFwd(const LaunchContext& ctx, const float* q, const float* k, const float* v, const float* g,
+                         const float* beta, const float* a_log, const KdaShape& shape, float* o, float* states);
+cudaError_t LaunchKdaBwd(const LaunchContext& ctx, const float* q, const float* k, const float* v, const float* g,
+                         const float* beta, const float* a_log, const float* states, const float* d_o,
+                         const KdaShape& shape, float* dq, float* dk, float* dv, float* dg, float* dbeta,
+                         float* da_log, float* workspace);
+cudaError_t LaunchSigmoidGateFwd(const LaunchContext& ctx, const float* x, const float* g, int64_t n, float* y);
+cudaError_t LaunchSigmoidGateBwd(const LaunchContext& ctx, const float* x, const float* g, const float* dy, int64_t n,
+                                 float* dx, float* dg);
 
 }  // namespace memplan::kernels::cuda

@@ -11,6 +11,7 @@
 
 #include "memplan/common/workspace.h"
 #include "memplan/kernels/ops.h"
+#include "kda_ref.h"
 #include "ops_ref_impl.h"
 
 namespace memplan::kernels {
@@ -969,6 +970,20 @@ class RefOps final : public Ops {
                   int64_t tokens, int64_t d, float eps, float* const* dsources, float* dw, float* dgamma,
                   float* /*workspace*/) override {
     M::AttnResBwd(sources, n, w, gamma, dh, tokens, d, eps, dsources, dw, dgamma);
+  }
+
+  void KdaFwd(const float* q, const float* k, const float* v, const float* g, const float* beta, const float* a_log,
+              const KdaShape& shape, float* o, float* states) override {
+    ref::KdaFwd(q, k, v, g, beta, a_log, shape, o, states);
+  }
+  void KdaBwd(const float* q, const float* k, const float* v, const float* g, const float* beta, const float* a_log,
+              const float* states, const float* d_o, const KdaShape& shape, float* dq, float* dk, float* dv,
+              float* dg, float* dbeta, float* da_log, float* workspace) override {
+    ref::KdaBwd(q, k, v, g, beta, a_log, states, d_o, shape, dq, dk, dv, dg, dbeta, da_log, workspace);
+  }
+  void SigmoidGateFwd(const float* x, const float* g, int64_t n, float* y) override { ref::SigmoidGateFwd(x, g, n, y); }
+  void SigmoidGateBwd(const float* x, const float* g, const float* dy, int64_t n, float* dx, float* dg) override {
+    ref::SigmoidGateBwd(x, g, dy, n, dx, dg);
   }
 };
 

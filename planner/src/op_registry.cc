@@ -13,21 +13,18 @@ OpSlot AllIn() { return {false, OpSlot::kAll, false}; }
 std::vector<OpDef> MakeTable() {
   using K = OpKind;
   constexpr bool kRuns = true;
-  constexpr std::string_view kKdaWhy = "no kernels for KDA's chunked delta rule yet";
   constexpr std::string_view kDecomposedAttnResWhy =
       "no kernels for the decomposed Block AttnRes (options.attn_res_checkpoint off)";
   std::vector<OpDef> t = {
       {K::kUnknown, "", {}, false, {}, ParamNaming::kByName, false, "no op registry entry has this kind"},
       {K::kLinear, "linear", {In(0)}, false, {"weight"}, ParamNaming::kByName, kRuns, ""},
-      {K::kLowRankLinear, "lowrank_linear", {In(0)}, false, {"a", "b"}, ParamNaming::kByName, false,
-       "no runtime implementation of low-rank projections x A B (KDA's gates) yet"},
       {K::kGroupedGemm, "grouped_gemm", {In(0)}, false, {"weight"}, ParamNaming::kByName, kRuns, ""},
       {K::kBatchedGemm, "batched_gemm", {In(0), In(1)}, false, {}, ParamNaming::kByName, kRuns, ""},
       {K::kEmbedding, "embedding", {In(0)}, false, {"weight"}, ParamNaming::kByName, kRuns, ""},
       {K::kLayerNorm, "layernorm", {In(0)}, false, {"weight", "bias"}, ParamNaming::kByName, kRuns, ""},
       {K::kRmsNorm, "rmsnorm", {In(0)}, false, {"weight"}, ParamNaming::kByName, kRuns, ""},
-      {K::kGatedRmsNorm, "gated_rmsnorm", {}, false, {"weight"}, ParamNaming::kByName, false,
-       "no kernels for KDA's gated RMSNorm yet"},
+      // KDA's output norm: RMSNorm(o) * sigmoid(gate), per head.
+      {K::kGatedRmsNorm, "gated_rmsnorm", {In(0), In(1)}, false, {"weight"}, ParamNaming::kByName, kRuns, ""},
       {K::kGelu, "gelu", {In(0)}, false, {}, ParamNaming::kByName, kRuns, ""},
       {K::kSwiglu, "swiglu", {In(0)}, false, {}, ParamNaming::kByName, kRuns, ""},
       {K::kSoftmax, "softmax", {Out(0)}, false, {}, ParamNaming::kByName, kRuns, ""},
@@ -44,7 +41,8 @@ std::vector<OpDef> MakeTable() {
       {K::kDispatch, "dispatch", {In(1)}, false, {}, ParamNaming::kByName, kRuns, ""},
       {K::kCombine, "combine", {InIfSaved(0), In(1), In(2)}, false, {}, ParamNaming::kByName, kRuns, ""},
       {K::kCrossEntropy, "cross_entropy", {Out(0), In(1)}, false, {}, ParamNaming::kByName, kRuns, ""},
-      {K::kKdaChunked, "kda_chunked", {}, false, {"a_log"}, ParamNaming::kByName, false, kKdaWhy},
+      // q, k, v, g, beta and the per-chunk states (its second output).
+      {K::kKdaChunked, "kda_chunked", {AllIn(), Out(1)}, false, {"a_log"}, ParamNaming::kByName, kRuns, ""},
       // Its inputs are the blocks (one tensor of them all, or each block read
       // in place); the backward recomputes the weights from them.
       {K::kAttnRes, "attn_res", {AllIn()}, true, {"query", "norm.weight"}, ParamNaming::kAttnRes, kRuns, ""},

@@ -318,6 +318,22 @@ std::string AddMlaAttention(Builder& B, const Dims& d, const std::string& x_in) 
   return AddOutputProjection(B, d, "attn", ctx, a.heads * m.v_head_dim);
 }
 
+// KDA's low-rank projections x A B (A [h, r] replicated, B [r, width] split
+// over TP): two linears "<name>_a", "<name>_b" through "<name>_mid"; saves
+// "<name>" as `dtype` (the decay gate is fp32), which the next op reads.
+std::string AddLowRank(Builder& B, const Dims& d, const std::string& name, const std::string& x_in, int64_t rank,
+                       int64_t width, int64_t width_full, DType dtype) {
+  int64_t wa = B.Param("kda", name + "_a.weight", {d.h, rank}, ParamKind::kLinear, false);
+  int64_t wb = B.Param("kda", name + "_b.weight", {rank, width_full}, ParamKind::kLinear, true);
+  std::string mid = B.Act("kda", name + "_mid", {d.tokens, rank}, false, "replicated");
+  B.Op("kda", name + "_a", "linear", {x_in}, {mid}, Gemm(d.tokens, d.h, rank), wa);
+  B.SetParams("kda", {name + "_a.weight"});
+  std::string out = B.Tensor("kda", name, {d.tokens, width}, dtype, true, "tp");
+  B.Op("kda", name + "_b", "linear", {mid}, {out}, Gemm(d.tokens, rank, width), wb);
+  B.SetParams("kda", {name + "_b.weight"});
+  return out;
+}
+
 // Kimi Delta Attention: a chunked gated delta rule. Saves q, k, v, the
 // per-channel decay gates and beta (fp32), the per-chunk states (fp32), the
 // output before the gated norm, the output gate and the projection input.
@@ -340,12 +356,9 @@ std::string AddKda(Builder& B, const Dims& d, const std::string& x_in) {
   B.SetParams("kda", {"k.weight"});
   B.Op("kda", "v_proj", "linear", {x_in}, {v}, Gemm(d.tokens, d.h, width), wv);
   B.SetParams("kda", {"v.weight"});
-  // Decay gate: low-rank projection (hidden -> head_dim -> heads*head_dim).
-  int64_t wg = B.Param("kda", "g_a.weight", {d.h, dk}, ParamKind::kLinear, false) +
-               B.Param("kda", "g_b.weight", {dk, width_full}, ParamKind::kLinear, true);
-  std::string g = B.Tensor("kda", "g", {d.tokens, width}, DType::kFP32, true, "tp");
-  B.Op("kda", "gate_proj", "lowrank_linear", {x_in}, {g}, Gemm(d.tokens, d.h, dk) + Gemm(d.tokens, dk, width), wg);
-  B.SetParams("kda", {"g_a.weight", "g_b.weight"});
+  // Decay gate: a low-rank projection, two GEMMs (hidden -> head_dim ->
+  // heads*head_dim) through a transient (rebuilt for g_b's weight gradient).
+  std::string g = AddLowRank(B, d, "g", x_in, dk, width, width_full, DType::kFP32);
   int64_t wb = B.Param("kda", "beta.weight", {d.h, a.heads}, ParamKind::kLinear, true);
   std::string beta = B.Tensor("kda", "beta", {d.tokens, heads}, DType::kFP32, true, "tp");
   B.Op("kda", "beta_proj", "linear", {x_in}, {beta}, Gemm(d.tokens, d.h, heads), wb);
@@ -356,18 +369,16 @@ std::string AddKda(Builder& B, const Dims& d, const std::string& x_in) {
   // Chunked delta rule: intra-chunk attention plus state updates.
   double delta_flops = 4.0 * static_cast<double>(d.tokens) * static_cast<double>(heads) *
                        static_cast<double>(dk) * static_cast<double>(dk + la.chunk);
-  B.Op("kda", "delta_rule", "kda_chunked", {q, k, v, g, beta}, {o, states}, delta_flops);
-  int64_t wog = B.Param("kda", "o_gate_a.weight", {d.h, dk}, ParamKind::kLinear, false) +
-                B.Param("kda", "o_gate_b.weight", {dk, width_full}, ParamKind::kLinear, true);
-  std::string gate = B.Act("kda", "gate", {d.tokens, width}, true, "tp");
-  B.Op("kda", "o_gate_proj", "lowrank_linear", {x_in}, {gate}, Gemm(d.tokens, d.h, dk) + Gemm(d.tokens, dk, width),
-       wog);
-  B.SetParams("kda", {"o_gate_a.weight", "o_gate_b.weight"});
-  int64_t wn = B.Param("kda", "o_norm.weight", {dk}, ParamKind::kNorm, false) +
-               B.Param("kda", "a_log", {a.heads}, ParamKind::kNorm, false);
+  int64_t wa = B.Param("kda", "a_log", {a.heads}, ParamKind::kNorm, false);
+  B.Op("kda", "delta_rule", "kda_chunked", {q, k, v, g, beta}, {o, states}, delta_flops, wa);
+  B.SetParams("kda", {"a_log"});
+  B.SetWorkspace(workspace::KdaBwdBytes(d.b, heads, la.chunk, dk, dk));
+  std::string gate = AddLowRank(B, d, "o_gate", x_in, dk, width, width_full, B.model().train.act_dtype);
+  int64_t wn = B.Param("kda", "o_norm.weight", {dk}, ParamKind::kNorm, false);
   std::string proj_in = B.Act("kda", "proj_in", {d.tokens, width}, true, "tp");
   B.Op("kda", "gated_norm", "gated_rmsnorm", {o, gate}, {proj_in}, 6.0 * static_cast<double>(d.tokens * width), wn);
   B.SetParams("kda", {"o_norm.weight"});
+  B.SetWorkspace(workspace::GatedRmsNormBwdBytes(d.tokens * heads, dk));
   return AddOutputProjection(B, d, "kda", proj_in, width_full);
 }
 

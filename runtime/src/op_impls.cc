@@ -392,6 +392,61 @@ void CombineBwd(OpContext& c) {
   if (native) c.FinishInputGrad(1);
 }
 
+// --- KDA --------------------------------------------------------------------------
+
+// q [T, heads*dk] (T = batch * seq), v [T, heads*dv], beta [T, heads],
+// states [batch, heads, chunks, dk, dv].
+kernels::KdaShape KdaShapeOf(OpContext& c) {
+  const planner::TensorSpec& q = c.InSpec(0);
+  const planner::TensorSpec& beta = c.InSpec(4);
+  const planner::TensorSpec& states = c.OutSpec(1);
+  kernels::KdaShape sh;
+  sh.batch = states.shape[0];
+  sh.heads = beta.shape[1];
+  sh.seq = q.shape[0] / sh.batch;
+  sh.dk = q.shape[1] / sh.heads;
+  sh.dv = c.InSpec(2).shape[1] / sh.heads;
+  sh.chunk = c.model().arch.linear_attention->chunk;
+  return sh;
+}
+void KdaFwd(OpContext& c) {
+  c.k().KdaFwd(c.In(0).as<float>(), c.In(1).as<float>(), c.In(2).as<float>(), c.In(3).as<float>(),
+               c.In(4).as<float>(), c.Param(0).weight.as<float>(), KdaShapeOf(c), c.Out(0).as<float>(),
+               c.Out(1).as<float>());
+}
+void KdaBwd(OpContext& c) {
+  const ParamState& a_log = c.Param(0);
+  c.k().KdaBwd(c.In(0).as<float>(), c.In(1).as<float>(), c.In(2).as<float>(), c.In(3).as<float>(),
+               c.In(4).as<float>(), a_log.weight.as<float>(), c.Out(1).as<float>(), c.DOut(0).as<float>(),
+               KdaShapeOf(c), c.InputGrad(0).as<float>(), c.InputGrad(1).as<float>(), c.InputGrad(2).as<float>(),
+               c.InputGrad(3).as<float>(), c.InputGrad(4).as<float>(), a_log.grad.as<float>(),
+               c.Workspace().as<float>());
+  for (size_t i = 0; i < 5; ++i) c.FinishInputGrad(i);
+}
+
+// KDA's output norm per head (rows of dk): y = RMSNorm(o; w, 1e-6) * sigmoid(gate).
+void GatedRmsNormFwd(OpContext& c) {
+  const ParamState& w = c.Param(0);
+  const int64_t n = Elements(c.InSpec(0).shape);
+  c.k().RmsNormFwd(c.In(0).as<float>(), w.weight.as<float>(), n / w.elements, w.elements, kRmsNormEps,
+                   c.Out(0).as<float>());
+  c.k().SigmoidGateFwd(c.Out(0).as<float>(), c.In(1).as<float>(), n, c.Out(0).as<float>());
+}
+// The normalized values are re-made into the workspace's first half, their
+// gradient goes to its second half, then RMSNorm's backward.
+void GatedRmsNormBwd(OpContext& c) {
+  const ParamState& w = c.Param(0);
+  const int64_t n = Elements(c.InSpec(0).shape);
+  float* normed = c.Workspace().as<float>();
+  float* dnormed = normed + n;
+  c.k().RmsNormFwd(c.In(0).as<float>(), w.weight.as<float>(), n / w.elements, w.elements, kRmsNormEps, normed);
+  c.k().SigmoidGateBwd(normed, c.In(1).as<float>(), c.DOut(0).as<float>(), n, dnormed, c.InputGrad(1).as<float>());
+  c.k().RmsNormBwd(c.In(0).as<float>(), w.weight.as<float>(), dnormed, n / w.elements, w.elements, kRmsNormEps,
+                   c.InputGrad(0).as<float>(), w.grad.as<float>());
+  c.FinishInputGrad(0);
+  c.FinishInputGrad(1);
+}
+
 // --- Block AttnRes ------------------------------------------------------------------
 
 // Block AttnRes: h = sum_i softmax_i(w . RMSNorm(v_i)) v_i over the blocks
@@ -501,6 +556,8 @@ std::array<OpImpl, static_cast<size_t>(OpKind::kCount)> MakeImpls() {
   set(OpKind::kDispatch, DispatchFwd, DispatchBwd);
   set(OpKind::kGroupedGemm, GroupedGemmFwd, GroupedGemmBwd);
   set(OpKind::kCombine, CombineFwd, CombineBwd);
+  set(OpKind::kKdaChunked, KdaFwd, KdaBwd);
+  set(OpKind::kGatedRmsNorm, GatedRmsNormFwd, GatedRmsNormBwd);
   set(OpKind::kAttnRes, AttnResFwd, AttnResBwd);
   set(OpKind::kAttnResAccumulate, AttnResAccumulateFwd, AttnResAccumulateBwd);
   return t;

@@ -608,6 +608,54 @@ TEST_CASE("AttnRes forward and backward") {
   }
 }
 
+// KDA: the recurrence per (sequence, head) in shared memory against the
+// reference, forward (o, the chunk states) and backward (every input
+// gradient, da_log added into), and the sigmoid output gate.
+TEST_CASE("KDA and the sigmoid gate against the reference") {
+  Env& env = GetEnv();
+  uint32_t seed = 900;
+  for (const mk::KdaShape sh : {mk::KdaShape{2, 40, 3, 16, 16, 16}, mk::KdaShape{1, 70, 2, 128, 64, 32}}) {
+    const std::string what = "kda dk=" + std::to_string(sh.dk) + " dv=" + std::to_string(sh.dv);
+    const size_t rows = static_cast<size_t>(sh.batch * sh.seq), nk = rows * static_cast<size_t>(sh.heads * sh.dk);
+    const size_t nv = rows * static_cast<size_t>(sh.heads * sh.dv), nb = rows * static_cast<size_t>(sh.heads);
+    const size_t ns = static_cast<size_t>(sh.batch * sh.heads * sh.Chunks() * sh.dk * sh.dv);
+    const auto q = Random(nk, ++seed, -1.f, 1.f), k = Random(nk, ++seed, -1.f, 1.f), v = Random(nv, ++seed, -1.f, 1.f);
+    const auto g = Random(nk, ++seed, -2.f, 2.f), beta = Random(nb, ++seed, -2.f, 2.f);
+    const auto a_log = Random(static_cast<size_t>(sh.heads), ++seed, -1.f, 0.5f), d_o = Random(nv, ++seed, -1.f, 1.f);
+    auto da = Random(static_cast<size_t>(sh.heads), ++seed);
+    DevF d_q(q), d_k(k), d_v(v), d_g(g), d_beta(beta), d_a(a_log), d_do(d_o), d_da(da);
+    DevF d_o_out(nv), d_states(ns), d_dq(nk), d_dk(nk), d_dv(nv), d_dg(nk), d_db(nb);
+    DevF d_ws(static_cast<size_t>(memplan::workspace::KdaBwdBytes(sh.batch, sh.heads, sh.chunk, sh.dk, sh.dv) / 4));
+    std::vector<float> o(nv), states(ns), dq(nk), dk(nk), dv(nv), dg(nk), db(nb);
+    env.cuda->KdaFwd(d_q.get(), d_k.get(), d_v.get(), d_g.get(), d_beta.get(), d_a.get(), sh, d_o_out.get(),
+                     d_states.get());
+    env.ref->KdaFwd(q.data(), k.data(), v.data(), g.data(), beta.data(), a_log.data(), sh, o.data(), states.data());
+    ExpectNear(d_o_out.ToHost(), o, kReductionTol, what + " o");
+    ExpectNear(d_states.ToHost(), states, kReductionTol, what + " states");
+    env.cuda->KdaBwd(d_q.get(), d_k.get(), d_v.get(), d_g.get(), d_beta.get(), d_a.get(), d_states.get(), d_do.get(), sh,
+                     d_dq.get(), d_dk.get(), d_dv.get(), d_dg.get(), d_db.get(), d_da.get(), d_ws.get());
+    env.ref->KdaBwd(q.data(), k.data(), v.data(), g.data(), beta.data(), a_log.data(), states.data(), d_o.data(), sh,
+                    dq.data(), dk.data(), dv.data(), dg.data(), db.data(), da.data(), nullptr);
+    ExpectNear(d_dq.ToHost(), dq, kReductionTol, what + " dq");
+    ExpectNear(d_dk.ToHost(), dk, kReductionTol, what + " dk");
+    ExpectNear(d_dv.ToHost(), dv, kReductionTol, what + " dv");
+    ExpectNear(d_dg.ToHost(), dg, kReductionTol, what + " dg");
+    ExpectNear(d_db.ToHost(), db, kReductionTol, what + " dbeta");
+    ExpectNear(d_da.ToHost(), da, kReductionTol, what + " da_log");
+  }
+  const size_t n = 5000;
+  const auto x = Random(n, 950, -1.f, 1.f), gate = Random(n, 951, -3.f, 3.f), dy = Random(n, 952, -1.f, 1.f);
+  DevF d_x(x), d_gate(gate), d_dy(dy), d_y(n), d_dx(n), d_dgate(n);
+  std::vector<float> y(n), dx(n), dgate(n);
+  env.cuda->SigmoidGateFwd(d_x.get(), d_gate.get(), static_cast<int64_t>(n), d_y.get());
+  env.ref->SigmoidGateFwd(x.data(), gate.data(), static_cast<int64_t>(n), y.data());
+  ExpectNear(d_y.ToHost(), y, kReductionTol, "sigmoid gate y");
+  env.cuda->SigmoidGateBwd(d_x.get(), d_gate.get(), d_dy.get(), static_cast<int64_t>(n), d_dx.get(), d_dgate.get());
+  env.ref->SigmoidGateBwd(x.data(), gate.data(), dy.data(), static_cast<int64_t>(n), dx.data(), dgate.data());
+  ExpectNear(d_dx.ToHost(), dx, kReductionTol, "sigmoid gate dx");
+  ExpectNear(d_dgate.ToHost(), dgate, kReductionTol, "sigmoid gate dg");
+}
+
 // The attention kernels have their own test (attention_cuda_test.cc); this
 // checks that CudaOps forwards to them on its stream.
 TEST_CASE("Attention through CudaOps") {

@@ -27,6 +27,17 @@ constexpr int64_t AttnResBwdBytes(int64_t tokens, int64_t d) {
   return (tokens < kAttnResBwdGroups ? tokens : kAttnResBwdGroups) * d * 4;
 }
 
+// KDA backward (kernels::Ops::KdaBwd): the state before each token of one
+// chunk, for every sequence and head, re-made from the chunk's saved start
+// (fp32 [batch, heads, chunk, dk, dv]), plus one da_log partial per sequence
+// and head (summed in a fixed order).
+constexpr int64_t KdaBwdBytes(int64_t batch, int64_t heads, int64_t chunk, int64_t dk, int64_t dv) {
+  return (batch * heads * chunk * dk * dv + batch * heads) * 4;
+}
+// KDA's gated RMSNorm backward: the normalized values and their gradient
+// before the gate, fp32 [rows, cols] each.
+constexpr int64_t GatedRmsNormBwdBytes(int64_t rows, int64_t cols) { return 2 * rows * cols * 4; }
+
 // cuBLAS workspace handed to GEMMs (NVIDIA's recommendation on Hopper). One
 // per rank for the whole run: a static buffer of every rank's plan
 // ("gemm_workspace", docs/accounting.md) that the runtime hands to cuBLAS

@@ -97,6 +97,16 @@ struct AdamConfig {
 // 1 - beta^step evaluated in double, rounded to float once.
 float AdamBiasCorrection(float beta, int64_t step);
 
+// KDA shapes: `batch` sequences of `seq` tokens (row r = b * seq + s),
+// `heads` heads of key width dk and value width dv, the state materialized
+// every `chunk` tokens.
+struct KdaShape {
+  int64_t batch = 0, seq = 0, heads = 0, dk = 0, dv = 0, chunk = 0;
+  int64_t Chunks() const { return chunk > 0 ? (seq + chunk - 1) / chunk : 0; }
+};
+// eps inside KDA's L2 norms of q and k: ||x|| = sqrt(sum x^2 + eps).
+inline constexpr double kKdaNormEps = 1e-6;
+
 class Ops {
  public:
   virtual ~Ops() = default;
@@ -312,6 +322,24 @@ class Ops {
   virtual void AttnResBwd(const float* const* sources, int64_t n, const float* w, const float* gamma, const float* dh,
                           int64_t tokens, int64_t d, float eps, float* const* dsources, float* dw, float* dgamma,
                           float* workspace) = 0;
+  // KDA (Kimi Delta Attention), the gated delta rule of each head with a
+  // state S [dk, dv] starting at 0 per sequence, token by token:
+  //   q^ = q / ||q|| / sqrt(dk), k^ = k / ||k||, alpha = exp(-exp(a_log[h]) softplus(g)),
+  //   beta = sigmoid(beta_raw), S = (I - beta k^ k^T) Diag(alpha) S + beta k^ v^T, o = S^T q^.
+  // q, k, g [rows, heads * dk], v, o [rows, heads * dv], beta_raw [rows, heads],
+  // a_log [heads]; states [batch, heads, chunks, dk, dv] receives S at the
+  // start of every chunk (saved for the backward, which re-makes each chunk's
+  // states from it). Backward: dq, dk, dv, dg, dbeta (overwrite), da_log
+  // (added into); `workspace` holds workspace::KdaBwdBytes(shape).
+  virtual void KdaFwd(const float* q, const float* k, const float* v, const float* g, const float* beta,
+                      const float* a_log, const KdaShape& shape, float* o, float* states) = 0;
+  virtual void KdaBwd(const float* q, const float* k, const float* v, const float* g, const float* beta,
+                      const float* a_log, const float* states, const float* d_o, const KdaShape& shape, float* dq,
+                      float* dk, float* dv, float* dg, float* dbeta, float* da_log, float* workspace) = 0;
+  // KDA's output gate: y = x * sigmoid(g) (y may be x); backward
+  // dx = dy * sigmoid(g), dg = dy * x * s (1 - s) (overwrite).
+  virtual void SigmoidGateFwd(const float* x, const float* g, int64_t n, float* y) = 0;
+  virtual void SigmoidGateBwd(const float* x, const float* g, const float* dy, int64_t n, float* dx, float* dg) = 0;
 };
 
 // The CPU reference implementation.

@@ -21,7 +21,6 @@ namespace memplan::planner {
 enum class OpKind : uint8_t {
   kUnknown = 0,  // a kind no entry names (explicit graphs may use any kind)
   kLinear,
-  kLowRankLinear,
   kGroupedGemm,
   kBatchedGemm,
   kEmbedding,
