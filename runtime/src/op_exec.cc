@@ -103,14 +103,23 @@ void Executor::Recompute(Rank& r, size_t bi, int32_t inst_index) {
     int32_t pos = lb.prod[static_cast<size_t>(t)];
     const OpSpec& op = g.ops[g.TopologicalOrder()[static_cast<size_t>(pos)]];
     std::vector<Buffer> ins;
-    for (const auto& name : op.inputs) {
-      int32_t u = static_cast<int32_t>(g.FindTensor(name) - g.tensors.data());
-      if (g.tensors[static_cast<size_t>(u)].saved || lb.share_layer[static_cast<size_t>(u)] >= 0) continue;
+    auto carve = [&](int32_t u) {
       Buffer b{scratch.ptr + extra_used, -1, g.tensors[static_cast<size_t>(u)].bytes};
       extra_used += b.bytes;
       MEMPLAN_CHECK(extra_used <= scratch.bytes, "recompute chain outgrew its buffer");
+      return b;
+    };
+    for (const auto& name : op.inputs) {
+      int32_t u = static_cast<int32_t>(g.FindTensor(name) - g.tensors.data());
+      if (g.tensors[static_cast<size_t>(u)].saved || lb.share_layer[static_cast<size_t>(u)] >= 0) continue;
+      Buffer b = carve(u);
       make(u, b);
       local[u] = b;
+    }
+    // The op's other outputs that are not saved land in the scratch too.
+    for (const auto& name : op.outputs) {
+      int32_t u = static_cast<int32_t>(g.FindTensor(name) - g.tensors.data());
+      if (u != t && !g.tensors[static_cast<size_t>(u)].saved) local[u] = carve(u);
     }
     auto value = [&](int32_t u) -> Buffer {
       if (u == t) return dst;
