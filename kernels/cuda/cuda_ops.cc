@@ -236,6 +236,12 @@ class CudaOps final : public Ops {
     if (bytes <= 0) return;
     MEMPLAN_CUDA_CHECK(cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes), cudaMemcpyDeviceToDevice, ctx_.stream));
   }
+  void WidenBf16(const uint16_t* x, int64_t n, float* y) override {
+    MEMPLAN_CUDA_CHECK(cuda::LaunchWidenBf16(ctx_, x, n, y));
+  }
+  void RoundToBf16(const float* x, int64_t n, uint16_t* y) override {
+    MEMPLAN_CUDA_CHECK(cuda::LaunchRoundToBf16(ctx_, x, n, y));
+  }
   void Zero(void* dst, int64_t bytes) override {
     if (bytes <= 0) return;
     MEMPLAN_CUDA_CHECK(cudaMemsetAsync(dst, 0, static_cast<size_t>(bytes), ctx_.stream));

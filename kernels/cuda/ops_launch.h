@@ -167,6 +167,10 @@ cudaError_t LaunchAttnResBwd(const LaunchContext& ctx, const float* const* sourc
                              const float* gamma, const float* dh, int64_t tokens, int64_t d, float eps,
                              float* const* dsources, float* dw, float* dgamma, float* workspace);
 
+// bf16 storage (convert.cu): exact widening; rounding to nearest even.
+cudaError_t LaunchWidenBf16(const LaunchContext& ctx, const uint16_t* x, int64_t n, float* y);
+cudaError_t LaunchRoundToBf16(const LaunchContext& ctx, const float* x, int64_t n, uint16_t* y);
+
 // KDA (kda.cu). The backward's workspace holds workspace::KdaBwdBytes.
 cudaError_t LaunchKdaFwd(const LaunchContext& ctx, const float* q, const float* k, const float* v, const float* g,
                          const float* beta, const float* a_log, const KdaShape& shape, float* o, float* states);

@@ -896,6 +896,12 @@ class RefOps final : public Ops {
   void Copy(void* dst, const void* src, int64_t bytes) override {
     if (bytes > 0) std::memcpy(dst, src, static_cast<size_t>(bytes));
   }
+  void WidenBf16(const uint16_t* x, int64_t n, float* y) override {
+    for (int64_t i = 0; i < n; ++i) y[i] = Bf16ToFloat(x[i]);
+  }
+  void RoundToBf16(const float* x, int64_t n, uint16_t* y) override {
+    for (int64_t i = 0; i < n; ++i) y[i] = FloatToBf16(x[i]);
+  }
   void Zero(void* dst, int64_t bytes) override {
     if (bytes > 0) std::memset(dst, 0, static_cast<size_t>(bytes));
   }

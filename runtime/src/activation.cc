@@ -268,12 +268,18 @@ void ActivationManager::Save(int32_t rank, int32_t i) {
   Storage storage = a_.storage[static_cast<size_t>(rank)][static_cast<size_t>(in.tensor)];
   const planner::TensorSpec& spec = p_.layers[static_cast<size_t>(st.layer)].tensors[static_cast<size_t>(st.graph_index)];
   if (planner::IsFp8(storage)) {
-    // Values, then the fp32 scales (planner::Fp8Bytes: no padding).
+    // Values, then the fp32 scales (planner::Fp8Bytes: no padding); a bf16
+    // tensor is quantized from its bf16 values.
     Buffer dst = s.Has(IntervalPart::kCompact) ? s.compact : s.moved;
     int64_t cols = spec.shape.empty() ? 1 : spec.shape.back();
-    int64_t rows = cols == 0 ? 0 : (spec.bytes / 4) / cols;
-    backend_.Quantize(*r.mem.device, s.full.as<float>(), rows, cols, reinterpret_cast<uint8_t*>(dst.ptr),
-                      reinterpret_cast<float*>(dst.ptr + rows * cols));
+    int64_t rows = cols == 0 ? 0 : (spec.bytes / planner::DTypeBytes(spec.dtype)) / cols;
+    auto* values = reinterpret_cast<uint8_t*>(dst.ptr);
+    auto* scales = reinterpret_cast<float*>(dst.ptr + rows * cols);
+    if (spec.dtype == planner::DType::kBF16) {
+      backend_.QuantizeBf16(*r.mem.device, s.full.as<uint16_t>(), rows, cols, values, scales);
+    } else {
+      backend_.Quantize(*r.mem.device, s.full.as<float>(), rows, cols, values, scales);
+    }
     ++r.events["quantizes"];
   }
   if (!s.Has(IntervalPart::kMovedOut)) return;  // kept, or an offload too late to leave
@@ -317,9 +323,14 @@ void ActivationManager::Restore(int32_t rank, int32_t i) {
     Buffer src = s.Has(IntervalPart::kFetched) ? s.fetched : s.compact;
     const planner::TensorSpec& spec = p_.layers[static_cast<size_t>(st.layer)].tensors[static_cast<size_t>(st.graph_index)];
     int64_t cols = spec.shape.empty() ? 1 : spec.shape.back();
-    int64_t rows = cols == 0 ? 0 : (spec.bytes / 4) / cols;
-    backend_.Dequantize(*r.mem.device, reinterpret_cast<const uint8_t*>(src.ptr),
-                        reinterpret_cast<const float*>(src.ptr + rows * cols), rows, cols, s.restored.as<float>());
+    int64_t rows = cols == 0 ? 0 : (spec.bytes / planner::DTypeBytes(spec.dtype)) / cols;
+    auto* values = reinterpret_cast<const uint8_t*>(src.ptr);
+    auto* scales = reinterpret_cast<const float*>(src.ptr + rows * cols);
+    if (spec.dtype == planner::DType::kBF16) {
+      backend_.DequantizeBf16(*r.mem.device, values, scales, rows, cols, s.restored.as<uint16_t>());
+    } else {
+      backend_.Dequantize(*r.mem.device, values, scales, rows, cols, s.restored.as<float>());
+    }
     ++r.events["dequantizes"];
   }
 }

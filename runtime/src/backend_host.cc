@@ -2,9 +2,12 @@
 // planner's best-fit heap, copy engines as worker threads, CPU reference
 // kernels.
 #include <cstring>
+#include <vector>
 
 #include "memplan/runtime/backend.h"
 #include "memplan/kernels/fp8.h"
+#include "memplan/kernels/ops.h"
+#include "memplan/common/status.h"
 
 namespace memplan::runtime {
 namespace {
@@ -48,6 +51,22 @@ class HostBackend final : public Backend {
     kernels::DequantizeFp8BlockwiseRef(values, scales, l, y);
   }
 
+  void QuantizeBf16(Device&, const uint16_t* x, int64_t rows, int64_t cols, uint8_t* values, float* scales) override {
+    kernels::Fp8BlockLayout l;
+    l.rows = rows;
+    l.cols = cols;
+    kernels::QuantizeFp8BlockwiseRef(x, l, kernels::ScaleMode::kAmax, values, scales);
+  }
+  void DequantizeBf16(Device&, const uint8_t* values, const float* scales, int64_t rows, int64_t cols,
+                      uint16_t* y) override {
+    kernels::Fp8BlockLayout l;
+    l.rows = rows;
+    l.cols = cols;
+    std::vector<float> f32(static_cast<size_t>(rows * cols));
+    kernels::DequantizeFp8BlockwiseRef(values, scales, l, f32.data());
+    for (size_t i = 0; i < f32.size(); ++i) y[i] = kernels::FloatToBf16(f32[i]);
+  }
+
   void ToHost(Device&, void* dst, const void* src, int64_t bytes) override {
     std::memcpy(dst, src, static_cast<size_t>(bytes));
   }
@@ -69,5 +88,14 @@ std::unique_ptr<Backend> MakeHostBackend(int64_t copy_jitter_us) {
 #ifndef MEMPLAN_HAVE_CUDA_RUNTIME
 std::unique_ptr<Backend> MakeCudaBackend(bool) { return nullptr; }
 #endif
+
+// Backends that do not execute bf16 (the executor refuses bf16 plans there
+// before anything runs).
+void Backend::QuantizeBf16(Device&, const uint16_t*, int64_t, int64_t, uint8_t*, float*) {
+  ThrowError(ErrorCode::kRuntime, "bf16 tensors in FP8: not supported by the " + device_name() + " backend");
+}
+void Backend::DequantizeBf16(Device&, const uint8_t*, const float*, int64_t, int64_t, uint16_t*) {
+  ThrowError(ErrorCode::kRuntime, "bf16 tensors in FP8: not supported by the " + device_name() + " backend");
+}
 
 }  // namespace memplan::runtime

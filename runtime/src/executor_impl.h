@@ -96,6 +96,9 @@ struct ParamState {
   std::vector<int64_t> shape;  // as stored (a tied head stores the embedding's [vocab, hidden])
   int64_t elements = 0;
   Buffer weight, grad, m, v;
+  Buffer master;  // bf16 parameters: the fp32 master the optimizer updates (weight = its bf16 rounding)
+  // What the optimizer updates: the master, else the (fp32) weight itself.
+  float* Master() const { return master.empty() ? weight.as<float>() : master.as<float>(); }
   bool tied_head = false;  // stores the embedding matrix; logits = x * E^T
   bool muon = false;       // Muon (m: momentum; no v), else AdamW (m, v)
 };

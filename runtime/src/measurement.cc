@@ -15,7 +15,9 @@ Expected<std::monostate> Executor::Dump(DumpWhat what) {
   for (auto& r : ranks_) {
     for (auto& ps : r->params) {
       std::vector<float> v(static_cast<size_t>(ps.elements));
-      backend_->ToHost(*r->stat, v.data(), (grads ? ps.grad : ps.weight).ptr, ps.elements * 4);
+      // bf16 parameters: the fp32 master (the forward reads its bf16 rounding).
+      const Buffer& from = grads ? ps.grad : ps.master.empty() ? ps.weight : ps.master;
+      backend_->ToHost(*r->stat, v.data(), from.ptr, ps.elements * 4);
       auto st = WriteNpy((dir / sub / (ps.spec->name + ".npy")).string(), v.data(), ps.shape);
       if (!st.ok()) return st.error();
     }

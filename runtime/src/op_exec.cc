@@ -27,22 +27,48 @@ class ExecOpContext final : public OpContext {
   bool forward_pass() const override { return blk_.forward; }
   uint64_t seed() const override { return e_.options_.seed; }
 
-  Buffer Value(int32_t t) override { return value_ ? (*value_)(t) : e_.Value(r_, bi_, t); }
-  Buffer Grad(int32_t t) override { return e_.Grad(r_, bi_, t); }
+  // A forward (value_ set: the pass, a rebuild or a recompute) writes its
+  // outputs; a backward only reads values.
+  Buffer Value(int32_t t) override {
+    const bool output = value_ != nullptr && std::find(op_.outputs.begin(), op_.outputs.end(),
+                                                       g_.tensors[static_cast<size_t>(t)].name) != op_.outputs.end();
+    return Stage(value_ ? (*value_)(t) : e_.Value(r_, bi_, t), g_.tensors[static_cast<size_t>(t)].dtype, output);
+  }
+  Buffer Grad(int32_t t) override { return Stage(e_.Grad(r_, bi_, t), g_.tensors[static_cast<size_t>(t)].dtype, true); }
   bool FirstWriter(size_t i) override { return FirstWriterOf(Index(op_.inputs[i])); }
   Buffer InputGrad(size_t i) override {
     const int32_t t = Index(op_.inputs[i]);
-    if (FirstWriterOf(t) || planner::GradAccumulates(op_.op)) return e_.Grad(r_, bi_, t);
-    return e_.BlockBuf(r_, bi_, BlockBuffer::Role::kGradTemp, t, pos_);
+    if (FirstWriterOf(t) || planner::GradAccumulates(op_.op)) return Grad(t);
+    return Stage(e_.BlockBuf(r_, bi_, BlockBuffer::Role::kGradTemp, t, pos_), g_.tensors[static_cast<size_t>(t)].dtype,
+                 false);
   }
   void FinishInputGrad(size_t i) override {
     const int32_t t = Index(op_.inputs[i]);
     if (FirstWriterOf(t)) return;
-    Buffer temp = e_.BlockBuf(r_, bi_, BlockBuffer::Role::kGradTemp, t, pos_);
-    r_.ops->Accumulate(e_.Grad(r_, bi_, t).as<float>(), temp.as<float>(), Elements(InSpec(i).shape));
+    Buffer temp = Stage(e_.BlockBuf(r_, bi_, BlockBuffer::Role::kGradTemp, t, pos_),
+                        g_.tensors[static_cast<size_t>(t)].dtype, false);
+    r_.ops->Accumulate(Grad(t).as<float>(), temp.as<float>(), Elements(InSpec(i).shape));
   }
   Buffer Workspace() override { return e_.BlockBuf(r_, bi_, BlockBuffer::Role::kWorkspace, -1, pos_); }
-  const ParamState& Param(size_t role) override { return e_.ParamOf(r_, op_, role); }
+  const ParamState& Param(size_t role) override {
+    const ParamState& ps = e_.ParamOf(r_, op_, role);
+    if (ps.master.empty()) return ps;  // stored in fp32
+    auto [it, fresh] = params_.try_emplace(role, ps);
+    if (fresh) it->second.weight = Stage(ps.weight, planner::DType::kBF16, false);
+    return it->second;
+  }
+
+  // bf16 storage (host backend, docs/runtime.md "bf16"): the op computes on
+  // fp32 working copies of its bf16 operands, widened exactly when first
+  // asked for and rounded back to nearest even when the op is done (Flush):
+  // the CPU's analogue of a GPU kernel loading bf16 into fp32 registers. The
+  // copies are the kernel's own working memory, not device memory.
+  void Flush() {
+    for (auto& [ptr, s] : staged_) {
+      if (s.write_back) r_.ops->RoundToBf16(s.f32.data(), static_cast<int64_t>(s.f32.size()), s.stored.as<uint16_t>());
+    }
+    staged_.clear();
+  }
   std::vector<int64_t>& Routing() override { return r_.routing[{blk_.layer, mb_}]; }
   void AddLosses(const Buffer& losses, int64_t tokens) override {
     std::vector<float> host(static_cast<size_t>(tokens));
@@ -60,6 +86,26 @@ class ExecOpContext final : public OpContext {
            !e_.IsShared(lb_, t);
   }
 
+  Buffer Stage(Buffer stored, planner::DType dtype, bool write_back) {
+    if (dtype != planner::DType::kBF16 || stored.empty()) return stored;
+    auto [it, fresh] = staged_.try_emplace(stored.ptr);
+    Staged& s = it->second;
+    if (fresh) {
+      s.stored = stored;
+      s.f32.resize(static_cast<size_t>(stored.bytes / 2));
+      r_.ops->WidenBf16(stored.as<uint16_t>(), static_cast<int64_t>(s.f32.size()), s.f32.data());
+    }
+    s.write_back |= write_back;
+    return Buffer{reinterpret_cast<std::byte*>(s.f32.data()), -1, static_cast<int64_t>(s.f32.size()) * 4};
+  }
+
+  struct Staged {
+    Buffer stored;
+    std::vector<float> f32;
+    bool write_back = false;
+  };
+  std::unordered_map<std::byte*, Staged> staged_;
+  std::map<size_t, ParamState> params_;  // bf16 weights' working copies, by role
   Executor& e_;
   Rank& r_;
   size_t bi_;
@@ -76,6 +122,7 @@ void Executor::Forward(Rank& r, size_t bi, int32_t pos, const std::function<Buff
   const OpImpl& impl = GetOpImpl(c.op().op);
   MEMPLAN_CHECK(impl.forward != nullptr, ("op kind " + c.op().kind + " is not executable").c_str());
   impl.forward(c);
+  c.Flush();
 }
 
 void Executor::Backward(Rank& r, size_t bi, int32_t pos) {
@@ -84,6 +131,7 @@ void Executor::Backward(Rank& r, size_t bi, int32_t pos) {
   const OpImpl& impl = GetOpImpl(c.op().op);
   MEMPLAN_CHECK(impl.backward != nullptr, ("op kind " + c.op().kind + " is not executable").c_str());
   impl.backward(c);
+  c.Flush();
 }
 
 // Re-materializes a recomputed instance at its layer's backward: the

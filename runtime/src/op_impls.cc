@@ -67,7 +67,10 @@ void DropoutBwd(OpContext& c) {
   c.FinishInputGrad(0);
 }
 
-void CopyFwd(OpContext& c) { c.k().Copy(c.Out(0).ptr, c.In(0).ptr, c.OutSpec(0).bytes); }
+void CopyFwd(OpContext& c) {
+  Buffer out = c.Out(0);
+  c.k().Copy(out.ptr, c.In(0).ptr, out.bytes);
+}
 void CopyBwd(OpContext& c) { c.PassThrough(0, c.DOut(0)); }
 
 void AddFwd(OpContext& c) {
@@ -335,7 +338,7 @@ void DispatchFwd(OpContext& c) {
   c.k().DispatchFwd(c.In(0).as<float>(), c.Out(1).as<int32_t>(), d.rows, moe.top_k, d.cols, xs.as<float>());
   // Rows past the routed ones (capacity the template reserves) are zero.
   const int64_t used = d.rows * moe.top_k * d.cols * 4;
-  if (c.OutSpec(0).bytes > used) c.k().Zero(xs.ptr + used, c.OutSpec(0).bytes - used);
+  if (xs.bytes > used) c.k().Zero(xs.ptr + used, xs.bytes - used);
 }
 void DispatchBwd(OpContext& c) {
   Dims2 d = RowsCols(c.InSpec(0));
@@ -491,10 +494,10 @@ void AttnResBwd(OpContext& c) {
                    gamma.grad.as<float>(), c.Workspace().as<float>());
 }
 
-// The sources' bytes that pass through unchanged: all but a running
+// The sources' fp32 bytes that pass through unchanged: all but a running
 // partial block (which this layer's output is added to).
 int64_t AttnResKeptBytes(OpContext& c) {
-  return c.InSpec(0).bytes - (c.AttnResHasPartial() ? c.InSpec(1).bytes : 0);
+  return 4 * (Elements(c.InSpec(0).shape) - (c.AttnResHasPartial() ? Elements(c.InSpec(1).shape) : 0));
 }
 
 // next = [this layer's blocks, except a running partial block] + [partial + out].
@@ -509,7 +512,7 @@ void AttnResAccumulateFwd(OpContext& c) {
     c.k().Add(reinterpret_cast<const float*>(in0.ptr + keep), c.In(1).as<float>(), Elements(o.shape),
               reinterpret_cast<float*>(next.ptr + keep));
   } else {
-    c.k().Copy(next.ptr + keep, c.In(1).ptr, o.bytes);
+    c.k().Copy(next.ptr + keep, c.In(1).ptr, 4 * Elements(o.shape));
   }
 }
 // The blocks' gradients pass through; the partial block's reaches both the
@@ -528,8 +531,8 @@ void AttnResAccumulateBwd(OpContext& c) {
   };
   Buffer dsrc = c.Grad(c.Index(c.op().inputs[0]));
   into(0, dsrc.ptr, dnext.ptr, keep);
-  if (partial) into(0, dsrc.ptr + keep, dnext.ptr + keep, o.bytes);
-  into(1, c.Grad(c.Index(c.op().inputs[1])).ptr, dnext.ptr + keep, o.bytes);
+  if (partial) into(0, dsrc.ptr + keep, dnext.ptr + keep, 4 * Elements(o.shape));
+  into(1, c.Grad(c.Index(c.op().inputs[1])).ptr, dnext.ptr + keep, 4 * Elements(o.shape));
 }
 
 std::array<OpImpl, static_cast<size_t>(OpKind::kCount)> MakeImpls() {

@@ -44,16 +44,27 @@ Expected<std::monostate> Executor::Setup() {
                     " > 1 yet (multi-process ranks come later)");
     }
   }
+  // Activations and weights in fp32 or bf16 (bf16: on the host backend, the
+  // kernels computing in fp32 on each op's widened operands); gradients and
+  // optimizer state in fp32.
   const auto& tr = model_.train;
   std::string dtypes;
   for (auto [name, d] : {std::pair<const char*, planner::DType>{"act_dtype", tr.act_dtype},
-                         {"param_dtype", tr.param_dtype},
-                         {"grad_dtype", tr.grad_dtype}}) {
-    if (d != planner::DType::kFP32) {
+                         {"param_dtype", tr.param_dtype}}) {
+    if (d != planner::DType::kFP32 && d != planner::DType::kBF16) {
       dtypes += (dtypes.empty() ? "/model/train/" : ", ") + std::string(name) + " " + std::string(planner::DTypeName(d));
     }
   }
-  if (!dtypes.empty()) why.push_back(dtypes + ": the kernels compute and store fp32 only");
+  if (!dtypes.empty()) why.push_back(dtypes + ": activations and weights execute in fp32 or bf16");
+  if (tr.grad_dtype != planner::DType::kFP32) {
+    why.push_back("/model/train/grad_dtype " + std::string(planner::DTypeName(tr.grad_dtype)) +
+                  ": gradients execute in fp32 (the main gradients the optimizer reads)");
+  }
+  const bool bf16 = tr.act_dtype == planner::DType::kBF16 || tr.param_dtype == planner::DType::kBF16;
+  if (bf16 && options_.backend == BackendKind::kCuda) {
+    why.push_back("/model/train: bf16 executes on the host backend only (the CUDA kernels read and write fp32; "
+                  "--backend host)");
+  }
   const auto& a = model_.arch;
   if (a.mla && a.attention != planner::Attention::kFlash) {
     why.push_back("/model/arch/mla: MLA executes with flash attention (arch.attention \"flash\")");

@@ -102,9 +102,20 @@ void Executor::ReceiveSharedGrads(Rank& r, size_t bi) {
     MEMPLAN_CHECK(wires != grad_wires_.end() && !wires->second.empty(), "a shared block's gradient did not arrive");
     Buffer in = acts_->Cross(r.index, inbox->second);
     Buffer sum = SharedGrad(r, bi, static_cast<int32_t>(t));
+    const bool bf16 = g.tensors[t].dtype == planner::DType::kBF16;
     for (const auto& w : wires->second) {
       backend_->FromHost(*r.dev, in.ptr, w.data(), in.bytes);
-      r.ops->Accumulate(sum.as<float>(), in.as<float>(), in.bytes / 4);
+      if (!bf16) {
+        r.ops->Accumulate(sum.as<float>(), in.as<float>(), in.bytes / 4);
+        continue;
+      }
+      // bf16 (host backend): added in fp32, rounded once, as an op would.
+      const int64_t n = in.bytes / 2;
+      std::vector<float> a(static_cast<size_t>(n)), b(static_cast<size_t>(n));
+      r.ops->WidenBf16(sum.as<uint16_t>(), n, a.data());
+      r.ops->WidenBf16(in.as<uint16_t>(), n, b.data());
+      r.ops->Accumulate(a.data(), b.data(), n);
+      r.ops->RoundToBf16(a.data(), n, sum.as<uint16_t>());
     }
     grad_wires_.erase(wires);
   }

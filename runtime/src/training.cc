@@ -70,6 +70,16 @@ Expected<std::monostate> Executor::MakeRanks() {
 
 void Executor::InitParams(Rank& r) {
   std::vector<int64_t> layers = p_.layout.LayersOfRank(r.index);
+  // bf16 parameters (accounting.md §5): the weight in bf16, an fp32 master
+  // the optimizer updates, fp32 gradients and optimizer state.
+  const bool bf16 = model_.train.param_dtype == planner::DType::kBF16;
+  std::vector<std::vector<float>> initial;  // bf16: each parameter's initial values, for its weight
+  auto alloc = [&](int64_t bytes) {
+    auto b = r.stat->Allocate(bytes);
+    if (!b.ok()) ThrowError(b.error().code, b.error().message);
+    r.static_bytes += bytes;
+    return *b;
+  };
   for (int64_t l : layers) {
     for (const auto& spec : G(l).params) {
       int64_t n = planner::LocalParamElements(model_, spec);
@@ -80,18 +90,14 @@ void Executor::InitParams(Rank& r) {
       ps.shape = spec.shape;
       ps.tied_head = spec.kind == planner::ParamKind::kHead && model_.arch.tied_embeddings;
       if (ps.tied_head) ps.shape = {spec.shape[1], spec.shape[0]};
-      auto alloc = [&](int64_t bytes) {
-        auto b = r.stat->Allocate(bytes);
-        if (!b.ok()) ThrowError(b.error().code, b.error().message);
-        r.static_bytes += bytes;
-        return *b;
-      };
       int64_t bytes = n * 4;
-      ps.weight = alloc(bytes);
+      if (!bf16) ps.weight = alloc(bytes);
       ps.grad = alloc(n * planner::DTypeBytes(model_.train.grad_dtype));
       int64_t opt = planner::OptimizerBytesPerParam(model_, spec);
       ps.muon = planner::UsesMuon(model_, spec);
-      MEMPLAN_CHECK(opt == (ps.muon ? 4 : 8), "fp32 parameters: AdamW keeps m and v, Muon a momentum");
+      MEMPLAN_CHECK(opt == (bf16 ? 4 : 0) + (ps.muon ? 4 : 8),
+                    "AdamW keeps m and v, Muon a momentum, and 16-bit parameters an fp32 master");
+      if (bf16) ps.master = alloc(bytes);
       ps.m = alloc(bytes);
       if (!ps.muon) ps.v = alloc(bytes);
       // Initial values (docs/runtime.md): norms gamma 1, beta 0; every
@@ -121,14 +127,31 @@ void Executor::InitParams(Rank& r) {
         for (auto& th : pool) th.join();
       }
       if (options_.init_hook) options_.init_hook(ps.tied_head ? G(0).params.front().name : name, &w);
-      backend_->FromHost(*r.stat, ps.weight.ptr, w.data(), bytes);
+      backend_->FromHost(*r.stat, (bf16 ? ps.master : ps.weight).ptr, w.data(), bytes);
       std::vector<float> zero(static_cast<size_t>(n), 0.f);
       backend_->FromHost(*r.stat, ps.grad.ptr, zero.data(), bytes);
       backend_->FromHost(*r.stat, ps.m.ptr, zero.data(), bytes);
       if (!ps.muon) backend_->FromHost(*r.stat, ps.v.ptr, zero.data(), bytes);
       r.param_index[name] = r.params.size();
       r.params.push_back(std::move(ps));
+      if (bf16) initial.push_back(std::move(w));
     }
+  }
+  if (!bf16) return;
+  // The bf16 weights last, in one block (2-byte weights one after the other
+  // would leave gaps at the arena's 4-byte alignment): each the rounding to
+  // nearest even of its master.
+  int64_t total = 0;
+  for (const auto& ps : r.params) total += ps.elements * 2;
+  Buffer block = alloc(total);
+  int64_t at = 0;
+  for (size_t i = 0; i < r.params.size(); ++i) {
+    ParamState& ps = r.params[i];
+    ps.weight = Buffer{block.ptr + at, block.offset + at, ps.elements * 2};
+    std::vector<uint16_t> w16(static_cast<size_t>(ps.elements));
+    for (size_t k = 0; k < w16.size(); ++k) w16[k] = kernels::FloatToBf16(initial[i][k]);
+    backend_->FromHost(*r.stat, ps.weight.ptr, w16.data(), ps.weight.bytes);
+    at += ps.weight.bytes;
   }
 }
 
@@ -185,9 +208,9 @@ void Executor::Optimize(double* grad_norm) {
       if (ps.muon) {
         MuonStep(*r, ps, cfg);
       } else {
-        r->ops->AdamStep(ps.weight.as<float>(), ps.grad.as<float>(), ps.m.as<float>(), ps.v.as<float>(), ps.elements,
-                         cfg, 1);
+        r->ops->AdamStep(ps.Master(), ps.grad.as<float>(), ps.m.as<float>(), ps.v.as<float>(), ps.elements, cfg, 1);
       }
+      if (!ps.master.empty()) r->ops->RoundToBf16(ps.master.as<float>(), ps.elements, ps.weight.as<uint16_t>());
     }
     backend_->Finish(*r->dev);
   }
@@ -213,7 +236,7 @@ void Executor::MuonStep(Rank& r, ParamState& ps, const kernels::AdamConfig& cfg)
   const float adjusted_lr =
       static_cast<float>(cfg.lr * kMuonRmsScale * std::sqrt(static_cast<double>(std::max(rows, cols))));
   for (int64_t i = 0; i < ps.elements / n; ++i) {
-    float* w = ps.weight.as<float>() + i * n;
+    float* w = ps.Master() + i * n;
     const float* g = ps.grad.as<float>() + i * n;
     float* mom = ps.m.as<float>() + i * n;
     k.Axpby(mom, g, n, kMuonMomentum, 1.f, mom);

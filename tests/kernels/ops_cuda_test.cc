@@ -656,6 +656,35 @@ TEST_CASE("KDA and the sigmoid gate against the reference") {
   ExpectNear(d_dgate.ToHost(), dgate, kReductionTol, "sigmoid gate dg");
 }
 
+// bf16 storage: the device's rounding (__float2bfloat16_rn) equals the
+// reference's bit for bit, edge values included, and widening is exact.
+TEST_CASE("bf16 conversions against the reference") {
+  Env& env = GetEnv();
+  std::vector<float> x = Random(100000, 960, -1e4f, 1e4f);
+  for (uint32_t u : {0x3F808000u, 0x3F818000u, 0x7F7FFFFFu, 0xFF7FFFFFu, 0x7F800000u, 0x7FC00000u, 0x00000001u,
+                     0x80000000u}) {
+    float f;
+    std::memcpy(&f, &u, 4);
+    x.push_back(f);
+  }
+  DeviceArray<float> d_x(x), d_back(x.size());
+  DeviceArray<uint16_t> d_b(x.size());
+  env.cuda->RoundToBf16(d_x.get(), static_cast<int64_t>(x.size()), d_b.get());
+  env.cuda->WidenBf16(d_b.get(), static_cast<int64_t>(x.size()), d_back.get());
+  std::vector<uint16_t> want(x.size());
+  env.ref->RoundToBf16(x.data(), static_cast<int64_t>(x.size()), want.data());
+  const std::vector<uint16_t> got = d_b.ToHost();
+  const std::vector<float> back = d_back.ToHost();
+  int64_t mismatches = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    mismatches += got[i] != want[i];
+    uint32_t u;
+    std::memcpy(&u, &back[i], 4);
+    mismatches += u != (static_cast<uint32_t>(want[i]) << 16);
+  }
+  CHECK(mismatches == 0);
+}
+
 // The attention kernels have their own test (attention_cuda_test.cc); this
 // checks that CudaOps forwards to them on its stream.
 TEST_CASE("Attention through CudaOps") {

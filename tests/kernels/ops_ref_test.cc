@@ -1579,3 +1579,57 @@ TEST_CASE("Every op gives identical bytes when run twice") {
     return Bytes(h, wts, ds, dw, dg);
   });
 }
+
+// bf16 storage: round to nearest even, ties to even, NaN to the canonical
+// NaN, the largest finite values to infinity, as CUDA's __float2bfloat16_rn;
+// checked against the nearest representable bf16 found by search in double.
+TEST_CASE("bf16 rounding: nearest, ties to even, as CUDA") {
+  auto bits = [](float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    return u;
+  };
+  auto from = [](uint32_t u) {
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  };
+  // Ties: 1 + 2^-8 is halfway between 1 and 1 + 2^-7: to 1 (even); the next
+  // tie up goes up.
+  CHECK(mk::FloatToBf16(from(0x3F808000u)) == 0x3F80);
+  CHECK(mk::FloatToBf16(from(0x3F818000u)) == 0x3F82);
+  CHECK(mk::FloatToBf16(from(0x3F808001u)) == 0x3F81);
+  CHECK(mk::FloatToBf16(std::numeric_limits<float>::max()) == 0x7F80);  // to +inf
+  CHECK(mk::FloatToBf16(-std::numeric_limits<float>::infinity()) == 0xFF80);
+  // Every NaN becomes the canonical 0x7FFF (CUDA's), a signalling one too.
+  CHECK(mk::FloatToBf16(std::numeric_limits<float>::quiet_NaN()) == 0x7FFF);
+  CHECK(mk::FloatToBf16(from(0x7F800001u)) == 0x7FFF);
+  CHECK(mk::FloatToBf16(from(0xFFC00000u)) == 0x7FFF);
+  int checked = 0;
+  for (uint64_t i = 0; i < 200000; ++i) {
+    const uint32_t u = static_cast<uint32_t>(i * 2654435761u) & 0xFF7FFFFFu;  // finite, both signs
+    const float f = from(u);
+    const uint16_t got = mk::FloatToBf16(f);
+    CHECK(bits(mk::Bf16ToFloat(got)) == (static_cast<uint32_t>(got) << 16));
+    // The two bf16 neighbours of f and the nearer (ties: even mantissa).
+    const uint16_t lo = static_cast<uint16_t>(u >> 16), hi = static_cast<uint16_t>(lo + 1);
+    // Past the largest finite bf16 the upper neighbour is infinity, which
+    // IEEE rounding places at 2^128 for the comparison.
+    const double hv = (hi & 0x7FFF) == 0x7F80 ? std::copysign(std::ldexp(1.0, 128), double(f)) : mk::Bf16ToFloat(hi);
+    const double dl = std::fabs(double(mk::Bf16ToFloat(lo)) - f), dh = std::fabs(hv - f);
+    const uint16_t want = dl < dh ? lo : dh < dl ? hi : ((lo & 1) == 0 ? lo : hi);
+    if (got != want) {
+      CHECK(got == want);
+      break;
+    }
+    ++checked;
+  }
+  CHECK(checked == 200000);
+  auto ops = mk::MakeRefOps();
+  const VecF x = Rand(1000, 990, -1e3f, 1e3f);
+  std::vector<uint16_t> b(x.size());
+  VecF back(x.size());
+  ops->RoundToBf16(x.data(), static_cast<int64_t>(x.size()), b.data());
+  ops->WidenBf16(b.data(), static_cast<int64_t>(b.size()), back.data());
+  for (size_t i = 0; i < x.size(); ++i) CHECK(std::fabs(back[i] - x[i]) <= std::fabs(x[i]) * (1.f / 256));
+}

@@ -23,6 +23,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 
 namespace memplan::kernels {
@@ -96,6 +97,22 @@ struct AdamConfig {
 // The bias corrections of AdamStep, computed on the host by both backends:
 // 1 - beta^step evaluated in double, rounded to float once.
 float AdamBiasCorrection(float beta, int64_t step);
+
+// One fp32 to bf16, round to nearest even (every NaN to the canonical
+// 0x7FFF, as CUDA's __float2bfloat16_rn), and back (exact).
+inline uint16_t FloatToBf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FFF;
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+inline float Bf16ToFloat(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
 
 // KDA shapes: `batch` sequences of `seq` tokens (row r = b * seq + s),
 // `heads` heads of key width dk and value width dv, the state materialized
@@ -239,6 +256,11 @@ class Ops {
   // Zero sets bytes to 0.
   virtual void Copy(void* dst, const void* src, int64_t bytes) = 0;
   virtual void Zero(void* dst, int64_t bytes) = 0;
+  // bf16 storage (bit patterns, the upper half of an fp32): widening is
+  // exact; rounding is to nearest even, as CUDA's __float2bfloat16_rn
+  // (FloatToBf16). y may not overlap x.
+  virtual void WidenBf16(const uint16_t* x, int64_t n, float* y) = 0;
+  virtual void RoundToBf16(const float* x, int64_t n, uint16_t* y) = 0;
 
   // Standard attention: saves probs [b, heads, s, s] (softmax of the masked,
   // scaled scores) and writes o. Backward uses probs; `workspace` holds the

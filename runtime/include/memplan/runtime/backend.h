@@ -53,6 +53,13 @@ class Backend {
                         float* scales) = 0;
   virtual void Dequantize(Device& device, const uint8_t* values, const float* scales, int64_t rows, int64_t cols,
                           float* y) = 0;
+  // The same for a bf16 tensor (bit patterns): quantized from bf16 (each
+  // value widened exactly first), dequantized into bf16 (rounded to nearest
+  // even). Only backends that execute bf16 implement them.
+  virtual void QuantizeBf16(Device& device, const uint16_t* x, int64_t rows, int64_t cols, uint8_t* values,
+                            float* scales);
+  virtual void DequantizeBf16(Device& device, const uint8_t* values, const float* scales, int64_t rows, int64_t cols,
+                              uint16_t* y);
   // Synchronous copies between `device` memory and plain host memory, in
   // order with the device's compute stream.
   virtual void ToHost(Device& device, void* dst, const void* src, int64_t bytes) = 0;
