@@ -9,18 +9,12 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "device_util.cuh"
 #include "ops_launch.h"
 #include "rope_cuda.h"
 
 namespace memplan::kernels::cuda {
 namespace {
-
-constexpr int kThreads = 256;
-
-unsigned Grid(const LaunchContext& ctx, int64_t items) {
-  const int64_t blocks = (items + kThreads - 1) / kThreads;
-  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(blocks, int64_t{ctx.sm_count} * 32)));
-}
 
 struct MlaArgs {
   int64_t b, s, heads, nope, rope, v;
@@ -130,7 +124,7 @@ cudaError_t LaunchMlaSplitFwd(const LaunchContext& ctx, const float* q_lin, cons
   if (!Valid(sh)) return cudaErrorInvalidValue;
   const int64_t items = sh.b * sh.s * sh.heads * (sh.nope + sh.rope + sh.v);
   if (items <= 0) return cudaSuccess;
-  MlaSplitFwdKernel<<<Grid(ctx, items), kThreads, 0, ctx.stream>>>(Args(sh), q_lin, kv, k_pe, q, k, v);
+  MlaSplitFwdKernel<<<FlatGrid(ctx, items), kThreads, 0, ctx.stream>>>(Args(sh), q_lin, kv, k_pe, q, k, v);
   return cudaGetLastError();
 }
 
@@ -139,9 +133,9 @@ cudaError_t LaunchMlaSplitBwd(const LaunchContext& ctx, const float* dq, const f
   if (!Valid(sh)) return cudaErrorInvalidValue;
   const int64_t items = sh.b * sh.s * sh.heads * (sh.nope + sh.rope + sh.v);
   if (items <= 0) return cudaSuccess;
-  MlaSplitBwdKernel<<<Grid(ctx, items), kThreads, 0, ctx.stream>>>(Args(sh), dq, dk, dv, dq_lin, dkv);
+  MlaSplitBwdKernel<<<FlatGrid(ctx, items), kThreads, 0, ctx.stream>>>(Args(sh), dq, dk, dv, dq_lin, dkv);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess || sh.rope == 0) return e;
-  MlaKpeBwdKernel<<<Grid(ctx, sh.b * sh.s * sh.rope), kThreads, 0, ctx.stream>>>(Args(sh), dk, dk_pe);
+  MlaKpeBwdKernel<<<FlatGrid(ctx, sh.b * sh.s * sh.rope), kThreads, 0, ctx.stream>>>(Args(sh), dk, dk_pe);
   return cudaGetLastError();
 }
 
