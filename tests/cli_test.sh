@@ -290,6 +290,19 @@ json.dump(j, open(sys.argv[2], "w"))
 PY
 expect_exit 2 "graph parameter overflow" "$memplan" plan "$tmp/bigparam.json"
 one_line_at "$tmp/bigparam.json" "/graph/layers/0/params/0/shape"
+# 8b. A layer reading an earlier layer's block in place (Block AttnRes with a
+# single copy) whose owner does not save it: refused with the pointer.
+expect_exit 0 "expand tiny-attnres" "$memplan" expand "$root/examples/models/tiny-attnres.json" -o "$tmp/expanded-ar.json"
+python3 - "$tmp/expanded-ar.json" "$tmp/unsaved-block.json" <<'PY'
+import json, sys
+j = json.load(open(sys.argv[1]))
+for t in j["graph"]["layers"][1]["tensors"]:
+    if t["name"] == "layer1.attn_res.partial": t["saved"] = False
+json.dump(j, open(sys.argv[2], "w"))
+PY
+expect_exit 2 "shared block not saved" "$memplan" plan "$tmp/unsaved-block.json" -o "$tmp/never-ar.json"
+one_line_at "$tmp/unsaved-block.json" "/graph/layers/2/tensors/"
+grep -q "is read in place from layer 1" "$tmp/err" && [ ! -e "$tmp/never-ar.json" ] && ok || bad "unsaved block: $(cat "$tmp/err")"
 # 9. run and check read plans whole: wrong types anywhere are refused.
 for edit in 'p["tensors"][0]["bogus"] = 1' 'p["tensors"][0]["layer"] = "true"' 'p["schedule"][0][0] = "x"'; do
   python3 - "$tmp/gpt.plan.json" "$tmp/edited.plan.json" "$edit" <<'PY'
