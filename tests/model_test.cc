@@ -4,6 +4,7 @@
 
 #include "memplan/planner/model.h"
 #include "memplan/planner/templates.h"
+#include "json_test_util.h"
 #include "test_util.h"
 
 using namespace memplan;
@@ -259,4 +260,21 @@ TEST_CASE("a missing file and invalid JSON are one-line errors") {
   REQUIRE_FALSE(bad.ok());
   CHECK(bad.error().message.find("invalid JSON") != std::string::npos);
   CHECK(bad.error().message.find('\n') == std::string::npos);
+}
+
+TEST_CASE("with MLA, hidden need not divide by heads; without it the error says what to give") {
+  Json k3 = memplan::test::ReadJson("examples/models/kimi-k3-like.json");
+  k3["arch"]["heads"] = 96;
+  k3["arch"]["hidden"] = 7168;  // 7168 / 96 is not an integer
+  k3["arch"].erase("head_dim");
+  auto m = ParseModel(k3, "k3.json");
+  REQUIRE(m.ok());
+  CHECK(m->arch.head_dim == m->arch.mla->qk_nope_head_dim + m->arch.mla->qk_rope_head_dim);
+  Json plain = memplan::test::ReadJson("examples/models/tiny-gpt.json");
+  plain["arch"]["hidden"] = 65;
+  plain["arch"].erase("head_dim");
+  auto bad = ParseModel(plain, "gpt.json");
+  REQUIRE_FALSE(bad.ok());
+  CHECK(bad.error().message.find("gpt.json: /arch/hidden") != std::string::npos);
+  CHECK(bad.error().message.find("give arch.head_dim") != std::string::npos);
 }

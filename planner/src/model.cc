@@ -166,15 +166,7 @@ void ParseArch(ObjectReader& r, Model& m) {
     ThrowAt(r.At("kv_heads"), "expected a divisor of heads (" + std::to_string(a.heads) + "), got " +
                                   std::to_string(a.kv_heads));
   }
-  if (auto hd = r.OptInt("head_dim", 1, kMaxHidden)) {
-    a.head_dim = *hd;
-  } else {
-    if (a.hidden % a.heads != 0) {
-      ThrowAt(r.At("hidden"), "hidden (" + std::to_string(a.hidden) + ") is not divisible by heads (" +
-                                  std::to_string(a.heads) + "); give arch.head_dim explicitly");
-    }
-    a.head_dim = a.hidden / a.heads;
-  }
+  const std::optional<int64_t> head_dim = r.OptInt("head_dim", 1, kMaxHidden);
   a.ffn_hidden = r.Int("ffn_hidden", 1, kMaxHidden * 64, 0);
   a.ffn_act = r.Enum("ffn_act", {"gelu", "swiglu"}, "swiglu") == "gelu" ? FfnAct::kGelu : FfnAct::kSwiglu;
   a.norm = r.Enum("norm", {"layernorm", "rmsnorm"}, "rmsnorm") == "layernorm" ? Norm::kLayerNorm : Norm::kRmsNorm;
@@ -194,6 +186,19 @@ void ParseArch(ObjectReader& r, Model& m) {
     c.v_head_dim = o.Int("v_head_dim", 1, kMaxHidden);
     o.Finish();
     a.mla = c;
+  }
+  // The standard attention's head width: given, else hidden / heads. MLA
+  // states its own head sizes, so with MLA hidden need not divide by heads
+  // (head_dim, which no MLA template reads, is then qk_nope + qk_rope).
+  if (head_dim) {
+    a.head_dim = *head_dim;
+  } else if (a.hidden % a.heads == 0) {
+    a.head_dim = a.hidden / a.heads;
+  } else if (a.mla) {
+    a.head_dim = a.mla->qk_nope_head_dim + a.mla->qk_rope_head_dim;
+  } else {
+    ThrowAt(r.At("hidden"), "hidden (" + std::to_string(a.hidden) + ") is not divisible by heads (" +
+                                std::to_string(a.heads) + "); give arch.head_dim explicitly");
   }
   if (const Json* v = r.Get("moe")) {
     ObjectReader o(*v, r.At("moe"));
