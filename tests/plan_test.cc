@@ -210,3 +210,37 @@ TEST_CASE("structural rejections agree with the schema") {
   CHECK_FALSE(ParseModel(k, "x.json").ok());
 }
 #endif
+
+TEST_CASE("offloads that cannot leave in time are listed, warned about and counted, never dropped silently") {
+  Json m = ReadJson("examples/models/tiny-llama.json");
+  m["policies"] = Json::array({{{"match", "*"}, {"policy", "offload_host"}}});
+  auto plan = BuildPlan(MustParse(m));
+  REQUIRE(plan.ok());
+  // The host preset's copy windows are too short for the last rank's tensors.
+  size_t listed = 0;
+  for (const auto& r : plan->ranks) listed += r.resident_offloads.size();
+  CHECK(listed > 0);
+  const int64_t mbs = m["train"]["microbatches"].get<int64_t>();
+  for (const auto& r : plan->ranks) {
+    for (const auto& [tensor, mb] : r.resident_offloads) {
+      CAPTURE(tensor);
+      CHECK(mb >= 0);
+      CHECK(mb < mbs);
+      bool offloaded = false;
+      for (const auto& t : plan->tensors) offloaded |= t.name == tensor && t.effective == std::vector<Policy>{Policy::kOffloadHost};
+      CHECK(offloaded);
+    }
+  }
+  bool warned = false;
+  for (const auto& w : plan->warnings) warned |= w.find(std::to_string(listed) + " offloaded instances stay on the device") == 0;
+  CHECK(warned);
+  const OrderedJson j = PlanToJson(*plan);
+  size_t in_json = 0;
+  for (const auto& r : j["ranks"]) in_json += r["resident_offloads"].size();
+  CHECK(in_json == listed);
+  CHECK(RenderPlanTable(*plan).find("resident") != std::string::npos);
+  // Kept everything: nothing to list, no warning.
+  auto keep = BuildPlan(MustParse(ReadJson("examples/models/tiny-llama.json")));
+  REQUIRE(keep.ok());
+  for (const auto& r : keep->ranks) CHECK(r.resident_offloads.empty());
+}

@@ -223,6 +223,11 @@ Plan BuildPlanOrThrow(const Model& input, const PlanOptions& options) {
     rp.quantize_s = b.quantize_s;
     rp.exposed_transfer_s = b.exposed_transfer_s;
     rp.remote_offload = b.remote_offload;
+    for (const Interval& iv : e.intervals) {
+      if (!iv.transfer_late || iv.owner_rank != r) continue;
+      const Instance& in = problem.instances[ri][static_cast<size_t>(iv.instance)];
+      rp.resident_offloads.emplace_back(problem.tensors[ri][static_cast<size_t>(in.tensor)].name, in.microbatch);
+    }
     plan.ranks.push_back(std::move(rp));
   }
 
@@ -250,6 +255,23 @@ Plan BuildPlanOrThrow(const Model& input, const PlanOptions& options) {
   }
   std::stable_sort(plan.tensors.begin(), plan.tensors.end(),
                    [](const TensorEntry& x, const TensorEntry& y) { return x.layer < y.layer; });
+
+  // An offload that cannot leave in time stays on the device: say so.
+  int64_t resident = 0;
+  std::string where;
+  for (const auto& rp : plan.ranks) {
+    resident += static_cast<int64_t>(rp.resident_offloads.size());
+    if (!rp.resident_offloads.empty() && where.empty()) {
+      where = " (first: pp rank " + std::to_string(rp.pp_rank) + ", " + rp.resident_offloads.front().first + "@mb" +
+              std::to_string(rp.resident_offloads.front().second) + ")";
+    }
+  }
+  if (resident > 0) {
+    plan.warnings.push_back(std::to_string(resident) +
+                            " offloaded instances stay on the device: their copy-out cannot finish before their "
+                            "prefetch window opens; PLAN.json lists them per rank (ranks[].resident_offloads)" +
+                            where);
+  }
 
   int64_t over = 0;
   const RankPlan* worst = nullptr;
@@ -345,6 +367,9 @@ OrderedJson PlanToJson(const Plan& plan) {
     OrderedJson remote = OrderedJson::array();
     for (const auto& [to, bytes] : r.remote_offload) remote.push_back({{"to_pp_rank", to}, {"bytes", bytes}});
     rj["remote_offload"] = std::move(remote);
+    OrderedJson stuck = OrderedJson::array();
+    for (const auto& [tensor, mb] : r.resident_offloads) stuck.push_back({{"tensor", tensor}, {"microbatch", mb}});
+    rj["resident_offloads"] = std::move(stuck);
     rj["added_s"] = {{"recompute_s", r.recompute_s},
                      {"quantize_s", r.quantize_s},
                      {"exposed_transfer_s", r.exposed_transfer_s}};
@@ -410,14 +435,14 @@ std::string RenderPlanTable(const Plan& plan) {
     return FormatFixed(static_cast<double>(bytes) / static_cast<double>(mib ? kMiB : kGiB), 2);
   };
   Table t({"pp_rank", "layers", "static" + u, "activ." + u, "peak" + u, "lower_bd" + u, "any_plan" + u,
-           "keep_all" + u, "budget" + u, "fits", "remote_out" + u, "host" + u, "added(ms)"});
+           "keep_all" + u, "budget" + u, "fits", "remote_out" + u, "resident", "host" + u, "added(ms)"});
   for (const auto& r : plan.ranks) {
     int64_t remote = 0;
     for (const auto& [to, bytes] : r.remote_offload) remote += bytes;
     t.AddRow({std::to_string(r.pp_rank), std::to_string(r.layers.size()), cell(r.statics.total),
               cell(r.activations_peak), cell(r.peak), cell(r.lower_bound), cell(r.any_plan_lower_bound),
               cell(r.keep_all_lower_bound), cell(r.budget), r.fits ? "yes" : "NO", cell(remote),
-              cell(r.statics.host), FormatFixed(1e3 * (r.recompute_s + r.quantize_s + r.exposed_transfer_s), 2)});
+              std::to_string(r.resident_offloads.size()), cell(r.statics.host), FormatFixed(1e3 * (r.recompute_s + r.quantize_s + r.exposed_transfer_s), 2)});
   }
   std::string out = t.Render();
 

@@ -56,6 +56,10 @@ struct RankPlan {
   bool fits = false;
   double recompute_s = 0, quantize_s = 0, exposed_transfer_s = 0;
   std::vector<std::pair<int32_t, int64_t>> remote_offload;  // (to rank, bytes)
+  // Offloaded instances whose copy-out cannot finish before their prefetch
+  // window opens: they stay on the device, counted as kept (tensor name,
+  // microbatch), in schedule order.
+  std::vector<std::pair<std::string, int32_t>> resident_offloads;
 };
 
 struct Overhead {
