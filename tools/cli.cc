@@ -20,7 +20,7 @@ Expected<Command> ParseCommandLine(const std::vector<std::string>& args) {
   plan->add_option("--solver", c.solver, "heuristic (default) or exact (MILP through CBC; small models)")
       ->check(CLI::IsMember({"heuristic", "exact"}));
   plan->add_flag("--sweep", c.sweep, "also print the budget / added step time trade-off curve");
-  plan->add_flag("--verify", c.verify, "verify the plan (residency, placement, transfer windows)");
+  plan->add_flag("--verify", c.verify, "verify the plan (every instance resident when read; no placed buffers overlap)");
   bool plan_quiet = false;
   plan->add_flag("-q,--quiet", plan_quiet, "no table");
 

@@ -1,6 +1,8 @@
 #include "memplan/planner/solver.h"
 
+#if MEMPLAN_HAVE_CBC
 #include <coin/Cbc_C_Interface.h>
+#endif
 
 #include <algorithm>
 #include <array>
@@ -269,6 +271,11 @@ SolveResult Heuristic(const PlanningProblem& p, int32_t rank, int64_t budget, Pr
 
 SolveResult Exact(const PlanningProblem& p, int32_t rank, int64_t budget, const std::vector<Interval>& fixed,
                   Assignment* a) {
+  if (!ExactSolverAvailable()) {
+    ThrowError(ErrorCode::kBadInput,
+               "--solver exact: this memplan was built without CBC (install coinor-libcbc-dev and configure with "
+               "-Dcbc=enabled); the heuristic solver plans without it");
+  }
   const auto& ts = p.tensors[static_cast<size_t>(rank)];
   auto& st = a->storage[static_cast<size_t>(rank)];
   const int64_t pp = p.model->parallel.pp;
@@ -404,6 +411,8 @@ SolveResult Exact(const PlanningProblem& p, int32_t rank, int64_t budget, const 
     ub.push_back(1);
     obj.push_back(costs[static_cast<size_t>(c.tensor)][static_cast<size_t>(c.storage)]);
   }
+  bool feasible = false;
+#if MEMPLAN_HAVE_CBC
   Cbc_Model* model = Cbc_newModel();
   Cbc_loadProblem(model, static_cast<int>(cols.size()), static_cast<int>(row_lo.size()), start.data(), index.data(),
                   value.data(), lb.data(), ub.data(), obj.data(), row_lo.data(), row_hi.data());
@@ -413,7 +422,7 @@ SolveResult Exact(const PlanningProblem& p, int32_t rank, int64_t budget, const 
   Cbc_setParameter(model, "threads", "1");
   Cbc_solve(model);
   const double* x = Cbc_getColSolution(model);
-  bool feasible = !Cbc_isProvenInfeasible(model) && x != nullptr && Cbc_getObjValue(model) < 1e29;
+  feasible = !Cbc_isProvenInfeasible(model) && x != nullptr && Cbc_getObjValue(model) < 1e29;
   if (feasible) {
     // Verify the rounded solution before using it.
     std::vector<Storage> chosen(ts.size(), Storage::kKeep);
@@ -423,6 +432,7 @@ SolveResult Exact(const PlanningProblem& p, int32_t rank, int64_t budget, const 
     for (const auto& [t, row] : tensor_row) st[static_cast<size_t>(t)] = chosen[static_cast<size_t>(t)];
   }
   Cbc_deleteModel(model);
+#endif
   std::vector<int64_t> prof = base;
   for (const auto& c : cols) {
     if (st[static_cast<size_t>(c.tensor)] != c.storage) continue;
@@ -433,6 +443,14 @@ SolveResult Exact(const PlanningProblem& p, int32_t rank, int64_t budget, const 
 }
 
 }  // namespace
+
+bool ExactSolverAvailable() {
+#if MEMPLAN_HAVE_CBC
+  return true;
+#else
+  return false;
+#endif
+}
 
 double SeparableCost(const PlanningProblem& p, int32_t rank, const Assignment& a) {
   const auto& table = CostTable(p, rank);

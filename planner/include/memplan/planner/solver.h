@@ -32,6 +32,10 @@ namespace memplan::planner {
 
 enum class SolverKind { kHeuristic, kExact };
 
+// Whether this build has the exact solver (CBC, the Meson feature `cbc`);
+// without it SolverKind::kExact is refused (kBadInput).
+bool ExactSolverAvailable();
+
 // Largest MILP the exact solver accepts (rows x columns).
 inline constexpr int64_t kMaxExactCells = 4'000'000;
 
