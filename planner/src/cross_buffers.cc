@@ -14,31 +14,47 @@ namespace memplan::planner {
 std::vector<std::vector<CrossBuffer>> CrossBuffers(const PlanningProblem& p,
                                                    const std::vector<std::vector<int32_t>>& tensor_base) {
   const int64_t pp = static_cast<int64_t>(p.timelines.size());
-  const int64_t mbs = p.model->train.microbatches;
+  const int32_t mbs = static_cast<int32_t>(p.model->train.microbatches);
   std::vector<std::vector<CrossBuffer>> out(static_cast<size_t>(pp));
-  std::vector<int32_t> layer_rank(p.layers.size(), 0);
-  for (int64_t r = 0; r < pp; ++r) {
-    for (const auto& chunk : p.layout.chunks[static_cast<size_t>(r)]) {
-      for (int64_t l : chunk) layer_rank[static_cast<size_t>(l)] = static_cast<int32_t>(r);
+  // Per layer, once: for each op (topological position), the shared
+  // instances its inputs are, as (owner layer, rank-local saved index of
+  // that layer's tensor) — the same in every block of the layer.
+  struct Read {
+    int64_t layer;
+    int32_t saved;
+  };
+  std::vector<std::vector<std::vector<Read>>> reads(p.layers.size());
+  bool any = false;
+  for (size_t l = 0; l < p.layers.size(); ++l) {
+    const LayerGraph& g = p.layers[l];
+    const LayerBuffers& lb = p.layer_buffers[l];
+    const auto& order = g.TopologicalOrder();
+    reads[l].resize(order.size());
+    for (size_t pos = 0; pos < order.size(); ++pos) {
+      for (const auto& name : g.ops[order[pos]].inputs) {
+        const size_t t = static_cast<size_t>(g.FindTensor(name) - g.tensors.data());
+        int64_t layer = static_cast<int64_t>(l);
+        int32_t tensor = static_cast<int32_t>(t);
+        if (lb.share_layer[t] >= 0) {
+          layer = lb.share_layer[t];
+          tensor = lb.share_index[t];
+        } else if (!lb.shared_out[t]) {
+          continue;
+        }
+        const auto& owner = p.layers[static_cast<size_t>(layer)].tensors;
+        int32_t k = 0;  // the tensor's index among its layer's saved ones
+        for (int32_t u = 0; u < tensor; ++u) k += owner[static_cast<size_t>(u)].saved ? 1 : 0;
+        reads[l][pos].push_back({layer, tensor_base[static_cast<size_t>(layer)].front() + k});
+        any = true;
+      }
     }
   }
-  // Saved index of each graph tensor (the rank-local tensor is base + it).
-  auto instance_of = [&](int64_t layer, int32_t tensor, int32_t mb) {
-    const LayerGraph& g = p.layers[static_cast<size_t>(layer)];
-    int32_t k = 0;
-    for (int32_t t = 0; t < tensor; ++t) k += g.tensors[static_cast<size_t>(t)].saved ? 1 : 0;
-    return (tensor_base[static_cast<size_t>(layer)].front() + k) * static_cast<int32_t>(mbs) + mb;
-  };
+  if (!any) return out;
   struct Use {
     int64_t fwd_first = -1, bwd_first = -1, bwd_last = -1;
   };
   // (owner rank, instance) -> reading rank -> its uses.
   std::map<std::pair<int32_t, int32_t>, std::map<int32_t, Use>> uses;
-  bool any = false;
-  for (const auto& lb : p.layer_buffers) {
-    for (size_t t = 0; t < lb.share_layer.size(); ++t) any |= lb.share_layer[t] >= 0;
-  }
-  if (!any) return out;
   auto note = [](int64_t* lo, int64_t* hi, int64_t step) {
     if (lo) *lo = *lo < 0 ? step : std::min(*lo, step);
     if (hi) *hi = std::max(*hi, step);
@@ -46,25 +62,13 @@ std::vector<std::vector<CrossBuffer>> CrossBuffers(const PlanningProblem& p,
   for (int64_t r = 0; r < pp; ++r) {
     const RankTimeline& tl = p.timelines[static_cast<size_t>(r)];
     for (const Block& blk : tl.blocks) {
-      const LayerGraph& g = p.layers[static_cast<size_t>(blk.layer)];
+      const auto& layer_reads = reads[static_cast<size_t>(blk.layer)];
       const LayerBuffers& lb = p.layer_buffers[static_cast<size_t>(blk.layer)];
-      const auto& order = g.TopologicalOrder();
       const int32_t n = lb.ops;
       auto use_inputs = [&](int32_t pos, int64_t step, bool forward, bool grad) {
-        const OpSpec& op = g.ops[order[static_cast<size_t>(pos)]];
-        for (const auto& name : op.inputs) {
-          const TensorSpec* ts = g.FindTensor(name);
-          const size_t t = static_cast<size_t>(ts - g.tensors.data());
-          int64_t layer = blk.layer;
-          int32_t tensor = static_cast<int32_t>(t);
-          if (lb.share_layer[t] >= 0) {
-            layer = lb.share_layer[t];
-            tensor = lb.share_index[t];
-          } else if (!lb.shared_out[t]) {
-            continue;
-          }
-          const int32_t owner = layer_rank[static_cast<size_t>(layer)];
-          Use& u = uses[{owner, instance_of(layer, tensor, blk.microbatch)}][static_cast<int32_t>(r)];
+        for (const Read& rd : layer_reads[static_cast<size_t>(pos)]) {
+          const int32_t owner = static_cast<int32_t>(p.layout.rank_of_layer[static_cast<size_t>(rd.layer)]);
+          Use& u = uses[{owner, rd.saved * mbs + blk.microbatch}][static_cast<int32_t>(r)];
           if (forward) {
             note(&u.fwd_first, nullptr, step);
           } else {

@@ -257,10 +257,9 @@ class Executor {
   std::vector<std::vector<int32_t>> tensor_base_;  // layer -> rank-local index of its first saved tensor
   std::vector<std::vector<int32_t>> saved_index_;  // layer -> per graph tensor, index among saved or -1
   std::map<std::tuple<int64_t, int32_t, bool>, std::vector<std::byte>> mailbox_;  // (stage, mb, forward)
-  // Shared blocks: each layer's rank; (rank, owner rank, instance, role) ->
-  // index into p_.cross[rank]; per rank and step, the cross buffers ending
-  // there; per shared instance, the cache gradients on their way to it.
-  std::vector<int32_t> layer_rank_;
+  // Shared blocks: (rank, owner rank, instance, role) -> index into
+  // p_.cross[rank]; per rank and step, the cross buffers ending there; per
+  // shared instance, the cache gradients on their way to it.
   std::map<std::tuple<int32_t, int32_t, int32_t, planner::CrossBuffer::Role>, int32_t> cross_index_;
   std::vector<std::vector<std::vector<int32_t>>> cross_ends_;
   std::map<std::pair<int32_t, int32_t>, std::vector<std::vector<std::byte>>> grad_wires_;

@@ -14,12 +14,6 @@ namespace memplan::runtime::exec {
 using Role = planner::CrossBuffer::Role;
 
 void Executor::SetupShared() {
-  layer_rank_.assign(p_.layers.size(), 0);
-  for (size_t r = 0; r < p_.layout.chunks.size(); ++r) {
-    for (const auto& chunk : p_.layout.chunks[r]) {
-      for (int64_t l : chunk) layer_rank_[static_cast<size_t>(l)] = static_cast<int32_t>(r);
-    }
-  }
   cross_ends_.assign(p_.cross.size(), {});
   for (size_t r = 0; r < p_.cross.size(); ++r) {
     cross_ends_[r].resize(static_cast<size_t>(p_.timelines[r].steps));
@@ -44,7 +38,7 @@ std::pair<int64_t, int32_t> Owner(const LayerBuffers& lb, int64_t layer, int32_t
 Buffer Executor::SharedValue(Rank& r, size_t bi, int32_t t) {
   const Block& blk = p_.timelines[static_cast<size_t>(r.index)].blocks[bi];
   auto [layer, tensor] = Owner(LB(blk.layer), blk.layer, t);
-  const int32_t owner = layer_rank_[static_cast<size_t>(layer)];
+  const int32_t owner = static_cast<int32_t>(p_.layout.rank_of_layer[static_cast<size_t>(layer)]);
   const int32_t inst = InstIndex(layer, tensor, blk.microbatch);
   if (owner == r.index) return blk.forward ? acts_->Forward(owner, inst) : acts_->Backward(owner, inst);
   return acts_->Cross(r.index, cross_index_.at({r.index, owner, inst, Role::kCache}));
@@ -53,7 +47,7 @@ Buffer Executor::SharedValue(Rank& r, size_t bi, int32_t t) {
 Buffer Executor::SharedGrad(Rank& r, size_t bi, int32_t t) {
   const Block& blk = p_.timelines[static_cast<size_t>(r.index)].blocks[bi];
   auto [layer, tensor] = Owner(LB(blk.layer), blk.layer, t);
-  const int32_t owner = layer_rank_[static_cast<size_t>(layer)];
+  const int32_t owner = static_cast<int32_t>(p_.layout.rank_of_layer[static_cast<size_t>(layer)]);
   const int32_t inst = InstIndex(layer, tensor, blk.microbatch);
   const Role role = owner == r.index ? Role::kSharedGrad : Role::kCacheGrad;
   return acts_->Cross(r.index, cross_index_.at({r.index, owner, inst, role}));
