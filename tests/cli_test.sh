@@ -147,7 +147,18 @@ expect_exit 2 "run bad backend" "$memplan" run "$tmp/llama.plan.json" --backend 
 if ! command -v nvidia-smi >/dev/null 2>&1; then
   expect_exit 5 "run cuda without a GPU" "$memplan" run "$tmp/llama.plan.json" --backend cuda -o "$tmp/cuda.json"
   [ ! -e "$tmp/cuda.json" ] && ok || bad "failed cuda run left a MEASURED.json"
+  # Built with CUDA, the plugin loads (every symbol resolved from memplan)
+  # and only then finds no device.
+  if [ -e "$(dirname "$memplan")/libmemplan_cuda.so" ]; then
+    grep -q "no CUDA device is visible" "$tmp/err" && ok || bad "cuda plugin did not load: $(cat "$tmp/err")"
+  fi
 fi
+# The CUDA plugin: memplan maps no CUDA library itself; a missing plugin is
+# a one-line error naming where it looked.
+if ldd "$memplan" | grep -Eq "libcudart|libcublas|libcupti"; then bad "memplan links CUDA: $(ldd "$memplan" | grep cu)"; else ok; fi
+MEMPLAN_CUDA_PLUGIN="$tmp/nowhere.so" expect_exit 5 "cuda plugin missing" "$memplan" run "$tmp/llama.plan.json" --backend cuda -o "$tmp/cuda.json"
+grep -q "cannot load the CUDA plugin ($tmp/nowhere.so" "$tmp/err" && [ "$(wc -l <"$tmp/err")" -eq 1 ] && [ ! -e "$tmp/cuda.json" ] \
+  && ok || bad "missing plugin: $(cat "$tmp/err")"
 expect_exit 2 "run host with a pool" "$memplan" run "$tmp/llama.plan.json" --allocator pool -o "$tmp/pool.json"
 grep -q "always an arena" "$tmp/err" && [ ! -e "$tmp/pool.json" ] && ok || bad "host pool: $(cat "$tmp/err")"
 expect_exit 2 "run with an unknown allocator" "$memplan" run "$tmp/llama.plan.json" --allocator slab

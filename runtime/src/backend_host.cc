@@ -85,10 +85,6 @@ std::unique_ptr<Backend> MakeHostBackend(int64_t copy_jitter_us) {
   return std::make_unique<HostBackend>(copy_jitter_us);
 }
 
-#ifndef MEMPLAN_HAVE_CUDA_RUNTIME
-std::unique_ptr<Backend> MakeCudaBackend(bool) { return nullptr; }
-#endif
-
 // Backends that do not execute bf16 (the executor refuses bf16 plans there
 // before anything runs).
 void Backend::QuantizeBf16(Device&, const uint16_t*, int64_t, int64_t, uint8_t*, float*) {

@@ -1,5 +1,5 @@
 // The CUDA backend (cuda_device.h). Compiled only when Meson found CUDA
-// (runtime/meson.build), which also defines MEMPLAN_HAVE_CUDA_RUNTIME.
+// (runtime/meson.build), into the CUDA plugin and runtime_cuda_dep.
 //
 // Errors while creating a device are Error values; a CUDA call that fails
 // afterwards (a stream, event or copy call) aborts with the call and CUDA's

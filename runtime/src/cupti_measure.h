@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "memplan/traces/chrome_trace.h"
-#include "memplan/traces/cupti_source.h"
+#include "memplan/traces/gpu_profiler.h"
 #include "memplan/traces/footprint.h"
 #include "memplan/traces/gpu_timeline.h"
 #include "memplan/traces/measured.h"

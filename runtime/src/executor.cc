@@ -39,7 +39,7 @@ void Executor::Step(Rank& r) {
   // records (the GPU timeline names them by it).
   const bool gpu_trace = cupti_ && options_.trace;
   if (gpu_trace) gpu_ops_.push_back({r.index, span_name});
-  traces::ScopedGpuOp gpu_op(gpu_trace, gpu_ops_.size());
+  ProfiledOp gpu_op(gpu_trace ? cupti_.get() : nullptr, gpu_ops_.size());
   acts_->BeginStep(r.index);
   MEMPLAN_CHECK(acts_->step(r.index) == s, "memory program out of step");
   BeginCross(r);
@@ -172,18 +172,23 @@ Expected<std::monostate> Executor::Validate() {
 
 Expected<RunResult> Executor::Run() {
   if (auto s = Validate(); !s.ok()) return s.error();
-  backend_ = options_.backend == BackendKind::kCuda ? MakeCudaBackend(!options_.cuda_pool)
-                                                     : MakeHostBackend(options_.copy_jitter_us);
-  if (!backend_) {
-    return Error{ErrorCode::kRuntime, "--backend cuda: no CUDA device is visible, or this memplan was built without CUDA"};
+  const CudaPlugin* cuda = nullptr;
+  if (options_.backend == BackendKind::kCuda) {
+    auto plugin = LoadCudaPlugin();
+    if (!plugin) return plugin.error();
+    cuda = *plugin;
+    backend_ = cuda->make_backend(!options_.cuda_pool);
+    if (!backend_) return Error{ErrorCode::kRuntime, "--backend cuda: no CUDA device is visible"};
+  } else {
+    backend_ = MakeHostBackend(options_.copy_jitter_us);
   }
-  if (options_.backend == BackendKind::kCuda && options_.cupti) {
+  if (cuda && options_.cupti) {
     // Before any allocation: the context's bytes, and CUPTI sees the arenas
     // made. A profiler that cannot start is a warning, never a failed run.
     context_bytes_ = backend_->DeviceBytesInUse();
     traces::CuptiOptions co;
     co.gpu_timeline = options_.trace;
-    if (auto s = traces::CuptiSource::Start(co); s.ok()) {
+    if (auto s = cuda->start_profiler(co); s.ok()) {
       cupti_ = std::move(*s);
     } else {
       warnings_.push_back(s.error().message + "; measured without CUPTI");
@@ -197,7 +202,7 @@ Expected<RunResult> Executor::Run() {
     }
     for (auto& r : ranks_) backend_->Finish(*r->stat);
     t0_ = std::chrono::steady_clock::now();
-    if (cupti_) cupti_epoch_ns_ = traces::CuptiSource::TimestampNs();
+    if (cupti_) cupti_epoch_ns_ = cupti_->NowNs();
     int64_t next_report = 0;
     while (steps_done_ < steps_total_) {
       // The runnable rank whose next step starts first in the plan's

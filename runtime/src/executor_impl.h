@@ -39,9 +39,10 @@
 #include "memplan/planner/templates.h"
 #include "memplan/runtime/activation.h"
 #include "memplan/runtime/backend.h"
+#include "memplan/runtime/cuda_plugin.h"
 #include "memplan/runtime/npy.h"
-#include "memplan/traces/cupti_source.h"
 #include "memplan/traces/chrome_trace.h"
+#include "memplan/traces/gpu_profiler.h"
 #include "memplan/traces/gpu_timeline.h"
 
 #include "cupti_measure.h"
@@ -90,6 +91,23 @@ inline constexpr int64_t kActivationAlignment = 256;
 inline constexpr int64_t kStaticAlignment = 4;
 
 // --- Static state -------------------------------------------------------------
+
+// Tags the GPU work launched while it lives with `id` (GpuProfiler::PushOp);
+// nothing without a profiler.
+class ProfiledOp {
+ public:
+  ProfiledOp(traces::GpuProfiler* profiler, uint64_t id) : profiler_(profiler) {
+    if (profiler_) profiler_->PushOp(id);
+  }
+  ~ProfiledOp() {
+    if (profiler_) profiler_->PopOp();
+  }
+  ProfiledOp(const ProfiledOp&) = delete;
+  ProfiledOp& operator=(const ProfiledOp&) = delete;
+
+ private:
+  traces::GpuProfiler* profiler_;
+};
 
 struct ParamState {
   const planner::ParamSpec* spec = nullptr;
@@ -269,7 +287,7 @@ class Executor {
   std::chrono::steady_clock::time_point t0_;
   traces::ChromeTrace trace_;
   // cuda: CUPTI's view of the step (started before any device memory).
-  std::unique_ptr<traces::CuptiSource> cupti_;
+  std::unique_ptr<traces::GpuProfiler> cupti_;
   int64_t context_bytes_ = 0;
   int64_t cupti_epoch_ns_ = 0;               // CUPTI's clock at t0_
   std::vector<traces::GpuOpName> gpu_ops_;  // ScopedGpuOp id k -> gpu_ops_[k - 1]

@@ -86,7 +86,7 @@ Expected<RunResult> Executor::Finish(double grad_norm, double step_s) {
         for (auto& r : ranks_) {
           for (Device* d : {r->dev.get(), r->stat.get()}) {
             for (const auto& [name, stream] : backend_->Streams(*d)) {
-              gt.lanes.push_back({traces::CuptiSource::StreamId(stream), r->index,
+              gt.lanes.push_back({cupti_->StreamIdOf(stream), r->index,
                                   (d == r->stat.get() ? "static " : "") + name});
             }
           }

@@ -196,6 +196,19 @@ ScopedGpuOp::ScopedGpuOp(bool active, uint64_t id) {
   }
 }
 
+void CuptiSource::PushOp(uint64_t id) {
+  pushed_.push_back(id != 0 &&
+                    cuptiActivityPushExternalCorrelationId(CUPTI_EXTERNAL_CORRELATION_KIND_CUSTOM0, id) == CUPTI_SUCCESS);
+}
+
+void CuptiSource::PopOp() {
+  if (pushed_.empty()) return;
+  bool pushed = pushed_.back();
+  pushed_.pop_back();
+  uint64_t last = 0;
+  if (pushed) cuptiActivityPopExternalCorrelationId(CUPTI_EXTERNAL_CORRELATION_KIND_CUSTOM0, &last);
+}
+
 ScopedGpuOp::~ScopedGpuOp() {
   if (!pushed_) return;
   uint64_t last = 0;
@@ -224,6 +237,8 @@ int64_t CuptiSource::dropped_records() const { return 0; }
 int64_t CuptiSource::buffer_host_bytes() const { return 0; }
 int64_t CuptiSource::TimestampNs() { return 0; }
 int64_t CuptiSource::StreamId(void*) { return -1; }
+void CuptiSource::PushOp(uint64_t) { (void)pushed_; }
+void CuptiSource::PopOp() {}
 ScopedGpuOp::ScopedGpuOp(bool, uint64_t) {}
 ScopedGpuOp::~ScopedGpuOp() { (void)pushed_; }
 

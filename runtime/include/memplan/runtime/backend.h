@@ -77,7 +77,8 @@ class Backend {
 
 // `copy_jitter_us` (tests): each copy first sleeps a pseudo-random 0..N us.
 std::unique_ptr<Backend> MakeHostBackend(int64_t copy_jitter_us = 0);
-// nullptr when memplan was built without CUDA or no device is visible.
+// In the CUDA plugin (cuda_plugin.h; memplan reaches it through
+// LoadCudaPlugin): nullptr when no device is visible.
 // `arena`: each device is one block placed by the planner's heap (exact
 // bytes); otherwise a stream-ordered pool (cuda_device.h).
 std::unique_ptr<Backend> MakeCudaBackend(bool arena = true);

@@ -50,8 +50,8 @@
 //
 // No CUDA header is included here: streams, the pool and events are opaque
 // pointers (cudaStream_t, cudaMemPool_t and cudaEvent_t are pointer types).
-// Without CUDA support compiled in (MEMPLAN_HAVE_CUDA_RUNTIME undefined),
-// CudaRuntimeAvailable() is false and the factories return errors.
+// Built only with CUDA, into the CUDA plugin (cuda_plugin.h) and the GPU
+// tests (runtime_cuda_dep); memplan itself never links it.
 //
 // Limits: a CudaDevice is driven from one thread (device.h). Copies between
 // two GPUs use cudaMemcpyPeerAsync and are checked on one GPU only (two

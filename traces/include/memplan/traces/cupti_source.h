@@ -20,35 +20,11 @@
 
 #include "memplan/common/status.h"
 #include "memplan/traces/footprint.h"
+#include "memplan/traces/gpu_profiler.h"
 
 namespace memplan::traces {
 
-// A kernel, copy or memset as the GPU timed it.
-struct GpuActivity {
-  enum class Kind { kKernel, kMemcpy, kMemset };
-  Kind kind = Kind::kKernel;
-  std::string name;          // kernel name; "memcpy HtoD" etc.; "memset"
-  int64_t start_ns = 0;      // GPU timestamps (CUPTI's clock)
-  int64_t end_ns = 0;
-  int32_t device_id = 0;
-  int32_t stream_id = 0;
-  uint32_t correlation_id = 0;  // matches the launching API call
-  int64_t bytes = 0;            // copies and memsets
-  uint64_t external_id = 0;     // the ScopedGpuOp id around the launch; 0: none
-};
-
-struct CuptiOptions {
-  // Also collect kernels, copies and memsets (for TRACE.json), and the
-  // external correlation records that tie them to ScopedGpuOp ids.
-  bool gpu_timeline = true;
-  // Size of each activity buffer handed to CUPTI (8-byte aligned host
-  // memory). CUPTI's own device-side buffers are requested in pinned host
-  // memory (CUPTI_ACTIVITY_ATTR_MEM_ALLOCATION_TYPE_HOST_PINNED) so that
-  // the profiler does not add to the device footprint it measures.
-  int64_t buffer_bytes = int64_t{8} << 20;
-};
-
-class CuptiSource final : public MemoryRecordSource {
+class CuptiSource final : public GpuProfiler {
  public:
   // Errors: kRuntime when this build has no CUPTI, when CUPTI cannot start
   // (no driver, no device), or when another subscriber holds its buffers.
@@ -59,15 +35,15 @@ class CuptiSource final : public MemoryRecordSource {
 
   // Completes every buffer CUPTI holds (cuptiActivityFlushAll with the
   // forced flag); call after a device synchronize.
-  void Flush();
+  void Flush() override;
 
   void Drain(std::vector<MemoryRecord>& memory, std::vector<PoolRecord>& pools) override;
-  std::vector<GpuActivity> DrainActivities();
+  std::vector<GpuActivity> DrainActivities() override;
 
-  int64_t dropped_records() const;
+  int64_t dropped_records() const override;
   // Host bytes of the buffers handed to CUPTI so far (the profiler's own
   // host memory; its device bytes are measured as a process difference).
-  int64_t buffer_host_bytes() const;
+  int64_t buffer_host_bytes() const override;
 
   // CUPTI's clock now (ns; the clock of every record), 0 without CUPTI.
   static int64_t TimestampNs();
@@ -75,8 +51,15 @@ class CuptiSource final : public MemoryRecordSource {
   // -1 without CUPTI or for a stream CUPTI does not know.
   static int64_t StreamId(void* cuda_stream);
 
+  // GpuProfiler: the statics above and ScopedGpuOp, through the interface.
+  int64_t NowNs() const override { return TimestampNs(); }
+  int64_t StreamIdOf(void* cuda_stream) const override { return StreamId(cuda_stream); }
+  void PushOp(uint64_t id) override;
+  void PopOp() override;
+
  private:
   CuptiSource() = default;
+  std::vector<bool> pushed_;  // PushOp's stack: whether CUPTI took each id
 };
 
 // Tags every kernel, copy and memset launched by this thread while it lives

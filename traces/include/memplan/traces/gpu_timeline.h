@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "memplan/traces/chrome_trace.h"
-#include "memplan/traces/cupti_source.h"
+#include "memplan/traces/gpu_profiler.h"
 
 namespace memplan::traces {
 
