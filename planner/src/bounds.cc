@@ -122,20 +122,21 @@ Evaluation Evaluate(const PlanningProblem& p, const Assignment& a, bool verify, 
       b.peak = stat + Place(p, r, e.intervals, mine[static_cast<size_t>(r)], verify ? &placed : nullptr);
     }
     if (verify) VerifyPlacement(placed, r, &e.verify_errors);
-    // Bytes this rank holds on each other rank, at their maximum.
-    std::map<int32_t, std::vector<int64_t>> held;
-    for (const auto& iv : e.intervals) {
-      if (iv.owner_rank != r || iv.rank == r) continue;
-      auto& d = held[iv.rank];
-      if (d.empty()) d.assign(static_cast<size_t>(p.timelines[static_cast<size_t>(iv.rank)].steps) + 1, 0);
-      d[static_cast<size_t>(iv.first)] += iv.bytes;
-      d[static_cast<size_t>(iv.last) + 1] -= iv.bytes;
-    }
-    for (auto& [target, d] : held) {
-      int64_t run = 0, mx = 0;
-      for (int64_t v : d) mx = std::max(mx, run += v);
-      b.remote_offload.emplace_back(target, mx);
-    }
+  }
+  // Bytes each rank holds on each other rank, at their maximum: one pass
+  // over the intervals, a difference array per (owner, target) pair.
+  std::map<std::pair<int32_t, int32_t>, std::vector<int64_t>> held;
+  for (const auto& iv : e.intervals) {
+    if (iv.rank == iv.owner_rank) continue;
+    auto& d = held[{iv.owner_rank, iv.rank}];
+    if (d.empty()) d.assign(static_cast<size_t>(p.timelines[static_cast<size_t>(iv.rank)].steps) + 1, 0);
+    d[static_cast<size_t>(iv.first)] += iv.bytes;
+    d[static_cast<size_t>(iv.last) + 1] -= iv.bytes;
+  }
+  for (auto& [pair, d] : held) {
+    int64_t run = 0, mx = 0;
+    for (int64_t v : d) mx = std::max(mx, run += v);
+    e.ranks[static_cast<size_t>(pair.first)].remote_offload.emplace_back(pair.second, mx);
   }
   if (verify) {
     // Every instance resident when produced and through its layer's backward.
