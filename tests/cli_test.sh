@@ -329,5 +329,53 @@ PY
   expect_exit 2 "check an edited plan: $edit" "$memplan" check "$tmp/edited.plan.json" "$tmp/llama.measured.json"
 done
 
+# 10. calibrate: a schema-valid HW.json a model file can name; the plan
+# carries the measured numbers; check reports predicted against measured time.
+expect_exit 0 "check reports step time" "$memplan" check "$tmp/llama.plan.json" "$tmp/llama.measured.json"
+grep -q "^time: forwards and backwards predicted .* ms (every rank in turn), measured .* ms" "$tmp/out" && ok \
+  || bad "check time line: $(cat "$tmp/out")"
+expect_exit 0 "calibrate host" "$memplan" calibrate -o "$tmp/hw.json"
+grep -q "per-op cost (launch_s)" "$tmp/out" && ok || bad "calibrate table: $(cat "$tmp/out")"
+python3 - "$tmp/hw.json" <<'PY' && ok || bad "HW.json"
+import json, sys
+h = json.load(open(sys.argv[1]))
+assert h["schema"] == "memplan.hardware/1" and h["backend"] == "host", h
+hw = h["hardware"]
+for k in ("bf16_flops", "hbm_bw", "d2h_bw", "h2d_bw", "pp_link_bw", "peer_bw"):
+    assert hw[k] > 0, k
+assert 0 <= hw["launch_s"] < 0.01, hw["launch_s"]
+names = [p["name"] for p in h["probes"]]
+assert names == ["gemm", "add", "d2h", "h2d", "link", "step-launch", "step-gemm-step", "fit-launch", "fit-gemm"], names
+PY
+mkdir -p "$tmp/cal"
+cp "$tmp/hw.json" "$tmp/cal/hw.json"
+python3 - "$root/examples/models/tiny-llama.json" "$tmp/cal/model.json" "$tmp/cal/both.json" "$tmp/cal/missing.json" <<'PY'
+import json, sys
+m = json.load(open(sys.argv[1]))
+m["hardware"] = {"calibration": "hw.json"}          # relative to the model file
+json.dump(m, open(sys.argv[2], "w"))
+m["hardware"] = {"calibration": "hw.json", "preset": "host"}
+json.dump(m, open(sys.argv[3], "w"))
+m["hardware"] = {"calibration": "nowhere.json"}
+json.dump(m, open(sys.argv[4], "w"))
+PY
+expect_exit 0 "plan with a calibration" "$memplan" plan "$tmp/cal/model.json" -o "$tmp/cal/plan.json" -q
+python3 - "$tmp/cal/plan.json" "$tmp/hw.json" <<'PY' && ok || bad "calibrated plan does not carry the measured numbers"
+import json, sys
+p, h = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))
+hw = p["model"]["hardware"]
+assert hw["bf16_flops"] == h["hardware"]["bf16_flops"] and hw.get("launch_s", 0) == h["hardware"]["launch_s"], hw
+assert p["overhead"]["emulated_s"] > 0
+PY
+expect_exit 2 "calibration and preset" "$memplan" plan "$tmp/cal/both.json"
+one_line_at "$tmp/cal/both.json" "/hardware/preset"
+expect_exit 2 "missing calibration file" "$memplan" plan "$tmp/cal/missing.json"
+grep -q "nowhere.json" "$tmp/err" && [ "$(wc -l <"$tmp/err")" -eq 1 ] && ok || bad "missing calibration: $(cat "$tmp/err")"
+python3 -c "import json; h=json.load(open('$tmp/hw.json')); h['hardware']['hbm_bw']='fast'; json.dump(h, open('$tmp/cal/hw.json','w'))"
+expect_exit 2 "bad calibration file" "$memplan" plan "$tmp/cal/model.json"
+grep -qF "hw.json: /hardware/hbm_bw" "$tmp/err" && [ "$(wc -l <"$tmp/err")" -eq 1 ] && ok || bad "bad calibration: $(cat "$tmp/err")"
+expect_exit 2 "calibrate over its input" "$memplan" calibrate --backend tpu -o "$tmp/never-hw.json"
+[ ! -e "$tmp/never-hw.json" ] && ok || bad "refused calibrate wrote HW.json"
+
 echo "cli: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]

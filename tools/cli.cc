@@ -68,6 +68,15 @@ Expected<Command> ParseCommandLine(const std::vector<std::string>& args) {
   run->add_option("--dump", c.dump, "write initial weights, batch and gradients as .npy files into DIR");
   run->add_flag("-q,--quiet", run_quiet, "no table, no progress");
 
+  std::string calibrate_out;
+  bool calibrate_quiet = false;
+  auto* calibrate = app.add_subcommand(
+      "calibrate", "Measure this machine's GEMM rate, bandwidths and per-op cost for the planner's time model");
+  calibrate->add_option("--backend", c.backend, "host (default) or cuda")->check(CLI::IsMember({"host", "cuda"}));
+  calibrate->add_option("-o,--output", calibrate_out,
+                        "write HW.json (memplan.hardware/1; a model file names it with hardware.calibration)");
+  calibrate->add_flag("-q,--quiet", calibrate_quiet, "no table, no progress");
+
   // CLI11 takes arguments in reverse order, without the program name.
   std::vector<std::string> reversed(args.rbegin(), args.rend());
   try {
@@ -84,7 +93,7 @@ Expected<Command> ParseCommandLine(const std::vector<std::string>& args) {
   }
   // An empty path is a mistake (a shell variable that was not set), not
   // "no output".
-  for (const auto* app_part : {plan, expand, check, run, profile}) {
+  for (const auto* app_part : {plan, expand, check, run, profile, calibrate}) {
     for (const CLI::Option* opt : app_part->get_options()) {
       if (opt->count() == 0 || opt->get_type_size() == 0) continue;
       for (const std::string& v : opt->results()) {
@@ -114,6 +123,10 @@ Expected<Command> ParseCommandLine(const std::vector<std::string>& args) {
     c.measured = check_measured;
     if (tolerance_opt->count()) c.tolerance = tolerance;
     c.ranks_from_devices = ranks_from == "devices";
+  } else if (calibrate->parsed()) {
+    c.verb = Verb::kCalibrate;
+    c.output = calibrate_out;
+    c.quiet = calibrate_quiet;
   } else if (profile->parsed()) {
     c.verb = Verb::kProfile;
     c.output = profile_out;

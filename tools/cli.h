@@ -11,7 +11,7 @@
 
 namespace memplan::cli {
 
-enum class Verb { kPlan, kExpand, kRun, kCheck, kProfile, kPrint };
+enum class Verb { kPlan, kExpand, kRun, kCheck, kProfile, kCalibrate, kPrint };
 
 struct Command {
   Verb verb = Verb::kPrint;
@@ -29,7 +29,7 @@ struct Command {
   bool sweep = false;
   bool verify = false;
 
-  // run
+  // run, calibrate
   std::string backend = "host";
   std::string allocator = "arena";  // cuda: arena (exact) or pool
   bool no_cupti = false;            // cuda: do not collect CUPTI records

@@ -21,6 +21,7 @@
 #include "memplan/common/units.h"
 #include "memplan/planner/model.h"
 #include "memplan/planner/plan.h"
+#include "memplan/runtime/calibrate.h"
 #include "memplan/runtime/executor.h"
 #include "memplan/traces/check.h"
 #include "memplan/traces/measured.h"
@@ -297,6 +298,35 @@ int RunProfile(const Command& c) {
   return child;
 }
 
+// Measures the time model's numbers; writes HW.json whole or not at all.
+int RunCalibrate(const Command& c) {
+  if (auto ok = CheckOutputs({c.output}, ""); !ok) return Fail(ok.error());
+  runtime::CalibrateOptions options;
+  options.backend = c.backend == "cuda" ? runtime::BackendKind::kCuda : runtime::BackendKind::kHost;
+  if (!c.quiet) options.progress = [](std::string_view line) { std::fprintf(stderr, "%.*s\n", static_cast<int>(line.size()), line.data()); };
+  auto cal = runtime::Calibrate(options);
+  if (!cal) return Fail(cal.error());
+  if (!c.output.empty()) {
+    OutputFiles out;
+    if (auto st = StageJson(out, c.output, runtime::CalibrationToJson(*cal), 2); !st) return Fail(st.error());
+    if (auto st = out.Commit(); !st) return Fail(st.error());
+  }
+  if (!c.quiet) {
+    const planner::Hardware& h = cal->hardware;
+    Table t({"quantity", "value", "unit"});
+    t.AddRow({"GEMM rate (bf16_flops)", FormatFixed(h.bf16_flops / 1e9, 3), "GFLOP/s"});
+    t.AddRow({"memory bandwidth (hbm_bw)", FormatFixed(h.hbm_bw / 1e9, 3), "GB/s"});
+    t.AddRow({"device -> host (d2h_bw)", FormatFixed(h.d2h_bw / 1e9, 3), "GB/s"});
+    t.AddRow({"host -> device (h2d_bw)", FormatFixed(h.h2d_bw / 1e9, 3), "GB/s"});
+    t.AddRow({"device -> device (pp_link_bw, peer_bw)", FormatFixed(h.pp_link_bw / 1e9, 3), "GB/s"});
+    t.AddRow({"per-op cost (launch_s)", FormatFixed(h.launch_s * 1e6, 3), "us"});
+    std::fputs(t.Render().c_str(), stdout);
+    std::printf("\n%s backend (%s)%s\n", cal->backend.c_str(), cal->device.c_str(),
+                c.output.empty() ? "" : ("; a model file uses it with \"hardware\": {\"calibration\": \"" + c.output + "\"}").c_str());
+  }
+  return 0;
+}
+
 }  // namespace
 
 int RunCommand(const Command& c) {
@@ -312,6 +342,7 @@ int RunCommand(const Command& c) {
       case Verb::kRun: return RunExecute(c);
       case Verb::kCheck: return RunCheck(c);
       case Verb::kProfile: return RunProfile(c);
+      case Verb::kCalibrate: return RunCalibrate(c);
     }
   } catch (const std::bad_alloc&) {
     return Fail({ErrorCode::kRuntime, "out of host memory"});

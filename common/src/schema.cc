@@ -17,6 +17,7 @@ namespace schema_text {
 extern const std::string_view k_model;
 extern const std::string_view k_plan;
 extern const std::string_view k_measured;
+extern const std::string_view k_hardware;
 }  // namespace schema_text
 
 namespace {
@@ -34,10 +35,12 @@ const valijson::Schema& Compiled(SchemaKind kind) {
   static const auto model = compile(schema_text::k_model);
   static const auto plan = compile(schema_text::k_plan);
   static const auto measured = compile(schema_text::k_measured);
+  static const auto hardware = compile(schema_text::k_hardware);
   switch (kind) {
     case SchemaKind::kModel: return *model;
     case SchemaKind::kPlan: return *plan;
     case SchemaKind::kMeasured: return *measured;
+    case SchemaKind::kHardware: return *hardware;
   }
   MEMPLAN_CHECK(false, "unknown schema kind");
   return *model;

@@ -72,7 +72,7 @@ bool Legal(const SavedTensor& t, Storage s, int64_t pp) {
 namespace {
 
 double Roofline(const Hardware& hw, double flops, double bytes) {
-  return std::max(flops / hw.bf16_flops, bytes / hw.hbm_bw);
+  return hw.launch_s + std::max(flops / hw.bf16_flops, bytes / hw.hbm_bw);
 }
 
 // Nearest legal storage for an annotation that cannot apply as written:

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <set>
 
+#include "memplan/common/schema.h"
 #include "memplan/common/units.h"
 
 namespace memplan::planner {
@@ -338,9 +339,33 @@ void ParseParallel(const Json* value, const JsonLocation& where, Model& m) {
   }
 }
 
+// Directory part of `file` ("" for none), to resolve paths a file names.
+std::string DirOf(const std::string& file) {
+  auto slash = file.rfind('/');
+  return slash == std::string::npos ? std::string() : file.substr(0, slash + 1);
+}
+
+Hardware ParseHardwareObject(ObjectReader& r);
+
 void ParseHardware(ObjectReader& r, Model& m) {
-  std::string preset = r.Enum("preset", {"h100", "h200", "b200", "host"});
-  Hardware h = *HardwarePreset(preset);
+  m.hardware = ParseHardwareObject(r);
+}
+
+// `calibration`: a memplan.hardware/1 file (relative to the file naming it)
+// whose numbers are the base; the other keys override them, as they
+// override a preset's.
+Hardware ParseHardwareObject(ObjectReader& r) {
+  Hardware h;
+  if (r.Has("calibration")) {
+    std::string path = r.String("calibration");
+    if (path.empty() || path[0] != '/') path = DirOf(r.where().file) + path;
+    auto loaded = LoadHardwareFile(path);
+    if (!loaded) ThrowAt(r.At("calibration"), loaded.error().message);
+    h = *loaded;
+    if (r.Has("preset")) ThrowAt(r.At("preset"), "give either preset or calibration, not both");
+  } else {
+    h = *HardwarePreset(r.Enum("preset", {"h100", "h200", "b200", "host"}));
+  }
   if (auto v = r.OptBytes("device_memory")) h.device_memory = *v;
   if (auto v = r.OptBandwidth("hbm_bw")) h.hbm_bw = *v;
   if (auto v = r.OptFlopRate("bf16_flops")) h.bf16_flops = *v;
@@ -349,8 +374,9 @@ void ParseHardware(ObjectReader& r, Model& m) {
   if (auto v = r.OptBandwidth("peer_bw")) h.peer_bw = *v;
   if (auto v = r.OptBandwidth("pp_link_bw")) h.pp_link_bw = *v;
   if (auto v = r.OptBytes("host_memory")) h.host_memory = *v;
+  if (r.Has("launch_s")) h.launch_s = r.Number("launch_s", 0, 1, 0);
   r.Finish();
-  m.hardware = h;
+  return h;
 }
 
 void ParseOptions(const Json* value, const JsonLocation& where, Model& m) {
@@ -465,18 +491,41 @@ Model ParseModelOrThrow(const Json& doc, const std::string& file) {
   return m;
 }
 
-Json HardwareJson(const Hardware& h) {
-  return Json{{"preset", h.preset},         {"device_memory", h.device_memory},
-              {"hbm_bw", h.hbm_bw},         {"bf16_flops", h.bf16_flops},
-              {"d2h_bw", h.d2h_bw},         {"h2d_bw", h.h2d_bw},
-              {"peer_bw", h.peer_bw},       {"pp_link_bw", h.pp_link_bw},
-              {"host_memory", h.host_memory}};
-}
-
 }  // namespace
+
+Json HardwareJson(const Hardware& h) {
+  Json j{{"preset", h.preset},         {"device_memory", h.device_memory},
+         {"hbm_bw", h.hbm_bw},         {"bf16_flops", h.bf16_flops},
+         {"d2h_bw", h.d2h_bw},         {"h2d_bw", h.h2d_bw},
+         {"peer_bw", h.peer_bw},       {"pp_link_bw", h.pp_link_bw},
+         {"host_memory", h.host_memory}};
+  if (h.launch_s > 0) j["launch_s"] = h.launch_s;  // calibrated only: preset plans keep their digest
+  return j;
+}
 
 Expected<Model> ParseModel(const Json& doc, const std::string& file) {
   return CatchErrors([&] { return ParseModelOrThrow(doc, file); });
+}
+
+Expected<Hardware> LoadHardwareFile(const std::string& path) {
+  auto doc = ReadJsonFile(path);
+  if (!doc) return doc.error();
+  if (auto valid = ValidateSchema(*doc, SchemaKind::kHardware, path); !valid) return valid.error();
+  return CatchErrors([&] {
+    ObjectReader top(*doc, JsonLocation{path, ""});
+    if (top.String("schema") != "memplan.hardware/1") {
+      ThrowAt(top.At("schema"), "expected \"memplan.hardware/1\"");
+    }
+    top.Get("backend");
+    top.Get("device");
+    top.Get("probes");
+    const Json& hw = top.Required("hardware");
+    ObjectReader r(hw, top.At("hardware"));
+    if (r.Has("calibration")) ThrowAt(r.At("calibration"), "a calibration file cannot name another one");
+    Hardware h = ParseHardwareObject(r);
+    top.Finish();
+    return h;
+  });
 }
 
 Expected<Model> LoadModel(const std::string& path) {

@@ -114,6 +114,9 @@ Overhead OverheadOf(const PlanningProblem& problem, const Evaluation& e) {
     }
   }
   o.step_s = problem.makespan_s + std::max(0.0, worst);
+  for (size_t r = 0; r < e.ranks.size(); ++r) {
+    o.emulated_s += problem.timelines[r].compute_s + e.ranks[r].recompute_s + e.ranks[r].quantize_s;
+  }
   return o;
 }
 
@@ -382,7 +385,8 @@ OrderedJson PlanToJson(const Plan& plan) {
                    {"quantize_s", plan.overhead.quantize_s},
                    {"exposed_transfer_s", plan.overhead.exposed_transfer_s},
                    {"step_s", plan.overhead.step_s},
-                   {"base_step_s", plan.overhead.base_step_s}};
+                   {"base_step_s", plan.overhead.base_step_s},
+                   {"emulated_s", plan.overhead.emulated_s}};
   j["rebalance"] = {{"ratio_before", plan.rebalance.ratio_before},
                     {"ratio_after", plan.rebalance.ratio_after},
                     {"moved_tensors", plan.rebalance.moved_tensors}};

@@ -233,6 +233,7 @@ Expected<RunResult> Executor::Run() {
       RetireCopies(*r, true);
       MEMPLAN_CHECK(r->dev->allocated_bytes() == 0, "activation memory left allocated after the step");
     }
+    compute_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
     SyncTied();
     if (!options_.dump_dir.empty()) {
       if (auto d = Dump(DumpWhat::kGrads); !d.ok()) return d.error();

@@ -289,6 +289,7 @@ class Executor {
   // cuda: CUPTI's view of the step (started before any device memory).
   std::unique_ptr<traces::GpuProfiler> cupti_;
   int64_t context_bytes_ = 0;
+  double compute_s_ = 0;  // the forwards and backwards of the step
   int64_t cupti_epoch_ns_ = 0;               // CUPTI's clock at t0_
   std::vector<traces::GpuOpName> gpu_ops_;  // ScopedGpuOp id k -> gpu_ops_[k - 1]
   std::vector<std::string> warnings_;

@@ -45,6 +45,7 @@ Expected<RunResult> Executor::Finish(double grad_norm, double step_s) {
   m.device = backend_->device_name();
   m.plan_digest = plan_json_.value("digest", std::string());
   m.step_s = step_s;
+  m.compute_s = compute_s_;
   m.loss = loss_sum_ / static_cast<double>(model_.train.microbatches * model_.train.micro_batch * model_.train.seq_len);
   m.grad_norm = grad_norm;
   for (auto& r : ranks_) {

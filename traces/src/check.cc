@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <map>
 #include <set>
 
@@ -64,6 +65,11 @@ Expected<PlanBounds> ParsePlanBounds(const Json& json, const std::string& file) 
         ThrowAt(rr.At("pp_rank"), "pp_rank " + std::to_string(b.pp_rank) + " appears twice");
       }
       plan.ranks.push_back(b);
+    }
+    if (const Json* o = json.contains("overhead") ? &json["overhead"] : nullptr) {
+      if (o->is_object() && o->contains("emulated_s") && (*o)["emulated_s"].is_number()) {
+        plan.emulated_s = (*o)["emulated_s"].get<double>();
+      }
     }
     // The rest of the plan is not read here, but a plan is checked whole.
     if (auto valid = ValidateSchema(json, SchemaKind::kPlan, file); !valid.ok()) throw ErrorException(valid.error());
@@ -128,6 +134,10 @@ Expected<CheckResult> Check(const PlanBounds& plan, const Measured& measured, co
                                            " differ from " + options.plan_file + ": /ranks " + RankList(plan_ranks)};
   }
   result.pass = true;
+  if (plan.emulated_s > 0 && measured.compute_s > 0) {
+    result.time = TimeCheck{plan.emulated_s, measured.compute_s,
+                            (measured.compute_s - plan.emulated_s) / plan.emulated_s};
+  }
   for (const auto& p : plan.ranks) {
     const MeasuredRank& m = *by_rank.at(p.pp_rank);
     RankCheck c{p.pp_rank, std::nullopt, p.peak, m.peak, p.lower_bound, m.allocated_peak, std::nullopt, true, ""};
@@ -208,6 +218,15 @@ std::string RenderCheckTable(const CheckResult& result, bool failures_only) {
            cell(pc.expected_bytes) + u.substr(1, 3) + " (context " + cell(pc.context_bytes) + u.substr(1, 3) +
            " and profiler " + cell(pc.profiler_bytes) + u.substr(1, 3) + " reported, not counted): " + pc.verdict +
            "\n";
+  }
+  if (result.time && !failures_only) {
+    const TimeCheck& tc = *result.time;
+    char line[200];
+    std::snprintf(line, sizeof line,
+                  "time: forwards and backwards predicted %.2f ms (every rank in turn), measured %.2f ms (%+.1f %%; "
+                  "informational)\n",
+                  1000 * tc.predicted_s, 1000 * tc.measured_s, 100 * tc.diff);
+    out += line;
   }
   return out;
 }

@@ -195,6 +195,7 @@ Expected<Measured> ParseMeasured(const Json& json, const std::string& file) {
       ThrowAt(r.At("plan_digest"), "expected \"sha256:\" and 64 lower-case hex digits, got " + Brief(m.plan_digest));
     }
     m.step_s = NonNegative(r, "step_s");
+    if (r.Has("compute_s")) m.compute_s = NonNegative(r, "compute_s");
     m.loss = NonNegative(r, "loss");
     m.grad_norm = NonNegative(r, "grad_norm");
     const Json& ranks = ExpectArray(r.Required("ranks"), r.At("ranks"));
@@ -242,6 +243,7 @@ OrderedJson MeasuredToJson(const Measured& m) {
   j["device"] = m.device;
   j["plan_digest"] = m.plan_digest;
   j["step_s"] = m.step_s;
+  if (m.compute_s > 0) j["compute_s"] = m.compute_s;
   j["loss"] = m.loss;
   j["grad_norm"] = m.grad_norm;
   j["ranks"] = OrderedJson::array();

@@ -132,7 +132,19 @@ struct Hardware {
   double peer_bw = 0;     // NVLink inside a node, per direction
   double pp_link_bw = 0;  // between pipeline ranks
   int64_t host_memory = 0;  // host bytes available per GPU
+  // Fixed cost of one op (kernel launch and the runtime's per-op work),
+  // added to its roofline time; 0 in the presets, measured by `memplan
+  // calibrate` (docs/planner.md, "Calibration").
+  double launch_s = 0;
 };
+
+// A hardware description `memplan calibrate` wrote (memplan.hardware/1):
+// its `hardware` object, read as a model file's `hardware` is. Errors name
+// the file and the JSON pointer.
+Expected<Hardware> LoadHardwareFile(const std::string& path);
+// A model file's `hardware` object with every number explicit (launch_s
+// only when not 0).
+Json HardwareJson(const Hardware& h);
 
 enum class Policy { kKeep, kRecompute, kFp8, kOffloadHost, kOffloadRemote };
 std::string_view PolicyName(Policy p);

@@ -68,6 +68,10 @@ struct Overhead {
   double exposed_transfer_s = 0;
   double step_s = 0;      // base pipeline step plus the critical rank's added time
   double base_step_s = 0;
+  // Every rank's forwards and backwards one after another, with their
+  // recompute and FP8 time: what one process emulating the whole pipeline
+  // computes (`memplan run`), compared with the measured step by `check`.
+  double emulated_s = 0;
 };
 
 struct SweepPoint {

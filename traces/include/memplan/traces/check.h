@@ -48,6 +48,7 @@ struct PlanRankBounds {
 struct PlanBounds {
   std::string digest;  // "sha256:<64 hex>"
   std::vector<PlanRankBounds> ranks;
+  double emulated_s = 0;  // overhead.emulated_s (0: an older plan without it)
 };
 
 // Reads the bounds from a PLAN.json document; other keys are ignored.
@@ -91,7 +92,17 @@ struct ProcessCheck {
   std::string verdict;
 };
 
+// Predicted against measured time of the step's forwards and backwards
+// (informational: never fails the check). The prediction is the plan's
+// overhead.emulated_s, every rank in turn as one process runs them.
+struct TimeCheck {
+  double predicted_s = 0;
+  double measured_s = 0;
+  double diff = 0;  // (measured - predicted) / predicted
+};
+
 struct CheckResult {
+  std::optional<TimeCheck> time;  // when both sides have the numbers
   double tolerance = 0;
   std::string allocator;         // the measurement's ("arena" | "pool")
   std::string source;            // the measurement's ("runtime" | "cupti-injection")

@@ -97,6 +97,9 @@ struct Measured {
   std::string device;
   std::string plan_digest;  // "sha256:<64 hex>"
   double step_s = 0;
+  // The forwards and backwards alone (no optimizer, no dumps); 0: not
+  // measured (older files, `memplan profile`).
+  double compute_s = 0;
   double loss = 0;
   double grad_norm = 0;
   std::vector<MeasuredRank> ranks;  // pp_rank unique
