@@ -270,7 +270,7 @@ SolveResult Heuristic(const PlanningProblem& p, int32_t rank, int64_t budget, Pr
 }
 
 SolveResult Exact(const PlanningProblem& p, int32_t rank, int64_t budget, const std::vector<Interval>& fixed,
-                  Assignment* a) {
+                  const std::vector<Storage>* warm_start, Assignment* a) {
   if (!ExactSolverAvailable()) {
     ThrowError(ErrorCode::kBadInput,
                "--solver exact: this memplan was built without CBC (install coinor-libcbc-dev and configure with "
@@ -409,7 +409,10 @@ SolveResult Exact(const PlanningProblem& p, int32_t rank, int64_t budget, const 
     start.push_back(static_cast<int>(index.size()));
     lb.push_back(0);
     ub.push_back(1);
-    obj.push_back(costs[static_cast<size_t>(c.tensor)][static_cast<size_t>(c.storage)]);
+    // In microseconds: CBC's absolute tolerances (cutoff increment,
+    // allowable gap) are far above costs of 1e-5 s, where it declared
+    // suboptimal solutions optimal.
+    obj.push_back(1e6 * costs[static_cast<size_t>(c.tensor)][static_cast<size_t>(c.storage)]);
   }
   bool feasible = false;
 #if MEMPLAN_HAVE_CBC
@@ -417,9 +420,24 @@ SolveResult Exact(const PlanningProblem& p, int32_t rank, int64_t budget, const 
   Cbc_loadProblem(model, static_cast<int>(cols.size()), static_cast<int>(row_lo.size()), start.data(), index.data(),
                   value.data(), lb.data(), ub.data(), obj.data(), row_lo.data(), row_hi.data());
   for (size_t i = 0; i < cols.size(); ++i) Cbc_setInteger(model, static_cast<int>(i));
+  if (warm_start) {
+    // The heuristic's decisions as the first incumbent: the optimum is then
+    // never worse than the heuristic's where its solution is feasible here.
+    std::vector<int> idx(cols.size());
+    std::vector<double> val(cols.size());
+    for (size_t i = 0; i < cols.size(); ++i) {
+      idx[i] = static_cast<int>(i);
+      val[i] = (*warm_start)[static_cast<size_t>(cols[i].tensor)] == cols[i].storage ? 1.0 : 0.0;
+    }
+    Cbc_setMIPStartI(model, static_cast<int>(cols.size()), idx.data(), val.data());
+  }
   Cbc_setLogLevel(model, 0);
   Cbc_setMaximumSeconds(model, 120);
   Cbc_setParameter(model, "threads", "1");
+  // Proven optimal, not CBC's default stop within a relative gap.
+  Cbc_setAllowableGap(model, 0);
+  Cbc_setAllowableFractionGap(model, 0);
+  Cbc_setAllowablePercentageGap(model, 0);
   Cbc_solve(model);
   const double* x = Cbc_getColSolution(model);
   feasible = !Cbc_isProvenInfeasible(model) && x != nullptr && Cbc_getObjValue(model) < 1e29;
@@ -470,6 +488,13 @@ std::vector<SolveResult> Solve(const PlanningProblem& p, const std::vector<int64
     for (int32_t r = 0; r < pp; ++r) out.push_back(Heuristic(p, r, budgets[static_cast<size_t>(r)], prof, a));
     return out;
   }
+  // The heuristic's solution of the same problem starts each MILP.
+  Assignment warm = *a;
+  std::vector<SolveResult> warm_result;
+  {
+    ProfileTrees prof(p, warm);
+    for (int32_t r = 0; r < pp; ++r) warm_result.push_back(Heuristic(p, r, budgets[static_cast<size_t>(r)], prof, &warm));
+  }
   for (int32_t r = 0; r < pp; ++r) {
     // Bytes other ranks offload into this one are fixed for its MILP.
     std::vector<Interval> incoming;
@@ -482,7 +507,8 @@ std::vector<SolveResult> Solve(const PlanningProblem& p, const std::vector<int64
       }
     }
     std::erase_if(incoming, [&](const Interval& iv) { return iv.rank != r; });
-    out.push_back(Exact(p, r, budgets[static_cast<size_t>(r)], incoming, a));
+    const auto* start = warm_result[static_cast<size_t>(r)].fits ? &warm.storage[static_cast<size_t>(r)] : nullptr;
+    out.push_back(Exact(p, r, budgets[static_cast<size_t>(r)], incoming, start, a));
   }
   return out;
 }
