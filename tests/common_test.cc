@@ -129,15 +129,12 @@ TEST_CASE("the JSON reader refuses what the parser alone would accept, at its po
       {R"({"a": 1,})", "in.json: /a: invalid JSON"},
       {R"({"s": ")" + std::string(70000, 'y') + "\"}", "in.json: /s: string of 70000 bytes exceeds the limit of 65536"},
   };
-  int checked = 0;
   for (const auto& c : cases) {
     CAPTURE(c.text.substr(0, 60));
     std::string m = ParseMessage(c.text);
     CHECK(m.starts_with(c.message));
     CHECK(m.find('\n') == std::string::npos);
-    ++checked;
   }
-  CHECK(checked == 8);
   // Depth: the limit, not the stack, decides; 10^6 levels cost no recursion.
   JsonLimits limits;
   CHECK(ParseMessage(std::string(64, '[') + std::string(64, ']'), limits).empty());

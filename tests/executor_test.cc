@@ -59,6 +59,7 @@ void CheckEveryMix(const char* file) {
       CAPTURE(file);
       CAPTURE(mix.dump());
       Json plan = PlanOf(WithPolicy(model, mix));
+      if (mix != Json("keep")) CHECK(NotKept(plan) > 0);
       CheckExact(plan, MustRun(plan));
     }
     // A mix per module, as a planner would choose it.
@@ -69,12 +70,15 @@ void CheckEveryMix(const char* file) {
                                      {{"match", "*_norm.*"}, {"policy", "fp8"}}});
     Json plan = PlanOf(mixed);
     CAPTURE(file);
+    CHECK(NotKept(plan) > 0);
     CheckExact(plan, MustRun(plan));
     // The planner's own choice under a budget between its bounds.
     Json keep = PlanOf(model);
     int64_t lo = 0, hi = 0;
-    for (const auto& b : keep["any_plan_lower_bound"]) lo = std::max(lo, b.get<int64_t>());
-    for (const auto& r : keep["ranks"]) hi = std::max(hi, r["peak"].get<int64_t>());
+    for (const auto& b : keep.at("any_plan_lower_bound")) lo = std::max(lo, b.get<int64_t>());
+    for (const auto& r : keep.at("ranks")) hi = std::max(hi, r.at("peak").get<int64_t>());
+    CHECK(lo > 0);
+    CHECK(hi > lo);
     Json tight = model;
     tight["budget"] = std::to_string(lo + (hi - lo) * 3 / 4) + "B";
     Json tplan = PlanOf(tight);
@@ -117,7 +121,9 @@ void CheckSameNumbers(const char* file, double fp8_tolerance = 0.05) {
     CHECK(keep.measured.grad_norm > 0);
     for (const Json& mix : {Json("recompute"), Json("offload_host"), Json("offload_remote")}) {
       CAPTURE(mix.dump());
-      RunResult r = MustRun(PlanOf(WithPolicy(model, mix)));
+      Json plan = PlanOf(WithPolicy(model, mix));
+      CHECK(NotKept(plan) > 0);
+      RunResult r = MustRun(plan);
       CHECK(r.measured.loss == keep.measured.loss);
       CHECK(r.measured.grad_norm == keep.measured.grad_norm);
     }

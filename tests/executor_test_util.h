@@ -42,6 +42,14 @@ inline Json WithPolicy(Json model, const Json& policy, const std::string& match 
   return model;
 }
 
+// Saved tensors the plan does not keep: a mix under test must move some,
+// or it only repeats the keep case.
+inline int NotKept(const Json& plan) {
+  int n = 0;
+  for (const auto& t : plan.at("tensors")) n += t.at("effective") != Json::array({"keep"});
+  return n;
+}
+
 inline RunResult MustRun(const Json& plan, RunOptions options = {}) {
   auto r = RunPlan(plan, options);
   if (!r.ok()) FAIL(r.error().message);

@@ -57,6 +57,7 @@ TEST_CASE("GPU timeline: spans on their streams, under their ranks, named by the
   std::map<std::pair<int64_t, int64_t>, std::string> threads;
   std::map<int64_t, std::string> processes;
   int spans = 0;
+  std::map<std::string, int> seen;  // kernel (sgemm: @pid) -> spans
   for (const auto& e : doc["traceEvents"]) {
     if (e["ph"] == "M" && e["name"] == "thread_name") threads[{e["pid"], e["tid"]}] = e["args"]["name"];
     if (e["ph"] == "M" && e["name"] == "process_name") processes[e["pid"]] = e["args"]["name"];
@@ -64,6 +65,7 @@ TEST_CASE("GPU timeline: spans on their streams, under their ranks, named by the
     ++spans;
     const std::string kernel = e["args"]["kernel"];
     const std::string thread = threads.at({e["pid"], e["tid"]});
+    ++seen[kernel == "sgemm_128x64" ? kernel + "@" + std::to_string(e["pid"].get<int>()) : kernel];
     if (kernel == "softmax") {
       CHECK(e["pid"] == ChromeTrace::Pid(0));
       CHECK(thread == "gpu compute");
@@ -90,6 +92,11 @@ TEST_CASE("GPU timeline: spans on their streams, under their ranks, named by the
     }
   }
   CHECK(spans == 6);
+  CHECK(seen["softmax"] == 1);
+  CHECK(seen["sgemm_128x64@" + std::to_string(ChromeTrace::Pid(1))] == 1);
+  CHECK(seen["cublas_internal"] == 1);
+  CHECK(seen["nccl_like"] == 1);
+  CHECK(seen["memcpy DtoH"] == 1);
   CHECK(processes.at(ChromeTrace::kUnownedPid) == "GPU work no rank owns");
   CHECK(processes.at(ChromeTrace::Pid(1)) == "pp rank 1");
   // Named lanes come first on each rank, in their order, from kGpuTidBase.

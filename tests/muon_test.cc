@@ -156,7 +156,9 @@ TEST_CASE("Muon: the step does not depend on where saved tensors were kept") {
     fs::remove_all(dir);
     RunOptions o;
     o.dump_dir = dir.string();
-    MustRun(PlanOf(WithPolicy(model, mix)), o);
+    Json plan = PlanOf(WithPolicy(model, mix));
+    CHECK((std::string(mix) == "keep") == (NotKept(plan) == 0));
+    MustRun(plan, o);
     std::vector<std::string> names;
     for (const auto& e : fs::directory_iterator(dir / "updated")) names.push_back(e.path().filename().string());
     std::sort(names.begin(), names.end());

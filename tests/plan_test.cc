@@ -1,6 +1,7 @@
 #include <doctest/doctest.h>
 
 #include <fstream>
+#include <set>
 #include <sstream>
 
 #include "memplan/planner/plan.h"
@@ -69,9 +70,9 @@ TEST_CASE("plan: static + activations per rank, fits against the budget") {
   Plan p = MustPlan(m);
   REQUIRE(p.ranks.size() == static_cast<size_t>(m.parallel.pp));
   for (const auto& r : p.ranks) {
-    CHECK(r.lower_bound == r.statics.total + r.activations_peak);
     CHECK(r.peak >= r.lower_bound);
-    CHECK(r.fits == (r.peak <= r.budget));
+    CHECK(r.budget == m.budget);
+    CHECK(r.fits);  // the example's own budget is met
     // Keep-all holds at least what the in-flight formula gives (transients on top).
     int64_t formula = 0;
     for (size_t c = 0; c < r.chunk_activation_bytes.size(); ++c) formula += r.chunk_activation_bytes[c] * r.in_flight_chunks[c];
@@ -107,11 +108,20 @@ TEST_CASE("annotations: first match wins") {
   j["policies"] = {{{"match", "layer1.mlp.*"}, {"policy", "recompute"}},
                    {{"match", "*.mlp.*"}, {"policy", {"fp8", "offload_host"}}}};
   Plan p = MustPlan(MustParse(j));
+  int first = 0, second = 0;
   for (const auto& t : p.tensors) {
-    if (t.name.rfind("layer1.mlp.", 0) == 0) CHECK(t.policy == std::vector<Policy>{Policy::kRecompute});
-    else if (t.module == "mlp") CHECK(t.policy == std::vector<Policy>{Policy::kFp8, Policy::kOffloadHost});
-    else CHECK(t.policy == std::vector<Policy>{Policy::kKeep});
+    if (t.name.rfind("layer1.mlp.", 0) == 0) {
+      ++first;
+      CHECK(t.policy == std::vector<Policy>{Policy::kRecompute});
+    } else if (t.module == "mlp") {
+      ++second;
+      CHECK(t.policy == std::vector<Policy>{Policy::kFp8, Policy::kOffloadHost});
+    } else {
+      CHECK(t.policy == std::vector<Policy>{Policy::kKeep});
+    }
   }
+  CHECK(first > 0);
+  CHECK(second > first);
   CHECK(GlobMatch("*.fc1_*", "layer3.mlp.fc1_out"));  // '*' crosses dots
   CHECK_FALSE(GlobMatch("layer1*", "Layer1.x"));       // case-sensitive
 }
@@ -221,10 +231,11 @@ TEST_CASE("offloads that cannot leave in time are listed, warned about and count
   for (const auto& r : plan->ranks) listed += r.resident_offloads.size();
   CHECK(listed > 0);
   const int64_t mbs = m["train"]["microbatches"].get<int64_t>();
+  std::set<std::pair<std::string, int64_t>> seen;
   for (const auto& r : plan->ranks) {
     for (const auto& [tensor, mb] : r.resident_offloads) {
       CAPTURE(tensor);
-      CHECK(mb >= 0);
+      CHECK(seen.insert({tensor, mb}).second);  // each instance listed once
       CHECK(mb < mbs);
       bool offloaded = false;
       for (const auto& t : plan->tensors) offloaded |= t.name == tensor && t.effective == std::vector<Policy>{Policy::kOffloadHost};

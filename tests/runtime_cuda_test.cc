@@ -135,7 +135,6 @@ TEST_CASE("cuda device: allocate/free round trip and accounting") {
        dev->allocated_peak());
   CHECK(dev->used_high_water() >= dev->allocated_peak());
   CHECK(dev->high_water() >= dev->used_high_water());
-  CHECK(dev->peak() == dev->high_water());
   CHECK(dev->reserved_bytes() == dev->high_water());
 }
 
@@ -345,14 +344,12 @@ TEST_CASE("cuda arena: one block, the planner's placement, exact high water") {
   BestFitHeap heap(256);
   const int64_t sizes[] = {3 * kMiB, 1000, kMiB + 1, 2 * kMiB, 77};
   std::vector<Buffer> live;
-  int checked = 0;
   for (int64_t s : sizes) {
     Buffer b = MustAllocate(dev, s);
     CHECK(b.offset == heap.Allocate(s));
     CHECK(static_cast<std::byte*>(b.ptr) == static_cast<std::byte*>(base) + b.offset);
     FillOnCompute(dev, b, 0x5A);
     live.push_back(b);
-    ++checked;
   }
   dev.Free(live[1]);
   heap.Free(live[1].offset);
@@ -361,8 +358,6 @@ TEST_CASE("cuda arena: one block, the planner's placement, exact high water") {
   Buffer again = MustAllocate(dev, 1500 * 1024);
   CHECK(again.offset == heap.Allocate(1500 * 1024));
   CHECK(dev.high_water() == heap.high_water());
-  CHECK(dev.used_high_water() == dev.high_water());
-  CHECK(checked == 5);
   // Past the block: an error, the device unchanged.
   CHECK_FALSE(dev.Allocate(8 * kMiB).ok());
   CHECK(dev.high_water() == heap.high_water());

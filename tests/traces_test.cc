@@ -270,6 +270,7 @@ TEST_CASE("Chrome trace: metadata, spans, counters; the document parses and nest
   CHECK(doc["displayTimeUnit"] == "ms");
   REQUIRE(doc["traceEvents"].is_array());
   int process_names = 0, thread_names = 0, sort_indices = 0, spans = 0, counters = 0;
+  int named_layer = 0, named_op = 0, copies = 0;
   for (const auto& e : doc["traceEvents"]) {
     const std::string ph = e["ph"];
     if (ph == "M" && e["name"] == "process_name") {
@@ -284,9 +285,18 @@ TEST_CASE("Chrome trace: metadata, spans, counters; the document parses and nest
       CHECK(e.contains("dur"));
       CHECK(e.contains("cat"));
       CHECK(e["pid"] == 1);
-      if (e["name"] == "layer0.fwd") CHECK(e["args"]["microbatch"] == 0);
-      if (e["name"] == "layer0.attn.fwd") CHECK_FALSE(e.contains("args"));
-      if (e["cat"] == "memcpy") CHECK(e["tid"] == ChromeTrace::Tid(Stream::kD2H));
+      if (e["name"] == "layer0.fwd") {
+        ++named_layer;
+        CHECK(e["args"]["microbatch"] == 0);
+      }
+      if (e["name"] == "layer0.attn.fwd") {
+        ++named_op;
+        CHECK_FALSE(e.contains("args"));
+      }
+      if (e["cat"] == "memcpy") {
+        ++copies;
+        CHECK(e["tid"] == ChromeTrace::Tid(Stream::kD2H));
+      }
     }
     if (ph == "C") {
       ++counters;
@@ -300,9 +310,11 @@ TEST_CASE("Chrome trace: metadata, spans, counters; the document parses and nest
   CHECK(thread_names == 2 * kStreamCount);
   CHECK(sort_indices == 2 + 2 * kStreamCount);
   CHECK(spans == 5);
+  CHECK(named_layer == 1);
+  CHECK(named_op == 1);
+  CHECK(copies == 1);
   CHECK(counters == 2);
   CHECK(ValidateNesting(doc).empty());
-  CHECK(t.ToJson().dump() == ChromeTrace(t).ToJson().dump());
 }
 
 TEST_CASE("nesting validator rejects partial overlap and negative times") {
@@ -423,7 +435,6 @@ TEST_CASE("MEASURED.json sources: allocator, CUPTI bytes per rank, pool marks, t
       {"/process/context_bytes", -1, "m.json: /process/context_bytes: expected a byte count"},
       {"/allocator", "arena", "m.json: /ranks/0/pool: pool marks in a measurement whose allocator is \"arena\""},
   };
-  int checked = 0;
   for (const auto& c : cases) {
     CAPTURE(c.pointer);
     Json bad = j;
@@ -431,9 +442,7 @@ TEST_CASE("MEASURED.json sources: allocator, CUPTI bytes per rank, pool marks, t
     std::string e = ParseError(bad);
     CAPTURE(e);
     CHECK(e.starts_with(c.message));
-    ++checked;
   }
-  CHECK(checked == 7);
 }
 
 TEST_CASE("check compares CUPTI's bytes with the allocator's, and the process total") {

@@ -101,15 +101,12 @@ TEST_CASE("KDA: the chunked forward equals the plain recurrence, for any chunk s
   ExpectClose(o, want, 1e-12, "kda o vs recurrence");
   // The first chunk starts from zero.
   for (int64_t e = 0; e < sh.dk * sh.dv; ++e) CHECK(states[static_cast<size_t>(e)] == 0.0);
-  int sizes = 0;
   for (int64_t chunk : {1, 3, 11, 64}) {
     CAPTURE(chunk);
     KdaShape other = sh;
     other.chunk = chunk;
     CHECK(Forward(in, other) == o);  // bit for bit: the same token order
-    ++sizes;
   }
-  CHECK(sizes == 4);
 }
 
 TEST_CASE("KDA backward: every input and a_log against central differences") {

@@ -84,7 +84,6 @@ TEST_CASE("Workspace formulas") {
   CHECK(mk::GemmWorkspaceBytes() == 32 * 1024 * 1024);
   CHECK(mk::AttentionBwdWorkspaceBytes(2, 3, 5) == 2 * 3 * 5 * 5 * 4);
   CHECK(mk::FlashAttentionBwdWorkspaceBytes(2, 3, 5) == 2 * 3 * 5 * 4);
-  // slot_of (T*k int32) rounded up to 256 bytes, then (E+1) int64.
 }
 
 // --- GEMM -------------------------------------------------------------------
@@ -1229,7 +1228,6 @@ TEST_CASE("MlaSplit: layout, RoPE on the rope parts, k_pe shared by heads; the b
              pe = Rand(t * sh.rope, 403);
   VecF q(static_cast<size_t>(t * sh.heads * qk)), k(q.size()), v(static_cast<size_t>(t * sh.heads * sh.v));
   ops->MlaSplitFwd(ql.data(), kv.data(), pe.data(), sh, q.data(), k.data(), v.data());
-  int checked = 0;
   for (int64_t bb = 0; bb < sh.b; ++bb) {
     for (int64_t pos = 0; pos < sh.s; ++pos) {
       const int64_t row = bb * sh.s + pos;
@@ -1249,12 +1247,10 @@ TEST_CASE("MlaSplit: layout, RoPE on the rope parts, k_pe shared by heads; the b
           const double x0 = pe[static_cast<size_t>(row * sh.rope + i)], x1 = pe[static_cast<size_t>(row * sh.rope + i + half)];
           CHECK(k[static_cast<size_t>(o * qk + sh.nope + i)] == doctest::Approx(x0 * std::cos(angle) - x1 * std::sin(angle)).epsilon(1e-6));
           CHECK(k[static_cast<size_t>(o * qk + sh.nope + i + half)] == doctest::Approx(x1 * std::cos(angle) + x0 * std::sin(angle)).epsilon(1e-6));
-          ++checked;
         }
       }
     }
   }
-  CHECK(checked == sh.b * sh.s * sh.heads * sh.rope / 2);
   // <Fwd(x), g> == <x, Bwd(g)>: the backward is the forward's adjoint
   // (RoPE is orthogonal, the copies are identities, k_pe's heads sum).
   const VecF gq = Rand(static_cast<int64_t>(q.size()), 404), gk = Rand(static_cast<int64_t>(k.size()), 405),
@@ -1417,13 +1413,10 @@ TEST_CASE("Axpby rounds each product and the sum (no fused multiply-add); in pla
   const float a = 0.95f, b = -1.7f;
   VecF out(x.size());
   ops->Axpby(x.data(), y.data(), 1001, a, b, out.data());
-  int checked = 0;
   for (size_t i = 0; i < x.size(); ++i) {
     volatile float ax = a * x[i], by = b * y[i];  // rounded separately
     CHECK(out[i] == ax + by);
-    ++checked;
   }
-  CHECK(checked == 1001);
   VecF inplace = x;
   ops->Axpby(inplace.data(), y.data(), 1001, a, b, inplace.data());
   CHECK(inplace == out);
