@@ -45,6 +45,10 @@ class MaxTree {
     Pull(r0);
   }
   int64_t Max() const { return mx_[1]; }
+  // Max over steps [first, last], without changing the tree.
+  int64_t RangeMax(int64_t first, int64_t last) const {
+    return Query(1, 0, cap_, static_cast<size_t>(first), static_cast<size_t>(last) + 1);
+  }
   int64_t ArgMax() const {
     size_t node = 1;
     int64_t target = mx_[1];
@@ -62,6 +66,13 @@ class MaxTree {
   }
   void Pull(size_t i) {
     for (i >>= 1; i >= 1; i >>= 1) mx_[i] = std::max(mx_[2 * i], mx_[2 * i + 1]) + add_[i];
+  }
+  // Node `node` covers leaves [nl, nr); the query is [l, r).
+  int64_t Query(size_t node, size_t nl, size_t nr, size_t l, size_t r) const {
+    if (r <= nl || nr <= l) return std::numeric_limits<int64_t>::min() / 4;
+    if (l <= nl && nr <= r) return mx_[node];
+    size_t mid = (nl + nr) / 2;
+    return std::max(Query(2 * node, nl, mid, l, r), Query(2 * node + 1, mid, nr, l, r)) + add_[node];
   }
   size_t cap_ = 1;
   std::vector<int64_t> mx_, add_;
@@ -101,17 +112,59 @@ class ProfileTrees {
 
   MaxTree& tree(int32_t r) { return trees_[static_cast<size_t>(r)]; }
 
-  // Moves every instance of tensor t of `rank` from one storage to another.
+  // Moves every instance of tensor t of `rank` from one storage to another:
+  // the difference of the two profiles, as maximal runs of one value.
   void Change(int32_t rank, int32_t t, Storage from, int32_t from_target, Storage to, int32_t to_target) {
+    for (const Piece& piece : Delta(rank, t, from, from_target, to, to_target)) {
+      trees_[static_cast<size_t>(piece.rank)].Add(piece.first, piece.last, piece.bytes);
+    }
+  }
+
+  // Whether every rank's profile stays at most `limit` after Change(...),
+  // without changing anything. Valid while every profile is already at most
+  // `limit` (then only steps that gain bytes can cross it).
+  bool StaysWithin(int32_t rank, int32_t t, Storage from, int32_t from_target, Storage to, int32_t to_target,
+                   int64_t limit) {
+    for (const Piece& piece : Delta(rank, t, from, from_target, to, to_target)) {
+      if (piece.bytes <= 0) continue;
+      if (trees_[static_cast<size_t>(piece.rank)].RangeMax(piece.first, piece.last) + piece.bytes > limit) return false;
+    }
+    return true;
+  }
+
+  struct Piece {
+    int32_t rank;
+    int64_t first, last, bytes;
+  };
+  // The profile under `to` minus the profile under `from` of tensor t's
+  // instances: runs of constant non-zero difference, per rank, in step order.
+  const std::vector<Piece>& Delta(int32_t rank, int32_t t, Storage from, int32_t from_target, Storage to,
+                                  int32_t to_target) {
+    events_.clear();
     const auto& first = p_.first_instance[static_cast<size_t>(rank)];
     for (int32_t i = first[static_cast<size_t>(t)]; i < first[static_cast<size_t>(t) + 1]; ++i) {
-      scratch_.clear();
-      QueueFree(p_, rank, i, from, from_target, &scratch_);
-      for (const auto& iv : scratch_) trees_[static_cast<size_t>(iv.rank)].Add(iv.first, iv.last, -iv.bytes);
-      scratch_.clear();
-      QueueFree(p_, rank, i, to, to_target, &scratch_);
-      for (const auto& iv : scratch_) trees_[static_cast<size_t>(iv.rank)].Add(iv.first, iv.last, iv.bytes);
+      for (int sign : {-1, 1}) {
+        scratch_.clear();
+        QueueFree(p_, rank, i, sign < 0 ? from : to, sign < 0 ? from_target : to_target, &scratch_);
+        for (const auto& iv : scratch_) {
+          events_.push_back({iv.rank, iv.first, sign * iv.bytes});
+          events_.push_back({iv.rank, iv.last + 1, -sign * iv.bytes});
+        }
+      }
     }
+    std::sort(events_.begin(), events_.end(), [](const Event& a, const Event& b) {
+      return a.rank != b.rank ? a.rank < b.rank : a.step < b.step;
+    });
+    pieces_.clear();
+    int64_t run = 0;
+    for (size_t k = 0; k < events_.size();) {
+      const int32_t r = events_[k].rank;
+      const int64_t step = events_[k].step;
+      for (; k < events_.size() && events_[k].rank == r && events_[k].step == step; ++k) run += events_[k].bytes;
+      if (run != 0 && k < events_.size() && events_[k].rank == r) pieces_.push_back({r, step, events_[k].step - 1, run});
+      if (k == events_.size() || events_[k].rank != r) run = 0;  // every interval closed on its rank
+    }
+    return pieces_;
   }
 
   // Bytes tensor t's instances occupy on `on_rank` at `step` under `s`.
@@ -142,9 +195,15 @@ class ProfileTrees {
   }
 
  private:
+  struct Event {
+    int32_t rank;
+    int64_t step, bytes;
+  };
   const PlanningProblem& p_;
   std::vector<MaxTree> trees_;
   std::vector<Interval> scratch_;
+  std::vector<Event> events_;
+  std::vector<Piece> pieces_;
 };
 
 const std::vector<std::array<double, kStorageCount>>& CostTable(const PlanningProblem& p, int32_t rank) {
@@ -260,9 +319,9 @@ SolveResult Heuristic(const PlanningProblem& p, int32_t rank, int64_t budget, Pr
       });
       for (Storage o : cheaper) {
         if (mid(o) - mid(cur) > headroom || !offload_fits(static_cast<size_t>(t), cur, o)) continue;
+        if (!prof.StaysWithin(rank, t, cur, -1, o, -1, budget)) continue;
         change(static_cast<size_t>(t), o);
-        if (tree.Max() <= budget) break;
-        change(static_cast<size_t>(t), cur);
+        break;
       }
     }
   }
