@@ -66,12 +66,14 @@ Solved SolveForBudget(const PlanningProblem& problem, int64_t budget, const Plan
     for (size_t r = 0; r < pp; ++r) b[r] = budget - problem.statics[r].total - margin[r];
     return b;
   };
-  std::vector<SolveResult> results = Solve(problem, budgets(), options.solver, &out.assignment);
+  // The profiles, built once and kept in step by every solve and rebalance.
+  ProfileCache cache(problem, out.assignment);
+  std::vector<SolveResult> results = Solve(problem, budgets(), options.solver, &out.assignment, &cache);
   clock.Mark("solve");
   if (model.options.pp_balance && pp > 1) {
-    out.rebalance = Rebalance(problem, budget, &out.assignment);
+    out.rebalance = Rebalance(problem, budget, &out.assignment, &cache);
     clock.Mark("rebalance");
-    if (out.rebalance.moved_tensors > 0) results = Solve(problem, budgets(), options.solver, &out.assignment);
+    if (out.rebalance.moved_tensors > 0) results = Solve(problem, budgets(), options.solver, &out.assignment, &cache);
     clock.Mark("re-solve");
   }
   // Fragmentation: where the placed peak exceeds the budget although the
@@ -91,7 +93,7 @@ Solved SolveForBudget(const PlanningProblem& problem, int64_t budget, const Plan
       }
     }
     if (!any) break;
-    results = Solve(problem, budgets(), options.solver, &out.assignment);
+    results = Solve(problem, budgets(), options.solver, &out.assignment, &cache);
     Evaluation next = Evaluate(problem, out.assignment, false, &out.eval, &redo);
     out.eval = std::move(next);
     clock.Mark("fragmentation");

@@ -5,6 +5,7 @@
 #endif
 
 #include <algorithm>
+#include <optional>
 #include <array>
 #include <cmath>
 #include <limits>
@@ -538,12 +539,22 @@ double SeparableCost(const PlanningProblem& p, int32_t rank, const Assignment& a
   return c;
 }
 
+struct ProfileCache::Impl {
+  Impl(const PlanningProblem& p, const Assignment& a) : trees(std::in_place, p, a) {}
+  std::optional<ProfileTrees> trees;
+};
+
+ProfileCache::ProfileCache(const PlanningProblem& p, const Assignment& a) : impl_(std::make_unique<Impl>(p, a)) {}
+ProfileCache::~ProfileCache() = default;
+
 std::vector<SolveResult> Solve(const PlanningProblem& p, const std::vector<int64_t>& budgets, SolverKind kind,
-                               Assignment* a) {
+                               Assignment* a, ProfileCache* cache) {
   const int32_t pp = static_cast<int32_t>(p.tensors.size());
   std::vector<SolveResult> out;
   if (kind == SolverKind::kHeuristic) {
-    ProfileTrees prof(p, *a);  // every rank, incoming remote offloads included
+    std::optional<ProfileTrees> own;
+    if (!cache) own.emplace(p, *a);  // every rank, incoming remote offloads included
+    ProfileTrees& prof = cache ? *cache->impl().trees : *own;
     for (int32_t r = 0; r < pp; ++r) out.push_back(Heuristic(p, r, budgets[static_cast<size_t>(r)], prof, a));
     return out;
   }
@@ -569,14 +580,18 @@ std::vector<SolveResult> Solve(const PlanningProblem& p, const std::vector<int64
     const auto* start = warm_result[static_cast<size_t>(r)].fits ? &warm.storage[static_cast<size_t>(r)] : nullptr;
     out.push_back(Exact(p, r, budgets[static_cast<size_t>(r)], incoming, start, a));
   }
+  // The MILP changed the assignment behind the cache's back.
+  if (cache) cache->impl().trees.emplace(p, *a);
   return out;
 }
 
-RebalanceResult Rebalance(const PlanningProblem& p, int64_t budget, Assignment* a) {
+RebalanceResult Rebalance(const PlanningProblem& p, int64_t budget, Assignment* a, ProfileCache* cache) {
   RebalanceResult result;
   const int32_t pp = static_cast<int32_t>(p.tensors.size());
   if (pp < 2) return result;
-  ProfileTrees prof(p, *a);
+  std::optional<ProfileTrees> own;
+  if (!cache) own.emplace(p, *a);
+  ProfileTrees& prof = cache ? *cache->impl().trees : *own;
   auto lower = [&](int32_t r) { return p.statics[static_cast<size_t>(r)].total + prof.tree(r).Max(); };
   const Hardware& hw = p.model->hardware;
   const auto& costs = p.tensor_cost_s;

@@ -22,6 +22,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -49,8 +50,26 @@ struct SolveResult {
 // offloads) stays within activation_budgets[rank]. Throws
 // ErrorException(kBadInput) when the exact solver is asked for an instance
 // larger than kMaxExactCells.
+// Every rank's live bytes per step under an assignment (queue-free copies),
+// which Solve and Rebalance keep in step with the assignment they change:
+// a planning run that passes one cache to each call builds the profiles
+// once instead of once per call. Valid for the assignment it was made from
+// as changed by those calls only.
+class ProfileCache {
+ public:
+  ProfileCache(const PlanningProblem& p, const Assignment& a);
+  ~ProfileCache();
+  ProfileCache(const ProfileCache&) = delete;
+  ProfileCache& operator=(const ProfileCache&) = delete;
+  struct Impl;
+  Impl& impl() { return *impl_; }
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
 std::vector<SolveResult> Solve(const PlanningProblem& p, const std::vector<int64_t>& activation_budgets,
-                               SolverKind kind, Assignment* a);
+                               SolverKind kind, Assignment* a, ProfileCache* cache = nullptr);
 
 // The separable cost of `rank`'s assignment (seconds per step).
 double SeparableCost(const PlanningProblem& p, int32_t rank, const Assignment& a);
@@ -69,6 +88,6 @@ struct RebalanceResult {
 // long as the target stays within the budget, the source does not grow, and
 // the pipeline link hides each layer's remote bytes in its prefetch window.
 // Annotated tensors never move; FP8 ones become fp8+offload_remote.
-RebalanceResult Rebalance(const PlanningProblem& p, int64_t budget, Assignment* a);
+RebalanceResult Rebalance(const PlanningProblem& p, int64_t budget, Assignment* a, ProfileCache* cache = nullptr);
 
 }  // namespace memplan::planner
