@@ -1,20 +1,52 @@
 #include "memplan/planner/solver.h"
 
-#if MEMPLAN_HAVE_CBC
-#include <coin/Cbc_C_Interface.h>
-#endif
-
 #include <algorithm>
-#include <optional>
 #include <array>
 #include <cmath>
 #include <limits>
 #include <map>
+#include <optional>
 
 #include "memplan/common/check.h"
 #include "memplan/common/units.h"
+#include "solver_internal.h"
 
 namespace memplan::planner {
+
+namespace internal {
+
+namespace {
+int64_t MovedBytes(const SavedTensor& t, Storage s) { return IsFp8(s) ? t.fp8_bytes : t.bytes; }
+
+}  // namespace
+
+void QueueFree(const PlanningProblem& p, int32_t rank, int32_t index, Storage s, int32_t target,
+               std::vector<Interval>* out) {
+  const Instance& in = p.instances[static_cast<size_t>(rank)][static_cast<size_t>(index)];
+  const SavedTensor& t = p.tensors[static_cast<size_t>(rank)][static_cast<size_t>(in.tensor)];
+  const Hardware& hw = p.model->hardware;
+  int64_t done = in.prod;
+  if (IsOffload(s)) {
+    done = CopyDoneStep(p.timelines[static_cast<size_t>(rank)], in, MovedBytes(t, s),
+                        IsRemote(s) ? hw.pp_link_bw : hw.d2h_bw);
+  }
+  IntervalsOf(p, rank, index, s, target, done, out);
+}
+
+const std::vector<std::array<double, kStorageCount>>& CostTable(const PlanningProblem& p, int32_t rank) {
+  return p.tensor_cost_s[static_cast<size_t>(rank)];
+}
+
+bool Decidable(const SavedTensor& t, Storage current) { return !t.annotated && !IsRemote(current); }
+
+}  // namespace internal
+
+using internal::CostTable;
+using internal::Decidable;
+using internal::Exact;
+using internal::kLocalOptions;
+using internal::QueueFree;
+
 namespace {
 
 constexpr int kMaxMovesPerTensor = 4;
@@ -23,9 +55,6 @@ constexpr int kMaxMovesPerTensor = 4;
 // it made kimi-k2's plan 8x slower for 5 % less summed cost, and a K3-scale
 // rank ~17 000).
 constexpr size_t kExchangeInstances = 512;
-
-constexpr Storage kLocalOptions[] = {Storage::kKeep, Storage::kRecompute, Storage::kFp8, Storage::kOffloadHost,
-                                     Storage::kFp8OffloadHost};
 
 // Max over steps with range add, O(log n) per update; ArgMax is the leftmost.
 // Bottom-up (no recursion): mx_[i] = max(children) + add_[i].
@@ -83,22 +112,6 @@ class MaxTree {
   size_t cap_ = 1;
   std::vector<int64_t> mx_, add_;
 };
-
-int64_t MovedBytes(const SavedTensor& t, Storage s) { return IsFp8(s) ? t.fp8_bytes : t.bytes; }
-
-// Intervals of one instance with a copy-out on an otherwise idle queue.
-void QueueFree(const PlanningProblem& p, int32_t rank, int32_t index, Storage s, int32_t target,
-               std::vector<Interval>* out) {
-  const Instance& in = p.instances[static_cast<size_t>(rank)][static_cast<size_t>(index)];
-  const SavedTensor& t = p.tensors[static_cast<size_t>(rank)][static_cast<size_t>(in.tensor)];
-  const Hardware& hw = p.model->hardware;
-  int64_t done = in.prod;
-  if (IsOffload(s)) {
-    done = CopyDoneStep(p.timelines[static_cast<size_t>(rank)], in, MovedBytes(t, s),
-                        IsRemote(s) ? hw.pp_link_bw : hw.d2h_bw);
-  }
-  IntervalsOf(p, rank, index, s, target, done, out);
-}
 
 // The per-step activation profile of every rank under queue-free copies.
 class ProfileTrees {
@@ -212,12 +225,6 @@ class ProfileTrees {
   std::vector<Piece> pieces_;
 };
 
-const std::vector<std::array<double, kStorageCount>>& CostTable(const PlanningProblem& p, int32_t rank) {
-  return p.tensor_cost_s[static_cast<size_t>(rank)];
-}
-
-bool Decidable(const SavedTensor& t, Storage current) { return !t.annotated && !IsRemote(current); }
-
 SolveResult Heuristic(const PlanningProblem& p, int32_t rank, int64_t budget, ProfileTrees& prof, Assignment* a) {
   const auto& ts = p.tensors[static_cast<size_t>(rank)];
   auto& st = a->storage[static_cast<size_t>(rank)];
@@ -261,52 +268,50 @@ SolveResult Heuristic(const PlanningProblem& p, int32_t rank, int64_t budget, Pr
   // Greedy repair: while the peak exceeds the budget, move the tensors that
   // remove bytes at the peak step at the least added seconds per byte.
   auto repair = [&] {
-  for (int iter = 0; iter < 100000 && tree.Max() > budget; ++iter) {
-    int64_t step = tree.ArgMax();
-    int64_t excess = tree.Max() - budget;
-    std::vector<Candidate> cands;
-    for (size_t t = 0; t < ts.size(); ++t) {
-      Storage cur = st[t];
-      if (!Decidable(ts[t], cur)) continue;
-      int64_t now = prof.ResidentAt(rank, static_cast<int32_t>(t), cur, -1, rank, step);
-      if (now == 0) continue;
-      Candidate best{std::numeric_limits<double>::infinity(), 0, static_cast<int32_t>(t), cur};
-      for (Storage o : kLocalOptions) {
-        // Any move that lowers the peak step qualifies (at a backward peak,
-        // fp8's dequantize or recompute's chain can cost more than keep);
-        // a cap on moves per tensor rules out oscillation.
-        if (o == cur || !Legal(ts[t], o, pp) || moves[t] >= kMaxMovesPerTensor) continue;
-        if (!offload_fits(t, cur, o)) continue;
-        int64_t benefit = now - prof.ResidentAt(rank, static_cast<int32_t>(t), o, -1, rank, step);
-        if (benefit <= 0) continue;
-        double extra = costs[t][static_cast<size_t>(o)] - costs[t][static_cast<size_t>(cur)];
-        double score = extra / static_cast<double>(benefit);
-        if (score < best.score || (score == best.score && benefit > best.benefit)) best = {score, benefit, best.tensor, o};
+    for (int iter = 0; iter < 100000 && tree.Max() > budget; ++iter) {
+      int64_t step = tree.ArgMax();
+      int64_t excess = tree.Max() - budget;
+      std::vector<Candidate> cands;
+      for (size_t t = 0; t < ts.size(); ++t) {
+        Storage cur = st[t];
+        if (!Decidable(ts[t], cur)) continue;
+        int64_t now = prof.ResidentAt(rank, static_cast<int32_t>(t), cur, -1, rank, step);
+        if (now == 0) continue;
+        Candidate best{std::numeric_limits<double>::infinity(), 0, static_cast<int32_t>(t), cur};
+        for (Storage o : kLocalOptions) {
+          // Any move that lowers the peak step qualifies (at a backward peak,
+          // fp8's dequantize or recompute's chain can cost more than keep);
+          // a cap on moves per tensor rules out oscillation.
+          if (o == cur || !Legal(ts[t], o, pp) || moves[t] >= kMaxMovesPerTensor) continue;
+          if (!offload_fits(t, cur, o)) continue;
+          int64_t benefit = now - prof.ResidentAt(rank, static_cast<int32_t>(t), o, -1, rank, step);
+          if (benefit <= 0) continue;
+          double extra = costs[t][static_cast<size_t>(o)] - costs[t][static_cast<size_t>(cur)];
+          double score = extra / static_cast<double>(benefit);
+          if (score < best.score || (score == best.score && benefit > best.benefit)) best = {score, benefit, best.tensor, o};
+        }
+        if (best.to != cur) cands.push_back(best);
       }
-      if (best.to != cur) cands.push_back(best);
+      if (cands.empty()) break;
+      std::stable_sort(cands.begin(), cands.end(), [](const Candidate& x, const Candidate& y) {
+        if (x.score != y.score) return x.score < y.score;
+        return x.benefit > y.benefit;
+      });
+      int64_t covered = 0;
+      bool applied = false;
+      for (const auto& c : cands) {
+        size_t t = static_cast<size_t>(c.tensor);
+        if (!offload_fits(t, st[t], c.to)) continue;  // an earlier candidate took the capacity
+        change(t, c.to);
+        applied = true;
+        covered += c.benefit;
+        if (covered >= excess) break;
+      }
+      if (!applied) break;
     }
-    if (cands.empty()) break;
-    std::stable_sort(cands.begin(), cands.end(), [](const Candidate& x, const Candidate& y) {
-      if (x.score != y.score) return x.score < y.score;
-      return x.benefit > y.benefit;
-    });
-    int64_t covered = 0;
-    bool applied = false;
-    for (const auto& c : cands) {
-      size_t t = static_cast<size_t>(c.tensor);
-      if (!offload_fits(t, st[t], c.to)) continue;  // an earlier candidate took the capacity
-      change(t, c.to);
-      applied = true;
-      covered += c.benefit;
-      if (covered >= excess) break;
-    }
-    if (!applied) break;
-  }
   };
-  // Drop what is no longer needed: most expensive decisions first, each to
-  // the cheapest storage that still fits.
-  auto clean_up = [&] {
-  if (tree.Max() <= budget) {
+  // The decided (not kept, not annotated) tensors, most expensive first.
+  auto decided_by_cost = [&] {
     std::vector<int32_t> decided;
     for (size_t t = 0; t < ts.size(); ++t) {
       if (Decidable(ts[t], st[t]) && st[t] != Storage::kKeep) decided.push_back(static_cast<int32_t>(t));
@@ -315,31 +320,38 @@ SolveResult Heuristic(const PlanningProblem& p, int32_t rank, int64_t budget, Pr
       return costs[static_cast<size_t>(x)][static_cast<size_t>(st[static_cast<size_t>(x)])] >
              costs[static_cast<size_t>(y)][static_cast<size_t>(st[static_cast<size_t>(y)])];
     });
-    for (int32_t t : decided) {
-      Storage cur = st[static_cast<size_t>(t)];
-      // A cheaper storage keeps more bytes between forward and backward; skip
-      // it without trying when even one instance's extra bytes exceed the
-      // headroom left under the budget.
-      int64_t headroom = budget - tree.Max();
-      auto mid = [&](Storage s) { return StoredBytes(ts[static_cast<size_t>(t)], s); };
-      std::vector<Storage> cheaper;
-      for (Storage o : kLocalOptions) {
-        if (Legal(ts[static_cast<size_t>(t)], o, pp) &&
-            costs[static_cast<size_t>(t)][static_cast<size_t>(o)] < costs[static_cast<size_t>(t)][static_cast<size_t>(cur)]) {
-          cheaper.push_back(o);
+    return decided;
+  };
+  // Drop what is no longer needed: most expensive decisions first, each to
+  // the cheapest storage that still fits.
+  auto clean_up = [&] {
+    if (tree.Max() <= budget) {
+      std::vector<int32_t> decided = decided_by_cost();
+      for (int32_t t : decided) {
+        Storage cur = st[static_cast<size_t>(t)];
+        // A cheaper storage keeps more bytes between forward and backward; skip
+        // it without trying when even one instance's extra bytes exceed the
+        // headroom left under the budget.
+        int64_t headroom = budget - tree.Max();
+        auto mid = [&](Storage s) { return StoredBytes(ts[static_cast<size_t>(t)], s); };
+        std::vector<Storage> cheaper;
+        for (Storage o : kLocalOptions) {
+          if (Legal(ts[static_cast<size_t>(t)], o, pp) &&
+              costs[static_cast<size_t>(t)][static_cast<size_t>(o)] < costs[static_cast<size_t>(t)][static_cast<size_t>(cur)]) {
+            cheaper.push_back(o);
+          }
+        }
+        std::stable_sort(cheaper.begin(), cheaper.end(), [&](Storage x, Storage y) {
+          return costs[static_cast<size_t>(t)][static_cast<size_t>(x)] < costs[static_cast<size_t>(t)][static_cast<size_t>(y)];
+        });
+        for (Storage o : cheaper) {
+          if (mid(o) - mid(cur) > headroom || !offload_fits(static_cast<size_t>(t), cur, o)) continue;
+          if (!prof.StaysWithin(rank, t, cur, -1, o, -1, budget)) continue;
+          change(static_cast<size_t>(t), o);
+          break;
         }
       }
-      std::stable_sort(cheaper.begin(), cheaper.end(), [&](Storage x, Storage y) {
-        return costs[static_cast<size_t>(t)][static_cast<size_t>(x)] < costs[static_cast<size_t>(t)][static_cast<size_t>(y)];
-      });
-      for (Storage o : cheaper) {
-        if (mid(o) - mid(cur) > headroom || !offload_fits(static_cast<size_t>(t), cur, o)) continue;
-        if (!prof.StaysWithin(rank, t, cur, -1, o, -1, budget)) continue;
-        change(static_cast<size_t>(t), o);
-        break;
-      }
     }
-  }
   };
   repair();
   clean_up();
@@ -350,14 +362,7 @@ SolveResult Heuristic(const PlanningProblem& p, int32_t rank, int64_t budget, Pr
   if (tree.Max() <= budget && p.instances[static_cast<size_t>(rank)].size() <= kExchangeInstances) {
     for (int pass = 0; pass < 2; ++pass) {
       bool improved = false;
-      std::vector<int32_t> decided;
-      for (size_t t = 0; t < ts.size(); ++t) {
-        if (Decidable(ts[t], st[t]) && st[t] != Storage::kKeep) decided.push_back(static_cast<int32_t>(t));
-      }
-      std::stable_sort(decided.begin(), decided.end(), [&](int32_t x, int32_t y) {
-        return costs[static_cast<size_t>(x)][static_cast<size_t>(st[static_cast<size_t>(x)])] >
-               costs[static_cast<size_t>(y)][static_cast<size_t>(st[static_cast<size_t>(y)])];
-      });
+      std::vector<int32_t> decided = decided_by_cost();
       for (int32_t t : decided) {
         if (st[static_cast<size_t>(t)] == Storage::kKeep) continue;  // an earlier trial undid it
         const double before = SeparableCost(p, rank, *a);
@@ -382,206 +387,7 @@ SolveResult Heuristic(const PlanningProblem& p, int32_t rank, int64_t budget, Pr
   return {tree.Max() <= budget, SeparableCost(p, rank, *a)};
 }
 
-SolveResult Exact(const PlanningProblem& p, int32_t rank, int64_t budget, const std::vector<Interval>& fixed,
-                  const std::vector<Storage>* warm_start, Assignment* a) {
-  if (!ExactSolverAvailable()) {
-    ThrowError(ErrorCode::kBadInput,
-               "--solver exact: this memplan was built without CBC (install coinor-libcbc-dev and configure with "
-               "-Dcbc=enabled); the heuristic solver plans without it");
-  }
-  const auto& ts = p.tensors[static_cast<size_t>(rank)];
-  auto& st = a->storage[static_cast<size_t>(rank)];
-  const int64_t pp = p.model->parallel.pp;
-  const int64_t steps = p.timelines[static_cast<size_t>(rank)].steps;
-  const auto& costs = CostTable(p, rank);
-  // Fixed part: transients, tensors the solver does not decide, incoming.
-  std::vector<Interval> ivs = fixed;
-  struct Column {
-    int32_t tensor;
-    Storage storage;
-    std::vector<int64_t> profile;  // bytes per step
-  };
-  std::vector<Column> cols;
-  std::vector<Interval> scratch;
-  for (size_t t = 0; t < ts.size(); ++t) {
-    const auto& first = p.first_instance[static_cast<size_t>(rank)];
-    if (!Decidable(ts[t], st[t])) {
-      for (int32_t i = first[t]; i < first[t + 1]; ++i) {
-        QueueFree(p, rank, i, st[t], a->target[static_cast<size_t>(rank)][t], &ivs);
-      }
-      continue;
-    }
-    for (Storage o : kLocalOptions) {
-      if (!Legal(ts[t], o, pp)) continue;
-      if (static_cast<int64_t>(cols.size() + 1) * steps > kMaxExactCells) {
-        ThrowError(ErrorCode::kBadInput,
-                   "--solver exact: pp rank " + std::to_string(rank) + " is too large for the MILP (" +
-                       std::to_string(steps) + " steps x more than " + std::to_string(cols.size()) +
-                       " columns); use the heuristic solver");
-      }
-      Column c{static_cast<int32_t>(t), o, std::vector<int64_t>(static_cast<size_t>(steps) + 1, 0)};
-      for (int32_t i = first[t]; i < first[t + 1]; ++i) {
-        scratch.clear();
-        QueueFree(p, rank, i, o, -1, &scratch);
-        for (const auto& iv : scratch) {
-          if (iv.rank != rank) continue;
-          c.profile[static_cast<size_t>(iv.first)] += iv.bytes;
-          c.profile[static_cast<size_t>(iv.last) + 1] -= iv.bytes;
-        }
-      }
-      int64_t run = 0;
-      for (auto& v : c.profile) v = (run += v);
-      cols.push_back(std::move(c));
-    }
-  }
-  std::vector<int64_t> base(static_cast<size_t>(steps) + 1, 0);
-  for (const auto& iv : ivs) {
-    if (iv.rank != rank) continue;
-    base[static_cast<size_t>(iv.first)] += iv.bytes;
-    base[static_cast<size_t>(iv.last) + 1] -= iv.bytes;
-  }
-  {
-    int64_t run = 0;
-    for (size_t s = 0; s < base.size(); ++s) {
-      run += base[s];
-      base[s] = run + (s < static_cast<size_t>(steps) ? p.timelines[static_cast<size_t>(rank)].transient[s] : 0);
-    }
-  }
-  if (cols.empty()) {
-    int64_t peak = *std::max_element(base.begin(), base.end() - 1);
-    return {peak <= budget, SeparableCost(p, rank, *a)};
-  }
-  // Rows: one per tensor (choose exactly one storage), one per step that
-  // can bind (its worst case exceeds the budget).
-  std::map<int32_t, int> tensor_row;
-  std::vector<double> row_lo, row_hi;
-  for (const auto& c : cols) {
-    if (!tensor_row.count(c.tensor)) {
-      tensor_row[c.tensor] = static_cast<int>(row_lo.size());
-      row_lo.push_back(1);
-      row_hi.push_back(1);
-    }
-  }
-  std::vector<int64_t> step_rows;
-  for (int64_t s = 0; s < steps; ++s) {
-    std::map<int32_t, int64_t> worst;
-    for (const auto& c : cols) worst[c.tensor] = std::max(worst[c.tensor], c.profile[static_cast<size_t>(s)]);
-    int64_t w = base[static_cast<size_t>(s)];
-    for (const auto& [t, v] : worst) w += v;
-    if (w > budget) step_rows.push_back(s);
-  }
-  int first_step_row = static_cast<int>(row_lo.size());
-  for (int64_t s : step_rows) {
-    row_lo.push_back(-std::numeric_limits<double>::max());
-    row_hi.push_back(static_cast<double>(budget - base[static_cast<size_t>(s)]));
-  }
-  // Host-offload capacity rows, as the heuristic enforces: per layer
-  // (prefetch) and per chunk (copy-out), net of fixed host offloads.
-  OffloadCapacity cap = HostCapacity(p, rank);
-  for (size_t t = 0; t < ts.size(); ++t) {
-    if (Decidable(ts[t], st[t])) continue;
-    if (st[t] == Storage::kOffloadHost) cap.Add(ts[t], ts[t].bytes, 1);
-    if (st[t] == Storage::kFp8OffloadHost) cap.Add(ts[t], ts[t].fp8_bytes, 1);
-  }
-  std::map<int64_t, int> layer_row;
-  std::map<int32_t, int> chunk_row;
-  for (const auto& c : cols) {
-    if (c.storage != Storage::kOffloadHost && c.storage != Storage::kFp8OffloadHost) continue;
-    const SavedTensor& t = ts[static_cast<size_t>(c.tensor)];
-    if (!layer_row.count(t.layer)) {
-      layer_row[t.layer] = static_cast<int>(row_lo.size());
-      row_lo.push_back(-std::numeric_limits<double>::max());
-      row_hi.push_back(cap.layer_in_bytes[static_cast<size_t>(t.layer)] - cap.layer_in_used[static_cast<size_t>(t.layer)]);
-    }
-    if (!chunk_row.count(t.chunk)) {
-      chunk_row[t.chunk] = static_cast<int>(row_lo.size());
-      row_lo.push_back(-std::numeric_limits<double>::max());
-      row_hi.push_back(cap.chunk_out_bytes[static_cast<size_t>(t.chunk)] - cap.chunk_out_used[static_cast<size_t>(t.chunk)]);
-    }
-  }
-  std::vector<int> start{0};
-  std::vector<int> index;
-  std::vector<double> value, lb, ub, obj;
-  for (const auto& c : cols) {
-    index.push_back(tensor_row[c.tensor]);
-    value.push_back(1);
-    for (size_t k = 0; k < step_rows.size(); ++k) {
-      int64_t v = c.profile[static_cast<size_t>(step_rows[k])];
-      if (v == 0) continue;
-      index.push_back(first_step_row + static_cast<int>(k));
-      value.push_back(static_cast<double>(v));
-    }
-    if (c.storage == Storage::kOffloadHost || c.storage == Storage::kFp8OffloadHost) {
-      const SavedTensor& t = ts[static_cast<size_t>(c.tensor)];
-      double moved = static_cast<double>(c.storage == Storage::kFp8OffloadHost ? t.fp8_bytes : t.bytes);
-      index.push_back(layer_row[t.layer]);
-      value.push_back(moved);
-      index.push_back(chunk_row[t.chunk]);
-      value.push_back(moved);
-    }
-    start.push_back(static_cast<int>(index.size()));
-    lb.push_back(0);
-    ub.push_back(1);
-    // In microseconds: CBC's absolute tolerances (cutoff increment,
-    // allowable gap) are far above costs of 1e-5 s, where it declared
-    // suboptimal solutions optimal.
-    obj.push_back(1e6 * costs[static_cast<size_t>(c.tensor)][static_cast<size_t>(c.storage)]);
-  }
-  bool feasible = false;
-#if MEMPLAN_HAVE_CBC
-  Cbc_Model* model = Cbc_newModel();
-  Cbc_loadProblem(model, static_cast<int>(cols.size()), static_cast<int>(row_lo.size()), start.data(), index.data(),
-                  value.data(), lb.data(), ub.data(), obj.data(), row_lo.data(), row_hi.data());
-  for (size_t i = 0; i < cols.size(); ++i) Cbc_setInteger(model, static_cast<int>(i));
-  if (warm_start) {
-    // The heuristic's decisions as the first incumbent: the optimum is then
-    // never worse than the heuristic's where its solution is feasible here.
-    std::vector<int> idx(cols.size());
-    std::vector<double> val(cols.size());
-    for (size_t i = 0; i < cols.size(); ++i) {
-      idx[i] = static_cast<int>(i);
-      val[i] = (*warm_start)[static_cast<size_t>(cols[i].tensor)] == cols[i].storage ? 1.0 : 0.0;
-    }
-    Cbc_setMIPStartI(model, static_cast<int>(cols.size()), idx.data(), val.data());
-  }
-  Cbc_setLogLevel(model, 0);
-  Cbc_setMaximumSeconds(model, 120);
-  Cbc_setParameter(model, "threads", "1");
-  // Proven optimal, not CBC's default stop within a relative gap.
-  Cbc_setAllowableGap(model, 0);
-  Cbc_setAllowableFractionGap(model, 0);
-  Cbc_setAllowablePercentageGap(model, 0);
-  Cbc_solve(model);
-  const double* x = Cbc_getColSolution(model);
-  feasible = !Cbc_isProvenInfeasible(model) && x != nullptr && Cbc_getObjValue(model) < 1e29;
-  if (feasible) {
-    // Verify the rounded solution before using it.
-    std::vector<Storage> chosen(ts.size(), Storage::kKeep);
-    for (size_t i = 0; i < cols.size(); ++i) {
-      if (x[i] > 0.5) chosen[static_cast<size_t>(cols[i].tensor)] = cols[i].storage;
-    }
-    for (const auto& [t, row] : tensor_row) st[static_cast<size_t>(t)] = chosen[static_cast<size_t>(t)];
-  }
-  Cbc_deleteModel(model);
-#endif
-  std::vector<int64_t> prof = base;
-  for (const auto& c : cols) {
-    if (st[static_cast<size_t>(c.tensor)] != c.storage) continue;
-    for (int64_t s = 0; s < steps; ++s) prof[static_cast<size_t>(s)] += c.profile[static_cast<size_t>(s)];
-  }
-  int64_t peak = *std::max_element(prof.begin(), prof.end() - 1);
-  return {feasible && peak <= budget, SeparableCost(p, rank, *a)};
-}
-
 }  // namespace
-
-bool ExactSolverAvailable() {
-#if MEMPLAN_HAVE_CBC
-  return true;
-#else
-  return false;
-#endif
-}
 
 double SeparableCost(const PlanningProblem& p, int32_t rank, const Assignment& a) {
   const auto& table = CostTable(p, rank);
