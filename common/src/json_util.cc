@@ -233,8 +233,8 @@ std::optional<double> ObjectReader::OptBandwidth(std::string_view key) {
 }
 
 std::optional<double> ObjectReader::OptFlopRate(std::string_view key) {
-  return OptRate(*this, key, &ParseFlopRate, "a FLOP rate such as \"989TFLOP/s\"", 1e9, 1e21,
-                 "between 1GFLOP/s and 1000000PFLOP/s");
+  return OptRate(*this, key, &ParseFlopRate, "a FLOP rate such as \"989TFLOP/s\"", 1e6, 1e21,
+                 "between 1MFLOP/s and 1000000PFLOP/s");
 }
 
 void ObjectReader::Finish() const {

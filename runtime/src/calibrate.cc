@@ -214,7 +214,7 @@ class Prober {
     auto roofline0 = predicted(models[0], f0, 0);
     if (!roofline0) return roofline0.error();
     const double launch_s = std::max(0.0, (models[0].measured_s - *roofline0) / models[0].launches);
-    double lo = std::max(1e9, f0 / 20), hi = f0 * 20;  // the model format takes >= 1 GFLOP/s
+    double lo = std::max(1e6, f0 / 20), hi = f0 * 20;  // the model format takes >= 1 MFLOP/s
     for (int i = 0; i < 40; ++i) {
       double mid = std::sqrt(lo * hi);
       auto p = predicted(models[1], mid, launch_s);
