@@ -154,6 +154,7 @@ class Prober {
       double measured_s = 0;
       int64_t repeats = 0;
       double launches = 0;
+      double roofline_s = 0;  // predicted at the kernel probe's rate, launch_s 0
     };
     ProbeModel models[2] = {{"launch", 32, 2, 64, 64, 16, 1}, {"gemm-step", 128, 4, 256, 256, 64, 2}};
     auto plan_of = [&](const ProbeModel& pm, double flops, double launch_s) -> Expected<Json> {
@@ -186,13 +187,12 @@ class Prober {
     run.backend = options_.backend;
     run.cupti = false;
     for (ProbeModel& pm : models) {
-      auto base = predicted(pm, f0, 0);
-      auto unit = predicted(pm, f0, kUnit);
-      if (!base) return base.error();
-      if (!unit) return unit.error();
-      pm.launches = std::round((*unit - *base) / kUnit);
       auto plan = plan_of(pm, f0, 0);
+      auto unit = predicted(pm, f0, kUnit);
       if (!plan) return plan.error();
+      if (!unit) return unit.error();
+      pm.roofline_s = (*plan)["overhead"]["emulated_s"].get<double>();
+      pm.launches = std::round((*unit - pm.roofline_s) / kUnit);
       run.plan_file = std::string("calibration-") + pm.name;
       // The median step, as a user's single `memplan run` most likely sees
       // it (the best one is rarer on a shared machine).
@@ -211,9 +211,7 @@ class Prober {
     // its GEMMs are as small and hot) leaves unexplained, per launch. Then
     // the GEMM rate at which the GEMM-heavy step is predicted exactly: the
     // prediction falls as the rate grows, so bisect on its logarithm.
-    auto roofline0 = predicted(models[0], f0, 0);
-    if (!roofline0) return roofline0.error();
-    const double launch_s = std::max(0.0, (models[0].measured_s - *roofline0) / models[0].launches);
+    const double launch_s = std::max(0.0, (models[0].measured_s - models[0].roofline_s) / models[0].launches);
     double lo = std::max(1e6, f0 / 20), hi = f0 * 20;  // the model format takes >= 1 MFLOP/s
     for (int i = 0; i < 40; ++i) {
       double mid = std::sqrt(lo * hi);
