@@ -22,6 +22,7 @@
 #include "memplan/planner/model.h"
 #include "memplan/planner/plan.h"
 #include "memplan/runtime/calibrate.h"
+#include "memplan/runtime/comm.h"
 #include "memplan/runtime/executor.h"
 #include "memplan/traces/check.h"
 #include "memplan/traces/measured.h"
@@ -39,7 +40,7 @@ int Fail(const Error& e) {
 // the accounting, say) is attributed to the whole input file.
 Error Located(Error e, const std::string& file) {
   if (e.code == ErrorCode::kBadInput && e.message.rfind(file + ": ", 0) != 0 &&
-      e.message.rfind(file + " /", 0) != 0) {
+      e.message.rfind(file + " /", 0) != 0 && e.message.rfind("rank ", 0) != 0) {  // rank N: another rank's
     e.message = file + ": /: " + e.message;
   }
   return e;
@@ -178,13 +179,31 @@ void PrintRunTable(const Json& plan_json, const traces::Measured& m) {
 
 // Executes one training step of PLAN.json; writes MEASURED.json, the trace
 // and the dump together, or none of them.
+//
+// Launched by mpirun: one process per rank of the plan's grid
+// (runtime/comm.h). Rank 0 writes the outputs and prints; a failure every
+// rank sees (a bad plan, the wrong -np) is said once, by rank 0, and every
+// rank exits with its code.
 int RunExecute(const Command& c) {
-  if (c.backend == "host" && c.allocator == "pool") {
-    return Fail({ErrorCode::kBadInput, "--allocator pool: the host backend is always an arena (pools are cuda's)"});
+  std::unique_ptr<runtime::Communicator> comm;
+  if (runtime::LaunchedByMpi()) {
+    auto made = runtime::MakeMpiCommunicator();
+    if (!made) return Fail(made.error());
+    comm = std::move(*made);
   }
-  if (auto ok = CheckOutputs({c.output, c.trace}, c.input, {c.dump}); !ok) return Fail(ok.error());
+  const bool lead = !comm || comm->rank() == 0;
+  Expected<std::monostate> local = std::monostate{};
+  if (c.backend == "host" && c.allocator == "pool") {
+    local = Error{ErrorCode::kBadInput, "--allocator pool: the host backend is always an arena (pools are cuda's)"};
+  } else if (comm && !c.dump.empty()) {
+    local = Error{ErrorCode::kBadInput, "--dump: not under mpirun yet (each rank's parameters are in its own process)"};
+  } else if (lead) {
+    if (auto ok = CheckOutputs({c.output, c.trace}, c.input, {c.dump}); !ok) local = ok.error();
+  }
   auto plan_json = ReadJsonFile(c.input);
-  if (!plan_json) return Fail(plan_json.error());
+  if (local.ok() && !plan_json) local = plan_json.error();
+  if (comm) local = runtime::Agree(*comm, local);
+  if (!local.ok()) return lead ? Fail(local.error()) : static_cast<int>(local.error().code);
   OutputFiles out;
   runtime::RunOptions options;
   options.backend = c.backend == "cuda" ? runtime::BackendKind::kCuda : runtime::BackendKind::kHost;
@@ -192,18 +211,20 @@ int RunExecute(const Command& c) {
   options.cupti = !c.no_cupti;
   options.plan_file = c.input;
   options.trace = !c.trace.empty();
+  options.comm = comm.get();
   if (!c.dump.empty()) {
     auto staged = out.StageDirectory(c.dump);
     if (!staged) return Fail(staged.error());
     options.dump_dir = *staged;
   }
-  if (!c.quiet) {
+  if (!c.quiet && lead) {
     options.progress = [](std::string_view line) {
       std::fprintf(stderr, "%.*s\n", static_cast<int>(line.size()), line.data());
     };
   }
   auto result = runtime::RunPlan(*plan_json, options);
-  if (!result) return Fail(Located(result.error(), c.input));
+  if (!result) return lead ? Fail(Located(result.error(), c.input)) : static_cast<int>(result.error().code);
+  if (!lead) return 0;
   for (const auto& w : result->warnings) std::fprintf(stderr, "memplan: warning: %s\n", OneLine(w).c_str());
   const auto& m = result->measured;
   if (!c.output.empty()) {

@@ -18,7 +18,9 @@ bool Executor::Runnable(const Rank& r) const {
   int64_t stages = model_.parallel.pp * model_.parallel.vp;
   if (blk.forward && stage == 0) return true;
   if (!blk.forward && stage == stages - 1) return true;
-  return mailbox_.count({stage, blk.microbatch, blk.forward}) > 0;
+  const int64_t sender = blk.forward ? stage - 1 : stage + 1;
+  return Arrived(RankOfStage(sender), r.index, blk.forward ? Msg::kActivation : Msg::kGradient,
+                 StageMsgId(stage, blk.microbatch));
 }
 
 void Executor::Step(Rank& r) {
@@ -46,15 +48,25 @@ void Executor::Step(Rank& r) {
 
   int32_t chunk = p_.schedules[static_cast<size_t>(r.index)][static_cast<size_t>(tl.step_pass[static_cast<size_t>(s)])].chunk;
   int64_t stage = chunk * model_.parallel.pp + r.index;
+  const int64_t stages = model_.parallel.pp * model_.parallel.vp;
   if (local == 0) {
+    // The neighbour stage's hand-over (it may carry nothing), taken once
+    // per pass: the activation in forward, its gradient in backward.
+    std::vector<std::byte> inbox;
+    const int64_t sender = blk.forward ? stage - 1 : stage + 1;
+    const bool received = !blk.prev_in_pass && sender >= 0 && sender < stages;
+    if (received) {
+      inbox = Take(RankOfStage(sender), r.index, blk.forward ? Msg::kActivation : Msg::kGradient,
+                   StageMsgId(stage, blk.microbatch));
+    }
     if (blk.forward) {
       // Inputs: the batch, or the previous stage's activation.
       for (size_t t = 0; t < g.tensors.size(); ++t) {
         const TensorSpec& spec = g.tensors[t];
         if (lb.prod[t] >= 0 || lb.share_layer[t] >= 0) continue;  // produced here, or read in place
-        bool received = lb.import_from[t] >= 0 ? !blk.prev_in_pass : !spec.producer.empty();
-        if (spec.producer.empty() || received) {
-          LoadInput(r, bi, static_cast<int32_t>(t), Value(r, bi, static_cast<int32_t>(t)));
+        bool imported = lb.import_from[t] >= 0 ? !blk.prev_in_pass : !spec.producer.empty();
+        if (spec.producer.empty() || imported) {
+          LoadInput(r, bi, static_cast<int32_t>(t), Value(r, bi, static_cast<int32_t>(t)), &inbox);
         } else if (spec.saved && lb.import_from[t] >= 0 &&
                    G(blk.layer - 1).tensors[static_cast<size_t>(lb.import_from[t])].saved) {
           // Both layers save the value: this layer keeps its own copy.
@@ -62,22 +74,16 @@ void Executor::Step(Rank& r) {
           r.ops->Copy(Value(r, bi, static_cast<int32_t>(t)).ptr, src.ptr, spec.bytes);
         }
       }
-      // The previous stage's pass is over (it may hand over nothing).
-      if (!blk.prev_in_pass) mailbox_.erase({stage, blk.microbatch, true});
     } else {
       RestoreLayer(r, bi);
       ReceiveSharedGrads(r, bi);
-      if (!blk.prev_in_pass) {
+      if (received) {
         // The gradient of this chunk's output, from the next stage.
         for (size_t t = 0; t < g.tensors.size(); ++t) {
           if (lb.prod[t] < 0 || lb.export_to[t] < 0) continue;
-          auto it = mailbox_.find({stage, blk.microbatch, false});
-          MEMPLAN_CHECK(it != mailbox_.end(), "gradient not received");
-          backend_->FromHost(*r.dev, Grad(r, bi, static_cast<int32_t>(t)).ptr, it->second.data(),
-                             g.tensors[t].bytes);
-          mailbox_.erase(it);
+          MEMPLAN_CHECK(static_cast<int64_t>(inbox.size()) == g.tensors[t].bytes, "received gradient has the wrong size");
+          backend_->FromHost(*r.dev, Grad(r, bi, static_cast<int32_t>(t)).ptr, inbox.data(), g.tensors[t].bytes);
         }
-        mailbox_.erase({stage, blk.microbatch, false});
       }
     }
   }
@@ -100,11 +106,13 @@ void Executor::Step(Rank& r) {
     Backward(r, bi, pos);
   }
   if (blk.forward) {
-    for (int32_t i : r.produced_at[static_cast<size_t>(s)]) acts_->Save(r.index, i);
+    for (int32_t i : r.produced_at[static_cast<size_t>(s)]) {
+      acts_->Save(r.index, i);
+      SendBlockCaches(r, i);
+    }
   }
   // The end of a pass on this rank: hand the boundary tensor (if any: with
   // shared blocks nothing is handed over) to the neighbour stage.
-  const int64_t stages = model_.parallel.pp * model_.parallel.vp;
   const int64_t neighbour = blk.forward ? stage + 1 : stage - 1;
   if (local == n - 1 && !blk.next_in_pass && neighbour >= 0 && neighbour < stages) {
     std::vector<std::byte> msg;
@@ -115,7 +123,8 @@ void Executor::Step(Rank& r) {
       msg.resize(static_cast<size_t>(g.tensors[t].bytes));
       backend_->ToHost(*r.dev, msg.data(), src.ptr, g.tensors[t].bytes);
     }
-    mailbox_[{neighbour, blk.microbatch, blk.forward}] = std::move(msg);
+    Post(r.index, RankOfStage(neighbour), blk.forward ? Msg::kActivation : Msg::kGradient,
+         StageMsgId(neighbour, blk.microbatch), std::move(msg));
   }
   // Routing offsets live on the host until the layer's backward is over.
   if (!blk.forward && local == n - 1) r.routing.erase({blk.layer, blk.microbatch});
@@ -170,8 +179,53 @@ Expected<std::monostate> Executor::Validate() {
   }
 }
 
+Expected<std::monostate> Executor::AgreeAcrossRanks(const Expected<std::monostate>& local) {
+  Communicator& comm = *options_.comm;
+  if (auto agreed = Agree(comm, local); !agreed.ok()) return agreed.error();
+  // The same plan everywhere, and one process per rank of its grid.
+  const std::string digest = plan_json_.value("digest", std::string());
+  std::vector<std::string> digests = comm.AllGather(digest);
+  for (size_t r = 1; r < digests.size(); ++r) {
+    if (digests[r] != digests[0]) {
+      return BadInput(options_.plan_file + ": rank " + std::to_string(r) + " runs a different plan (" + digests[r] + ") from rank 0's (" +
+                      digests[0] + "): every process must run the same PLAN.json");
+    }
+  }
+  const auto& par = model_.parallel;
+  const int64_t grid = par.pp * par.dp * par.ep * par.tp * par.cp;
+  if (comm.size() != grid) {
+    return BadInput(options_.plan_file + ": launched as " + std::to_string(comm.size()) +
+                    " processes, the plan's grid has " + std::to_string(grid) + " ranks (pp " + std::to_string(par.pp) +
+                    " x dp " + std::to_string(par.dp) + " x ep " + std::to_string(par.ep) +
+                    "): run mpirun -np " + std::to_string(grid));
+  }
+  return CheckTags();
+}
+
 Expected<RunResult> Executor::Run() {
-  if (auto s = Validate(); !s.ok()) return s.error();
+  if (!options_.comm) return RunHere();
+  if (auto s = AgreeAcrossRanks(Validate()); !s.ok()) return s.error();
+  // From here a rank that fails fails alone: it says why and ends them all.
+  try {
+    auto result = RunHere();
+    if (!result.ok()) FailAlone(result.error());
+    return result;
+  } catch (const ErrorException& e) {
+    FailAlone(e.error());
+  }
+}
+
+void Executor::FailAlone(const Error& e) {
+  std::fprintf(stderr, "memplan: rank %d: %s\n", options_.comm->rank(), OneLine(e.message).c_str());
+  std::fflush(stderr);
+  options_.comm->Abort(static_cast<int>(e.code));
+  std::_Exit(static_cast<int>(e.code));  // Abort does not return
+}
+
+Expected<RunResult> Executor::RunHere() {
+  if (!options_.comm) {
+    if (auto s = Validate(); !s.ok()) return s.error();
+  }
   const CudaPlugin* cuda = nullptr;
   if (options_.backend == BackendKind::kCuda) {
     auto plugin = LoadCudaPlugin();
@@ -201,16 +255,19 @@ Expected<RunResult> Executor::Run() {
       if (auto d = Dump(DumpWhat::kWeights); !d.ok()) return d.error();
     }
     for (auto& r : ranks_) backend_->Finish(*r->stat);
+    if (options_.comm) options_.comm->Barrier();  // every rank's clock starts together
     t0_ = std::chrono::steady_clock::now();
     if (cupti_) cupti_epoch_ns_ = cupti_->NowNs();
     int64_t next_report = 0;
     while (steps_done_ < steps_total_) {
       // The runnable rank whose next step starts first in the plan's
       // pipeline timeline (ties: the earlier end, then the lower rank).
-      Rank* pick = nullptr;
+      // One process per rank: its own steps in order, waiting for what
+      // they receive.
+      Rank* pick = options_.comm ? ranks_.front().get() : nullptr;
       double best_start = 0, best_end = 0;
       for (auto& r : ranks_) {
-        if (!Runnable(*r)) continue;
+        if (options_.comm || !Runnable(*r)) continue;
         const auto& tl = p_.timelines[static_cast<size_t>(r->index)];
         double st = tl.start_s[static_cast<size_t>(r->next_step)], en = tl.end_s[static_cast<size_t>(r->next_step)];
         if (!pick || st < best_start || (st == best_start && en < best_end)) {

@@ -16,6 +16,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <deque>
 #include <filesystem>
 #include <map>
 #include <memory>
@@ -27,6 +28,7 @@
 #include <vector>
 
 #include "memplan/common/check.h"
+#include "memplan/common/json_util.h"
 #include "memplan/common/schema.h"
 #include "memplan/common/units.h"
 #include "memplan/common/workspace.h"
@@ -39,6 +41,7 @@
 #include "memplan/planner/templates.h"
 #include "memplan/runtime/activation.h"
 #include "memplan/runtime/backend.h"
+#include "memplan/runtime/comm.h"
 #include "memplan/runtime/cuda_plugin.h"
 #include "memplan/runtime/npy.h"
 #include "memplan/traces/chrome_trace.h"
@@ -169,6 +172,14 @@ class Executor {
   Executor(const Json& plan, const RunOptions& options) : plan_json_(plan), options_(options) {}
 
   Expected<RunResult> Run();
+  // Run's work in this process (Run adds the ranks' agreement around it).
+  Expected<RunResult> RunHere();
+  // With a communicator: every rank's Validate outcome, the same plan on
+  // every rank, as many processes as the plan's grid has ranks.
+  Expected<std::monostate> AgreeAcrossRanks(const Expected<std::monostate>& local);
+  // A rank failing after the agreement: "memplan: rank N: ..." on stderr,
+  // then every process ends (Communicator::Abort).
+  [[noreturn]] void FailAlone(const Error& e);
   // Reads and checks the plan (Setup) without executing anything.
   Expected<std::monostate> Validate();
 
@@ -185,11 +196,34 @@ class Executor {
   // sum x_i^2 in double (Ops::SquaredNorm) through the planned kernel scratch.
   double SquaredNorm(Rank& r, const float* x, int64_t n);
   void MakeBatch();
+
+  // Messages between pipeline ranks (messages.cc): in one process a
+  // mailbox, across processes the communicator. A message is named by its
+  // kind and an id (activations and their gradients: the receiving stage
+  // and the microbatch; Block AttnRes caches and their gradients: the
+  // owner's instance; the tied embedding's gradient: 0).
+  enum class Msg : int { kActivation = 0, kGradient = 1, kBlockCache = 2, kBlockGrad = 3, kTiedGrad = 4 };
+  static constexpr int kMsgKinds = 5;
+  int64_t StageMsgId(int64_t stage, int32_t mb) const { return stage * model_.train.microbatches + mb; }
+  int32_t RankOfStage(int64_t stage) const { return static_cast<int32_t>(stage % model_.parallel.pp); }
+  bool Local(int32_t rank) const { return !options_.comm || rank == options_.comm->rank(); }
+  void Post(int32_t from, int32_t to, Msg kind, int64_t id, std::vector<std::byte> bytes);
+  // One process only: whether the message is in the mailbox.
+  bool Arrived(int32_t from, int32_t to, Msg kind, int64_t id) const;
+  // The message, taken (across processes: waits for it).
+  std::vector<std::byte> Take(int32_t from, int32_t to, Msg kind, int64_t id);
+  // With a communicator: the largest message id of any kind fits a tag.
+  Expected<std::monostate> CheckTags() const;
+  // Every rank's `mine`, in rank order (one process: `mine` alone).
+  std::vector<double> GatherDoubles(double mine);
   // --dump: the initial weights and the batch (kWeights), the gradients
   // after the step (kGrads), the weights after the optimizer (kUpdated).
   enum class DumpWhat { kWeights, kGrads, kUpdated };
   Expected<std::monostate> Dump(DumpWhat what);
   Expected<RunResult> Finish(double grad_norm, double step_s);
+  // With a communicator: every rank's measurement, trace and warnings into
+  // rank 0's result (the loss and the times agreed on every rank).
+  void GatherRanks(RunResult& out);
 
   // Tensors.
   const LayerGraph& G(int64_t layer) const { return p_.layers[static_cast<size_t>(layer)]; }
@@ -230,13 +264,18 @@ class Executor {
   // At a layer's first backward step: the other ranks' gradients of its
   // shared tensors, added into their sums.
   void ReceiveSharedGrads(Rank& r, size_t bi);
+  // After instance `inst` of rank `r` is saved: a block other ranks cache
+  // goes to each of them.
+  void SendBlockCaches(Rank& r, int32_t inst);
 
   // Ops.
   void Forward(Rank& r, size_t bi, int32_t pos, const std::function<Buffer(int32_t)>& value, int32_t mb);
   void Backward(Rank& r, size_t bi, int32_t pos);
   void Recompute(Rank& r, size_t bi, int32_t inst);
   void RestoreLayer(Rank& r, size_t bi);
-  void LoadInput(Rank& r, size_t bi, int32_t tensor, Buffer dst);
+  // An input of the block: the batch, or the previous stage's activation
+  // (`inbox`, taken once per pass).
+  void LoadInput(Rank& r, size_t bi, int32_t tensor, Buffer dst, const std::vector<std::byte>* inbox);
 
   // Trace and measurement.
   double NowUs() const {
@@ -274,13 +313,16 @@ class Executor {
   std::unique_ptr<ActivationManager> acts_;
   std::vector<std::vector<int32_t>> tensor_base_;  // layer -> rank-local index of its first saved tensor
   std::vector<std::vector<int32_t>> saved_index_;  // layer -> per graph tensor, index among saved or -1
-  std::map<std::tuple<int64_t, int32_t, bool>, std::vector<std::byte>> mailbox_;  // (stage, mb, forward)
+  // (from rank, to rank, kind, id) -> messages in the order posted.
+  std::map<std::tuple<int32_t, int32_t, Msg, int64_t>, std::deque<std::vector<std::byte>>> mailbox_;
   // Shared blocks: (rank, owner rank, instance, role) -> index into
   // p_.cross[rank]; per rank and step, the cross buffers ending there; per
   // shared instance, the cache gradients on their way to it.
   std::map<std::tuple<int32_t, int32_t, int32_t, planner::CrossBuffer::Role>, int32_t> cross_index_;
   std::vector<std::vector<std::vector<int32_t>>> cross_ends_;
-  std::map<std::pair<int32_t, int32_t>, std::vector<std::vector<std::byte>>> grad_wires_;
+  // Per (owner rank, instance): the other ranks that cache the block, and
+  // those that send it a gradient (ascending: the sum's order).
+  std::map<std::pair<int32_t, int32_t>, std::vector<int32_t>> cache_readers_, grad_senders_;
   std::vector<std::vector<int32_t>> tokens_, targets_;  // per microbatch
   double loss_sum_ = 0;
   int64_t steps_total_ = 0, steps_done_ = 0;

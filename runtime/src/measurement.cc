@@ -105,7 +105,48 @@ Expected<RunResult> Executor::Finish(double grad_norm, double step_s) {
     out.trace = trace_.ToJson();
   }
   out.warnings = warnings_;
+  if (options_.comm) GatherRanks(out);
   return out;
+}
+
+void Executor::GatherRanks(RunResult& out) {
+  traces::Measured& m = out.measured;
+  // The loss is summed on the last stage alone: the others add zeros, so
+  // the sum in rank order is the single process's bits.
+  double loss_sum = 0;
+  for (double v : GatherDoubles(loss_sum_)) loss_sum += v;
+  m.loss = loss_sum / static_cast<double>(model_.train.microbatches * model_.train.micro_batch * model_.train.seq_len);
+  for (double v : GatherDoubles(m.step_s)) m.step_s = std::max(m.step_s, v);
+  for (double v : GatherDoubles(m.compute_s)) m.compute_s = std::max(m.compute_s, v);
+  std::vector<std::string> all = options_.comm->AllGather(traces::MeasuredToJson(m).dump());
+  std::vector<std::string> traces;
+  if (options_.trace) traces = options_.comm->AllGather(out.trace.dump());
+  std::vector<std::string> warnings = options_.comm->AllGather(Json(out.warnings).dump());
+  if (options_.comm->rank() != 0) return;
+  m.ranks.clear();
+  out.warnings.clear();
+  for (size_t k = 0; k < all.size(); ++k) {
+    auto theirs = traces::ParseMeasured(Json::parse(all[k]), "rank " + std::to_string(k));
+    MEMPLAN_CHECK(theirs.ok(), "a rank sent a malformed measurement");
+    for (auto& mr : theirs->ranks) m.ranks.push_back(std::move(mr));
+    for (const auto& w : Json::parse(warnings[k])) out.warnings.push_back("rank " + std::to_string(k) + ": " + w.get<std::string>());
+  }
+  if (options_.trace) {
+    // One document: every rank's metadata first, then the events by time
+    // (each process's clock starts at the barrier before the step).
+    OrderedJson merged = OrderedJson::parse(traces.front());
+    OrderedJson meta = OrderedJson::array(), events = OrderedJson::array();
+    for (const std::string& t : traces) {
+      OrderedJson doc = OrderedJson::parse(t);
+      for (auto& e : doc["traceEvents"]) (e.value("ph", "") == "M" ? meta : events).push_back(std::move(e));
+    }
+    std::stable_sort(events.begin(), events.end(), [](const OrderedJson& a, const OrderedJson& b) {
+      return a.value("ts", 0.0) < b.value("ts", 0.0);
+    });
+    for (auto& e : events) meta.push_back(std::move(e));
+    merged["traceEvents"] = std::move(meta);
+    out.trace = std::move(merged);
+  }
 }
 
 

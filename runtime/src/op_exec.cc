@@ -203,7 +203,7 @@ void Executor::RestoreLayer(Rank& r, size_t bi) {
 
 // A model input (tokens, targets) or a value received from the previous
 // pipeline stage, written into `dst` at its block's first step.
-void Executor::LoadInput(Rank& r, size_t bi, int32_t t, Buffer dst) {
+void Executor::LoadInput(Rank& r, size_t bi, int32_t t, Buffer dst, const std::vector<std::byte>* inbox) {
   const Block& blk = p_.timelines[static_cast<size_t>(r.index)].blocks[bi];
   const TensorSpec& spec = G(blk.layer).tensors[static_cast<size_t>(t)];
   if (spec.producer.empty()) {
@@ -211,15 +211,9 @@ void Executor::LoadInput(Rank& r, size_t bi, int32_t t, Buffer dst) {
     backend_->FromHost(*r.dev, dst.ptr, src[static_cast<size_t>(blk.microbatch)].data(), spec.bytes);
     return;
   }
-  int32_t chunk = p_.schedules[static_cast<size_t>(r.index)]
-                      [static_cast<size_t>(p_.timelines[static_cast<size_t>(r.index)].step_pass[static_cast<size_t>(blk.first)])]
-                          .chunk;
-  int64_t stage = chunk * model_.parallel.pp + r.index;
-  auto it = mailbox_.find({stage, blk.microbatch, true});
-  MEMPLAN_CHECK(it != mailbox_.end(), "activation not received");
-  MEMPLAN_CHECK(static_cast<int64_t>(it->second.size()) == spec.bytes, "received activation has the wrong size");
-  backend_->FromHost(*r.dev, dst.ptr, it->second.data(), spec.bytes);
-  mailbox_.erase(it);
+  MEMPLAN_CHECK(inbox != nullptr && static_cast<int64_t>(inbox->size()) == spec.bytes,
+                "received activation has the wrong size");
+  backend_->FromHost(*r.dev, dst.ptr, inbox->data(), spec.bytes);
 }
 
 

@@ -40,8 +40,8 @@ Expected<std::monostate> Executor::Setup() {
   for (auto [name, v] : {std::pair<const char*, int64_t>{"tp", par.tp}, {"ep", par.ep}, {"cp", par.cp}, {"dp", par.dp}}) {
     if (v > 1) {
       why.push_back("/model/parallel/" + std::string(name) + " is " + std::to_string(v) +
-                    ": the runtime emulates pipeline ranks in one process and cannot execute " + name +
-                    " > 1 yet (multi-process ranks come later)");
+                    ": the runtime executes pipeline ranks (one process each under mpirun, or emulated in "
+                    "one process) and cannot execute " + name + " > 1 yet");
     }
   }
   // Activations and weights in fp32 or bf16 (bf16: on the host backend, the
@@ -158,6 +158,11 @@ Expected<std::monostate> Executor::Setup() {
           (target < 0 || target >= model_.parallel.pp || target == static_cast<int32_t>(r))) {
         return BadInput(file + ": /tensors: " + st.name + ": to_pp_rank " + std::to_string(target) +
                         " is not another pipeline rank (0.." + std::to_string(model_.parallel.pp - 1) + ")");
+      }
+      if (planner::IsRemote(storage) && options_.comm) {
+        return BadInput(file + ": /tensors: " + st.name +
+                        ": offload_remote between processes is not executed yet (run it without mpirun: the "
+                        "ranks share one process; or plan without pp_balance and offload_remote policies)");
       }
       assign_.storage[r][t] = storage;
       assign_.target[r][t] = target;

@@ -21,6 +21,8 @@ void Executor::SetupShared() {
       const planner::CrossBuffer& c = p_.cross[r][i];
       cross_index_[{static_cast<int32_t>(r), c.owner_rank, c.instance, c.role}] = static_cast<int32_t>(i);
       cross_ends_[r][static_cast<size_t>(c.last)].push_back(static_cast<int32_t>(i));
+      if (c.role == Role::kCache) cache_readers_[{c.owner_rank, c.instance}].push_back(static_cast<int32_t>(r));
+      if (c.role == Role::kCacheGrad) grad_senders_[{c.owner_rank, c.instance}].push_back(static_cast<int32_t>(r));
     }
   }
 }
@@ -62,12 +64,22 @@ void Executor::BeginCross(Rank& r) {
       r.ops->Zero(buf.ptr, buf.bytes);
     } else if (c.role == Role::kCache) {
       // Only the new block travels, once per rank and microbatch.
-      Rank& owner = *ranks_[static_cast<size_t>(c.owner_rank)];
-      std::vector<std::byte> wire(static_cast<size_t>(c.bytes));
-      backend_->ToHost(*owner.dev, wire.data(), acts_->Forward(c.owner_rank, c.instance).ptr, c.bytes);
+      std::vector<std::byte> wire = Take(c.owner_rank, r.index, Msg::kBlockCache, c.instance);
+      MEMPLAN_CHECK(static_cast<int64_t>(wire.size()) == c.bytes, "a cached block has the wrong size");
       backend_->FromHost(*r.dev, buf.ptr, wire.data(), c.bytes);
       ++r.events["block_cache_copies"];
     }
+  }
+}
+
+void Executor::SendBlockCaches(Rank& r, int32_t inst) {
+  auto readers = cache_readers_.find({r.index, inst});
+  if (readers == cache_readers_.end()) return;
+  Buffer src = acts_->Forward(r.index, inst);
+  for (int32_t q : readers->second) {
+    std::vector<std::byte> wire(static_cast<size_t>(src.bytes));
+    backend_->ToHost(*r.dev, wire.data(), src.ptr, src.bytes);
+    Post(r.index, q, Msg::kBlockCache, inst, std::move(wire));
   }
 }
 
@@ -78,7 +90,7 @@ void Executor::EndCross(Rank& r) {
     if (c.role != Role::kCacheGrad) continue;
     std::vector<std::byte> wire(static_cast<size_t>(c.bytes));
     backend_->ToHost(*r.dev, wire.data(), acts_->Cross(r.index, i).ptr, c.bytes);
-    grad_wires_[{c.owner_rank, c.instance}].push_back(std::move(wire));
+    Post(r.index, c.owner_rank, Msg::kBlockGrad, c.instance, std::move(wire));
     ++r.events["block_grad_sends"];
   }
 }
@@ -92,12 +104,15 @@ void Executor::ReceiveSharedGrads(Rank& r, size_t bi) {
     const int32_t inst = InstIndex(blk.layer, static_cast<int32_t>(t), blk.microbatch);
     auto inbox = cross_index_.find({r.index, r.index, inst, Role::kGradInbox});
     if (inbox == cross_index_.end()) continue;  // read on this rank only
-    auto wires = grad_wires_.find({r.index, inst});
-    MEMPLAN_CHECK(wires != grad_wires_.end() && !wires->second.empty(), "a shared block's gradient did not arrive");
+    auto senders = grad_senders_.find({r.index, inst});
+    MEMPLAN_CHECK(senders != grad_senders_.end(), "a shared block's gradient has no sender");
     Buffer in = acts_->Cross(r.index, inbox->second);
     Buffer sum = SharedGrad(r, bi, static_cast<int32_t>(t));
     const bool bf16 = g.tensors[t].dtype == planner::DType::kBF16;
-    for (const auto& w : wires->second) {
+    // In the senders' rank order, whatever order they ran in.
+    for (int32_t q : senders->second) {
+      std::vector<std::byte> w = Take(q, r.index, Msg::kBlockGrad, inst);
+      MEMPLAN_CHECK(static_cast<int64_t>(w.size()) == in.bytes, "a shared block's gradient has the wrong size");
       backend_->FromHost(*r.dev, in.ptr, w.data(), in.bytes);
       if (!bf16) {
         r.ops->Accumulate(sum.as<float>(), in.as<float>(), in.bytes / 4);
@@ -111,7 +126,6 @@ void Executor::ReceiveSharedGrads(Rank& r, size_t bi) {
       r.ops->Accumulate(a.data(), b.data(), n);
       r.ops->RoundToBf16(a.data(), n, sum.as<uint16_t>());
     }
-    grad_wires_.erase(wires);
   }
 }
 

@@ -8,6 +8,7 @@ namespace memplan::runtime::exec {
 Expected<std::monostate> Executor::MakeRanks() {
   const int32_t pp = static_cast<int32_t>(p_.tensors.size());
   for (int32_t r = 0; r < pp; ++r) {
+    if (!Local(r)) continue;  // another process's
     auto rank = std::make_unique<Rank>();
     rank->index = r;
     const auto& rb = eval_.ranks[static_cast<size_t>(r)];
@@ -53,8 +54,8 @@ Expected<std::monostate> Executor::MakeRanks() {
     }
     ranks_.push_back(std::move(rank));
   }
-  std::vector<RankMemory> mem;
-  for (auto& r : ranks_) mem.push_back({r->dev.get(), r->host.get()});
+  std::vector<RankMemory> mem(static_cast<size_t>(pp));  // another process's rank: none here
+  for (auto& r : ranks_) mem[static_cast<size_t>(r->index)] = {r->dev.get(), r->host.get()};
   acts_ = std::make_unique<ActivationManager>(p_, assign_, eval_.intervals, std::move(mem), *backend_);
   for (auto& r : ranks_) {
     steps_total_ += p_.timelines[static_cast<size_t>(r->index)].steps;
@@ -159,27 +160,47 @@ void Executor::InitParams(Rank& r) {
 void Executor::SyncTied() {
   // A tied head on another rank holds a copy of the embedding: the two
   // gradients are summed into both (Megatron's embedding all-reduce).
+  if (!model_.arch.tied_embeddings) return;
+  const int32_t emb_rank = static_cast<int32_t>(p_.layout.rank_of_layer.front());
+  const int32_t head_rank = static_cast<int32_t>(p_.layout.rank_of_layer.back());
+  if (emb_rank == head_rank) return;  // the head reads the embedding itself
   ParamState* emb = nullptr;
   ParamState* head = nullptr;
+  Rank* er = nullptr;
+  Rank* hr = nullptr;
   for (auto& r : ranks_) {
     for (auto& ps : r->params) {
-      if (ps.spec->kind == planner::ParamKind::kEmbedding) emb = &ps;
-      if (ps.tied_head) head = &ps;
+      if (ps.spec->kind == planner::ParamKind::kEmbedding) std::tie(emb, er) = std::pair{&ps, r.get()};
+      if (ps.tied_head) std::tie(head, hr) = std::pair{&ps, r.get()};
     }
   }
-  Rank* head_rank = nullptr;
-  for (auto& r : ranks_) {
-    for (auto& ps : r->params) head_rank = &ps == head ? r.get() : head_rank;
+  auto grad_of = [&](Rank& r, ParamState& ps) {
+    std::vector<std::byte> g(static_cast<size_t>(ps.elements * 4));
+    backend_->ToHost(*r.stat, g.data(), ps.grad.ptr, ps.elements * 4);
+    return g;
+  };
+  // The embedding's gradient and the head's; across processes each side
+  // sends its own and receives the other (a + b == b + a: both sides get
+  // the same bits).
+  if (!emb && !head) return;  // a rank in between
+  std::vector<std::byte> a, b;
+  if (emb) a = grad_of(*er, *emb);
+  if (head) b = grad_of(*hr, *head);
+  if (emb && !head) {
+    Post(emb_rank, head_rank, Msg::kTiedGrad, 0, a);
+    b = Take(head_rank, emb_rank, Msg::kTiedGrad, 0);
+  } else if (head && !emb) {
+    Post(head_rank, emb_rank, Msg::kTiedGrad, 0, b);
+    a = Take(emb_rank, head_rank, Msg::kTiedGrad, 0);
   }
-  if (emb && head) {
-    Rank& r0 = *ranks_.front();
-    std::vector<float> a(static_cast<size_t>(emb->elements)), b(a.size());
-    backend_->ToHost(*r0.stat, a.data(), emb->grad.ptr, emb->elements * 4);
-    backend_->ToHost(*head_rank->stat, b.data(), head->grad.ptr, head->elements * 4);
-    for (size_t i = 0; i < a.size(); ++i) a[i] += b[i];
-    backend_->FromHost(*r0.stat, emb->grad.ptr, a.data(), emb->elements * 4);
-    backend_->FromHost(*head_rank->stat, head->grad.ptr, a.data(), head->elements * 4);
-  }
+  MEMPLAN_CHECK(a.size() == b.size(), "the tied embedding's two gradients differ in size");
+  const size_t n = a.size() / 4;
+  std::vector<float> sum(n), fa(n), fb(n);
+  std::memcpy(fa.data(), a.data(), a.size());
+  std::memcpy(fb.data(), b.data(), b.size());
+  for (size_t i = 0; i < n; ++i) sum[i] = fa[i] + fb[i];
+  if (emb) backend_->FromHost(*er->stat, emb->grad.ptr, sum.data(), emb->elements * 4);
+  if (head) backend_->FromHost(*hr->stat, head->grad.ptr, sum.data(), head->elements * 4);
 }
 
 double Executor::SquaredNorm(Rank& r, const float* x, int64_t n) {
@@ -194,13 +215,20 @@ double Executor::SquaredNorm(Rank& r, const float* x, int64_t n) {
 }
 
 void Executor::Optimize(double* grad_norm) {
-  double sum = 0;
+  // Per rank, then over ranks in rank order: the same sum whether the
+  // ranks share a process or not.
+  std::vector<double> partial;
   for (auto& r : ranks_) {
+    double sum = 0;
     for (auto& ps : r->params) {
-      if (ps.tied_head && r.get() != ranks_.front().get()) continue;  // counted once, with the embedding
+      if (ps.tied_head) continue;  // counted once, with the embedding
       sum += SquaredNorm(*r, ps.grad.as<float>(), ps.elements);
     }
+    partial.push_back(sum);
   }
+  if (options_.comm) partial = GatherDoubles(partial.front());
+  double sum = 0;
+  for (double v : partial) sum += v;
   *grad_norm = std::sqrt(sum);
   kernels::AdamConfig cfg;
   for (auto& r : ranks_) {

@@ -45,6 +45,8 @@
 
 namespace memplan::runtime {
 
+class Communicator;  // comm.h
+
 enum class BackendKind { kHost, kCuda };
 std::string_view BackendName(BackendKind kind);  // "host", "cuda"
 
@@ -69,6 +71,15 @@ struct RunOptions {
   std::function<void(std::string_view line)> progress;
   // Host backend, tests: each copy first sleeps a pseudo-random 0..N us.
   int64_t copy_jitter_us = 0;
+  // One process per rank (docs/runtime.md, "One process per rank"): this
+  // process runs rank comm->rank() of the plan's grid, and messages and
+  // collectives go through `comm` (not owned). Failures found before any
+  // rank executes are agreed: every rank returns the same Error. A rank
+  // that fails later says so on stderr ("memplan: rank N: ...") and ends
+  // every process (Communicator::Abort). The measurement of every rank is
+  // gathered on rank 0 (RunResult on other ranks: their own rank only).
+  // Null: every rank emulated in this process.
+  Communicator* comm = nullptr;
   // Tests: may edit a parameter's initial values (e.g. to take finite
   // differences), called once per parameter, in rank order.
   std::function<void(const std::string& param, std::vector<float>* values)> init_hook;

@@ -1,0 +1,193 @@
+#!/usr/bin/env bash
+# One process per pipeline rank: `mpirun -np N memplan run PLAN.json` against
+# the single-process emulation of the same plan (docs/runtime.md, "One
+# process per rank"), and what happens when the launch is wrong or a rank is
+# lost. Skips (77) without mpirun or without MPI in memplan.
+set -u
+memplan="$1"
+root="${MEMPLAN_SOURCE_ROOT:?}"
+command -v mpirun >/dev/null || { echo "mpi: mpirun not found (apt install openmpi-bin)"; exit 77; }
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+# OpenMPI refuses root without these (CI runs as root); --oversubscribe: more
+# ranks than this machine's cores.
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+mpi=(mpirun --oversubscribe)
+pass=0
+fail=0
+ok() { pass=$((pass + 1)); }
+bad() { fail=$((fail + 1)); echo "FAIL: $*"; }
+
+# A model with edits: model FILE OUT [python statements on m]
+model() {
+  python3 - "$1" "$2" "$3" <<'PY'
+import json, sys
+m = json.load(open(sys.argv[1]))
+exec(sys.argv[3])
+json.dump(m, open(sys.argv[2], "w"))
+PY
+}
+
+"$memplan" plan "$root/examples/models/tiny-llama.json" -o "$tmp/llama.plan.json" -q || { echo "plan failed"; exit 1; }
+if "${mpi[@]}" -np 2 "$memplan" run "$tmp/llama.plan.json" -q 2>&1 | grep -q "built without MPI"; then
+  echo "mpi: memplan was built without MPI"; exit 77
+fi
+
+# 1. The same step in one process and in one process per rank: the same loss
+#    and gradient norm (bit for bit: every sum runs in the same order), the
+#    same bytes per rank, and `memplan check` passes at tolerance 0.
+same_step() {  # name model.json ranks
+  local name=$1 file=$2 n=$3
+  "$memplan" plan "$file" -o "$tmp/$name.plan.json" -q 2>/dev/null || { bad "$name: plan failed"; return; }
+  "$memplan" run "$tmp/$name.plan.json" -q -o "$tmp/$name.one.json" || { bad "$name: single-process run failed"; return; }
+  if ! timeout 60 "${mpi[@]}" -np "$n" "$memplan" run "$tmp/$name.plan.json" -q -o "$tmp/$name.mpi.json" \
+      --trace "$tmp/$name.trace.json" 2>"$tmp/err"; then
+    bad "$name: mpirun -np $n failed: $(head -3 "$tmp/err")"
+    return
+  fi
+  python3 - "$tmp/$name.one.json" "$tmp/$name.mpi.json" "$tmp/$name.trace.json" "$n" "$tmp/$name.plan.json" <<'PY' \
+    && ok || bad "$name: the processes' step differs from the single process's"
+import json, sys
+one, mpi, trace = (json.load(open(f)) for f in sys.argv[1:4])
+n = int(sys.argv[4])
+plan = json.load(open(sys.argv[5]))
+assert one["loss"] == mpi["loss"], (one["loss"], mpi["loss"])
+assert one["grad_norm"] == mpi["grad_norm"], (one["grad_norm"], mpi["grad_norm"])
+assert [r["pp_rank"] for r in mpi["ranks"]] == list(range(n)), mpi["ranks"]
+for a, b, p in zip(one["ranks"], mpi["ranks"], plan["ranks"]):
+    assert (a["peak"], a["allocated_peak"], a["static"]) == (b["peak"], b["allocated_peak"], b["static"]), (a, b)
+    assert b["peak"] == p["peak"], (b["peak"], p["peak"])
+    assert a["events"] == b["events"], (a["events"], b["events"])
+# One trace: a process (pid) per rank, each with its kernels.
+pids = {e["pid"] for e in trace["traceEvents"] if e.get("ph") == "X"}
+assert pids == set(range(1, n + 1)), pids
+PY
+  "$memplan" check "$tmp/$name.plan.json" "$tmp/$name.mpi.json" --tolerance 0 >/dev/null \
+    && ok || bad "$name: memplan check failed at tolerance 0"
+}
+
+mix='m["policies"] = [{"match": "*.mlp.*", "policy": "recompute"}, {"match": "*.attn.*", "policy": ["fp8", "offload_host"]}, {"match": "*norm*", "policy": "fp8"}]'
+checked=0
+for m in tiny-gpt tiny-llama tiny-moe tiny-mla tiny-attnres tiny-deepseek tiny-k3; do
+  model "$root/examples/models/$m.json" "$tmp/$m.json" "$mix"
+  same_step "$m" "$tmp/$m.json" 2
+  checked=$((checked + 1))
+done
+# Four ranks: blocks cached on three other ranks (Block AttnRes), a tied
+# embedding two stages apart, interleaved stages.
+model "$root/examples/models/tiny-attnres.json" "$tmp/attnres4.json" 'm["parallel"]["pp"] = 4; m["train"]["microbatches"] = 8; m.pop("budget", None)'
+same_step attnres-pp4 "$tmp/attnres4.json" 4
+model "$root/examples/models/tiny-gpt.json" "$tmp/gpt4.json" 'm["parallel"]["pp"] = 4; m["train"]["microbatches"] = 8; m.pop("budget", None); m["policies"] = [{"match": "*", "policy": "offload_host"}]'
+same_step gpt-pp4 "$tmp/gpt4.json" 4
+model "$root/examples/models/tiny-k3.json" "$tmp/k3-4.json" 'm["parallel"]["pp"] = 4; m["train"]["microbatches"] = 8; m.pop("budget", None)'
+same_step k3-pp4-vp2 "$tmp/k3-4.json" 4
+checked=$((checked + 3))
+[ "$checked" -eq 10 ] && ok || bad "compared $checked steps, expected 10"
+
+# 2. The wrong number of processes: one line from rank 0 naming both
+#    numbers, exit 2 everywhere, nothing written.
+"${mpi[@]}" -np 3 "$memplan" run "$tmp/llama.plan.json" -q -o "$tmp/never.json" >"$tmp/out" 2>"$tmp/err"
+rc=$?
+[ "$rc" -eq 2 ] && ok || bad "-np 3: exit $rc, expected 2"
+[ "$(grep -c '^memplan:' "$tmp/err")" -eq 1 ] && grep -q "launched as 3 processes, the plan's grid has 2 ranks" "$tmp/err" \
+  && ok || bad "-np 3: $(cat "$tmp/err")"
+[ ! -e "$tmp/never.json" ] && ok || bad "-np 3 wrote MEASURED.json"
+
+# 3. Ranks given different plans are refused before any step.
+"$memplan" plan "$root/examples/models/tiny-gpt.json" -o "$tmp/gpt.plan.json" -q
+"${mpi[@]}" -np 1 "$memplan" run "$tmp/llama.plan.json" -q : -np 1 "$memplan" run "$tmp/gpt.plan.json" -q \
+  >"$tmp/out" 2>"$tmp/err"
+rc=$?
+[ "$rc" -eq 2 ] && grep -q "rank 1 runs a different plan" "$tmp/err" && ok || bad "different plans: exit $rc: $(cat "$tmp/err")"
+
+# 4. A rank that cannot read its plan: said once, naming the rank.
+"${mpi[@]}" -np 1 "$memplan" run "$tmp/llama.plan.json" -q : -np 1 "$memplan" run "$tmp/nowhere.json" -q \
+  >"$tmp/out" 2>"$tmp/err"
+rc=$?
+[ "$rc" -eq 2 ] && [ "$(grep -c '^memplan:' "$tmp/err")" -eq 1 ] && grep -q "rank 1: .*nowhere.json" "$tmp/err" \
+  && ok || bad "unreadable plan on rank 1: exit $rc: $(cat "$tmp/err")"
+
+# 5. What does not execute across processes yet is refused with its reason.
+model "$root/examples/models/tiny-llama.json" "$tmp/remote.json" 'm["policies"] = [{"match": "*.mlp.*", "policy": "offload_remote"}]'
+"$memplan" plan "$tmp/remote.json" -o "$tmp/remote.plan.json" -q 2>/dev/null
+"${mpi[@]}" -np 2 "$memplan" run "$tmp/remote.plan.json" -q >"$tmp/out" 2>"$tmp/err"
+rc=$?
+[ "$rc" -eq 2 ] && grep -q "offload_remote between processes is not executed yet" "$tmp/err" \
+  && ok || bad "offload_remote: exit $rc: $(cat "$tmp/err")"
+
+# A step long enough to interrupt (64 microbatches, ~3 s).
+model "$root/examples/models/tiny-llama.json" "$tmp/long.json" 'm["train"]["microbatches"] = 64; m.pop("budget", None)'
+"$memplan" plan "$tmp/long.json" -o "$tmp/long.plan.json" -q
+# The pid of rank $1 of the running job.
+rank_pid() {
+  local p
+  for p in $(pgrep -f "^$memplan run $tmp/long.plan.json"); do
+    tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx "OMPI_COMM_WORLD_RANK=$1" && { echo "$p"; return; }
+  done
+}
+wait_for_rank() {  # the rank's pid once its process runs (5 s at most)
+  local k p
+  for k in $(seq 50); do
+    p=$(rank_pid "$1")
+    [ -n "$p" ] && { echo "$p"; return; }
+    sleep 0.1
+  done
+}
+orphans() { pgrep -f "^$memplan run $tmp/long.plan.json" | wc -l; }
+
+# 6. A rank killed mid-step: the job ends within 30 s, naming the lost rank,
+#    and leaves no process behind.
+"${mpi[@]}" -np 2 "$memplan" run "$tmp/long.plan.json" -q >"$tmp/out" 2>"$tmp/err" &
+job=$!
+victim=$(wait_for_rank 1)
+sleep 0.5
+if [ -n "$victim" ]; then
+  kill -KILL "$victim"
+  start=$(date +%s)
+  wait "$job"
+  rc=$?
+  took=$(($(date +%s) - start))
+  [ "$rc" -ne 0 ] && [ "$took" -le 30 ] && ok || bad "killed rank: exit $rc after $took s"
+  grep -q "rank 1" "$tmp/err" && ok || bad "killed rank not named: $(cat "$tmp/err")"
+else
+  wait "$job"
+  bad "rank 1 never started"
+fi
+sleep 0.5
+[ "$(orphans)" -eq 0 ] && ok || bad "processes left after a killed rank"
+
+# 7. A rank that stops answering: the other gives up after
+#    MEMPLAN_COMM_TIMEOUT_S, naming it, and the job ends.
+MEMPLAN_COMM_TIMEOUT_S=2 "${mpi[@]}" -np 2 "$memplan" run "$tmp/long.plan.json" -q >"$tmp/out" 2>"$tmp/err" &
+job=$!
+victim=$(wait_for_rank 1)
+sleep 0.5
+if [ -n "$victim" ]; then
+  kill -STOP "$victim"
+  start=$(date +%s)
+  wait "$job"
+  rc=$?
+  took=$(($(date +%s) - start))
+  kill -KILL "$victim" 2>/dev/null
+  [ "$rc" -ne 0 ] && [ "$took" -le 30 ] && ok || bad "stuck rank: exit $rc after $took s"
+  grep -q "rank 0: rank 0 waited [0-9]* s for rank 1" "$tmp/err" && ok || bad "stuck rank: $(cat "$tmp/err")"
+else
+  wait "$job"
+  bad "rank 1 never started"
+fi
+sleep 0.5
+[ "$(orphans)" -eq 0 ] && ok || bad "processes left after a stuck rank"
+
+# 8. SIGINT to mpirun ends every rank.
+"${mpi[@]}" -np 2 "$memplan" run "$tmp/long.plan.json" -q >"$tmp/out" 2>"$tmp/err" &
+job=$!
+victim=$(wait_for_rank 1)
+sleep 0.3
+kill -INT "$job"
+wait "$job"
+rc=$?
+sleep 0.5
+[ "$rc" -ne 0 ] && [ "$(orphans)" -eq 0 ] && ok || bad "SIGINT: exit $rc, $(orphans) processes left"
+
+echo "mpi: $pass passed, $fail failed"
+[ "$fail" -eq 0 ]
