@@ -3,8 +3,11 @@
 # the single-process emulation of the same plan (docs/runtime.md, "One
 # process per rank"), and what happens when the launch is wrong or a rank is
 # lost. Skips (77) without mpirun or without MPI in memplan.
+# Usage: mpi_test.sh MEMPLAN [pipeline|data-parallel|faults] (default: all).
 set -u
 memplan="$1"
+section="${2:-all}"
+want() { [ "$section" = all ] || [ "$section" = "$1" ]; }
 root="${MEMPLAN_SOURCE_ROOT:?}"
 command -v mpirun >/dev/null || { echo "mpi: mpirun not found (apt install openmpi-bin)"; exit 77; }
 tmp=$(mktemp -d)
@@ -66,6 +69,7 @@ PY
     && ok || bad "$name: memplan check failed at tolerance 0"
 }
 
+if want pipeline; then
 mix='m["policies"] = [{"match": "*.mlp.*", "policy": "recompute"}, {"match": "*.attn.*", "policy": ["fp8", "offload_host"]}, {"match": "*norm*", "policy": "fp8"}]'
 checked=0
 for m in tiny-gpt tiny-llama tiny-moe tiny-mla tiny-attnres tiny-deepseek tiny-k3; do
@@ -83,8 +87,90 @@ model "$root/examples/models/tiny-k3.json" "$tmp/k3-4.json" 'm["parallel"]["pp"]
 same_step k3-pp4-vp2 "$tmp/k3-4.json" 4
 checked=$((checked + 3))
 [ "$checked" -eq 10 ] && ok || bad "compared $checked steps, expected 10"
+fi
 
-# 2. The wrong number of processes: one line from rank 0 naming both
+# 2. Data parallelism (pp 2 x dp 2): the step of a model with dp = 2 against
+#    one process running dp = 1 with the same global batch (twice the
+#    microbatches): the same loss bit for bit (the sum over tokens runs in
+#    the same order), the gradients, the gradient norm and the updated
+#    weights to fp32 reduction-order tolerance (the replicas' gradients are
+#    summed by MPI in its own order), every replica's static bytes equal to
+#    the plan's (ZeRO-1: Adam's state for a shard), `check` at tolerance 0.
+if want data-parallel; then
+cat >"$tmp/npy.py" <<'PY'
+import array, ast, os, sys
+def load(path):
+    b = open(path, "rb").read()
+    n = int.from_bytes(b[8:10], "little")
+    h = ast.literal_eval(b[10:10 + n].decode())
+    a = array.array("f" if h["descr"].endswith("f4") else "i")
+    a.frombytes(b[10 + n:])
+    return h["shape"], a
+one, dp, tol = sys.argv[1], sys.argv[2], float(sys.argv[3])
+files = 0
+for sub in ["weights", "grads", "updated", "batch"]:
+    names = sorted(os.listdir(os.path.join(one, sub)))
+    assert names == sorted(os.listdir(os.path.join(dp, sub))), sub
+    for f in names:
+        sa, a = load(os.path.join(one, sub, f))
+        sb, b = load(os.path.join(dp, sub, f))
+        assert sa == sb, (f, sa, sb)
+        scale = max(abs(x) for x in a) or 1.0
+        worst = max(abs(x - y) for x, y in zip(a, b)) / scale
+        exact = sub in ("weights", "batch")
+        assert (worst == 0) if exact else (worst <= tol), (sub, f, worst)
+        files += 1
+assert files > 50, files
+PY
+data_parallel() {  # name model.json zero [python edits]
+  local name=$1 file=$2 zero=$3 edits=${4:-pass}
+  model "$file" "$tmp/$name.one.json" "m.pop('budget', None); $edits; m['train']['microbatches'] *= 2"
+  model "$file" "$tmp/$name.dp.json" "m.pop('budget', None); $edits; m['parallel']['dp'] = 2; m['parallel']['zero'] = $zero"
+  "$memplan" plan "$tmp/$name.one.json" -o "$tmp/$name.one.plan.json" -q 2>/dev/null &&
+    "$memplan" plan "$tmp/$name.dp.json" -o "$tmp/$name.dp.plan.json" -q 2>/dev/null || { bad "$name: plan failed"; return; }
+  "$memplan" run "$tmp/$name.one.plan.json" -q -o "$tmp/$name.one.m.json" --dump "$tmp/$name.one.d" ||
+    { bad "$name: single-process run failed"; return; }
+  if ! timeout 60 "${mpi[@]}" -np 4 "$memplan" run "$tmp/$name.dp.plan.json" -q -o "$tmp/$name.dp.m.json"       --dump "$tmp/$name.dp.d" 2>"$tmp/err"; then
+    bad "$name: mpirun -np 4 failed: $(head -3 "$tmp/err")"
+    return
+  fi
+  python3 - "$tmp/$name.one.m.json" "$tmp/$name.dp.m.json" "$tmp/$name.dp.plan.json" <<'PY'     && ok || bad "$name: the data-parallel step differs"
+import json, sys
+one, dp, plan = (json.load(open(f)) for f in sys.argv[1:4])
+assert one["loss"] == dp["loss"], (one["loss"], dp["loss"])
+assert abs(one["grad_norm"] - dp["grad_norm"]) <= 1e-6 * one["grad_norm"], (one["grad_norm"], dp["grad_norm"])
+coords = [(r["pp_rank"], r["dp_rank"]) for r in dp["ranks"]]
+assert coords == [(0, 0), (0, 1), (1, 0), (1, 1)], coords
+for r in dp["ranks"]:
+    p = plan["ranks"][r["pp_rank"]]
+    assert r["static"] == p["static"]["total"] and r["peak"] == p["peak"], (r, p["static"])
+    assert r["events"]["dp_reductions"] == 1, r["events"]
+PY
+  python3 "$tmp/npy.py" "$tmp/$name.one.d" "$tmp/$name.dp.d" 1e-4 && ok || bad "$name: dumps differ"
+  "$memplan" check "$tmp/$name.dp.plan.json" "$tmp/$name.dp.m.json" --tolerance 0 >"$tmp/out" \
+    && grep -q "dp_rank" "$tmp/out" && ok || bad "$name: memplan check failed: $(cat "$tmp/out")"
+}
+data_parallel llama-zero0 "$root/examples/models/tiny-llama.json" 0
+data_parallel llama-zero1 "$root/examples/models/tiny-llama.json" 1
+data_parallel gpt-tied-zero1 "$root/examples/models/tiny-gpt.json" 1
+data_parallel moe-bf16-zero1 "$root/examples/models/tiny-moe.json" 1 \
+  "m['train']['act_dtype'] = m['train']['param_dtype'] = 'bf16'; m['policies'] = [{'match': '*.mlp.*', 'policy': 'recompute'}]"
+# ZeRO-1 holds less than ZeRO-0: Adam's m and v for half the parameters.
+python3 - "$tmp/llama-zero0.dp.plan.json" "$tmp/llama-zero1.dp.plan.json" <<'PY' && ok || bad "ZeRO-1 does not shard the optimizer"
+import json, sys
+z0, z1 = (json.load(open(f)) for f in sys.argv[1:])
+for a, b in zip(z0["ranks"], z1["ranks"]):
+    assert b["static"]["optimizer"] * 2 == a["static"]["optimizer"], (a["static"], b["static"])
+PY
+# One process cannot run data-parallel replicas.
+"$memplan" run "$tmp/llama-zero1.dp.plan.json" -q >"$tmp/out" 2>"$tmp/err"
+rc=$?
+[ "$rc" -eq 2 ] && grep -q "data-parallel replicas run one process per rank (mpirun -np 4" "$tmp/err" \
+  && ok || bad "dp 2 in one process: exit $rc: $(cat "$tmp/err")"
+fi
+
+if want faults; then
+# 3. The wrong number of processes: one line from rank 0 naming both
 #    numbers, exit 2 everywhere, nothing written.
 "${mpi[@]}" -np 3 "$memplan" run "$tmp/llama.plan.json" -q -o "$tmp/never.json" >"$tmp/out" 2>"$tmp/err"
 rc=$?
@@ -93,21 +179,21 @@ rc=$?
   && ok || bad "-np 3: $(cat "$tmp/err")"
 [ ! -e "$tmp/never.json" ] && ok || bad "-np 3 wrote MEASURED.json"
 
-# 3. Ranks given different plans are refused before any step.
+# 4. Ranks given different plans are refused before any step.
 "$memplan" plan "$root/examples/models/tiny-gpt.json" -o "$tmp/gpt.plan.json" -q
 "${mpi[@]}" -np 1 "$memplan" run "$tmp/llama.plan.json" -q : -np 1 "$memplan" run "$tmp/gpt.plan.json" -q \
   >"$tmp/out" 2>"$tmp/err"
 rc=$?
 [ "$rc" -eq 2 ] && grep -q "rank 1 runs a different plan" "$tmp/err" && ok || bad "different plans: exit $rc: $(cat "$tmp/err")"
 
-# 4. A rank that cannot read its plan: said once, naming the rank.
+# 5. A rank that cannot read its plan: said once, naming the rank.
 "${mpi[@]}" -np 1 "$memplan" run "$tmp/llama.plan.json" -q : -np 1 "$memplan" run "$tmp/nowhere.json" -q \
   >"$tmp/out" 2>"$tmp/err"
 rc=$?
 [ "$rc" -eq 2 ] && [ "$(grep -c '^memplan:' "$tmp/err")" -eq 1 ] && grep -q "rank 1: .*nowhere.json" "$tmp/err" \
   && ok || bad "unreadable plan on rank 1: exit $rc: $(cat "$tmp/err")"
 
-# 5. What does not execute across processes yet is refused with its reason.
+# 6. What does not execute across processes yet is refused with its reason.
 model "$root/examples/models/tiny-llama.json" "$tmp/remote.json" 'm["policies"] = [{"match": "*.mlp.*", "policy": "offload_remote"}]'
 "$memplan" plan "$tmp/remote.json" -o "$tmp/remote.plan.json" -q 2>/dev/null
 "${mpi[@]}" -np 2 "$memplan" run "$tmp/remote.plan.json" -q >"$tmp/out" 2>"$tmp/err"
@@ -135,7 +221,7 @@ wait_for_rank() {  # the rank's pid once its process runs (5 s at most)
 }
 orphans() { pgrep -f "^$memplan run $tmp/long.plan.json" | wc -l; }
 
-# 6. A rank killed mid-step: the job ends within 30 s, naming the lost rank,
+# 7. A rank killed mid-step: the job ends within 30 s, naming the lost rank,
 #    and leaves no process behind.
 "${mpi[@]}" -np 2 "$memplan" run "$tmp/long.plan.json" -q >"$tmp/out" 2>"$tmp/err" &
 job=$!
@@ -156,7 +242,7 @@ fi
 sleep 0.5
 [ "$(orphans)" -eq 0 ] && ok || bad "processes left after a killed rank"
 
-# 7. A rank that stops answering: the other gives up after
+# 8. A rank that stops answering: the other gives up after
 #    MEMPLAN_COMM_TIMEOUT_S, naming it, and the job ends.
 MEMPLAN_COMM_TIMEOUT_S=2 "${mpi[@]}" -np 2 "$memplan" run "$tmp/long.plan.json" -q >"$tmp/out" 2>"$tmp/err" &
 job=$!
@@ -178,7 +264,7 @@ fi
 sleep 0.5
 [ "$(orphans)" -eq 0 ] && ok || bad "processes left after a stuck rank"
 
-# 8. SIGINT to mpirun ends every rank.
+# 9. SIGINT to mpirun ends every rank.
 "${mpi[@]}" -np 2 "$memplan" run "$tmp/long.plan.json" -q >"$tmp/out" 2>"$tmp/err" &
 job=$!
 victim=$(wait_for_rank 1)
@@ -189,5 +275,7 @@ rc=$?
 sleep 0.5
 [ "$rc" -ne 0 ] && [ "$(orphans)" -eq 0 ] && ok || bad "SIGINT: exit $rc, $(orphans) processes left"
 
-echo "mpi: $pass passed, $fail failed"
+fi
+
+echo "mpi_$section: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]

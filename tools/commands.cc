@@ -195,8 +195,6 @@ int RunExecute(const Command& c) {
   Expected<std::monostate> local = std::monostate{};
   if (c.backend == "host" && c.allocator == "pool") {
     local = Error{ErrorCode::kBadInput, "--allocator pool: the host backend is always an arena (pools are cuda's)"};
-  } else if (comm && !c.dump.empty()) {
-    local = Error{ErrorCode::kBadInput, "--dump: not under mpirun yet (each rank's parameters are in its own process)"};
   } else if (lead) {
     if (auto ok = CheckOutputs({c.output, c.trace}, c.input, {c.dump}); !ok) local = ok.error();
   }
@@ -213,7 +211,16 @@ int RunExecute(const Command& c) {
   options.trace = !c.trace.empty();
   options.comm = comm.get();
   if (!c.dump.empty()) {
-    auto staged = out.StageDirectory(c.dump);
+    // Under mpirun rank 0 stages the directory and every rank writes its
+    // own parameters there (one file system, as on one node).
+    Expected<std::string> staged = std::string();
+    if (lead) staged = out.StageDirectory(c.dump);
+    if (comm) {
+      Expected<std::monostate> st = std::monostate{};
+      if (!staged) st = staged.error();
+      if (auto agreed = runtime::Agree(*comm, st); !agreed) return lead ? Fail(agreed.error()) : 5;
+      staged = comm->AllGather(*staged).front();
+    }
     if (!staged) return Fail(staged.error());
     options.dump_dir = *staged;
   }

@@ -133,8 +133,10 @@ StaticBreakdown AccountRank(const Model& model, const std::vector<LayerGraph>& l
         chunk_params += n;
         int64_t group = PartitionGroup(model, p);
         grad_partition += CheckedMul(partition_grads ? CeilDiv(n, group) : n, gbytes, "gradient bytes");
-        int64_t opt = CheckedMul(n, OptimizerBytesPerParam(model, p), "optimizer bytes");
-        s.optimizer += partition_optimizer ? CeilDiv(opt, group) : opt;
+        // Partitions are element ranges (each DP rank steps whole
+        // elements): ceil(n / group) elements' state per rank.
+        s.optimizer += CheckedMul(partition_optimizer ? CeilDiv(n, group) : n, OptimizerBytesPerParam(model, p),
+                                  "optimizer bytes");
       }
     }
     s.params += chunk_params;

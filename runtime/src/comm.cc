@@ -52,9 +52,9 @@ namespace {
 // ranks than cores) is not spun on by every waiting rank.
 class MpiCommunicator final : public Communicator {
  public:
-  explicit MpiCommunicator(double timeout_s) : timeout_s_(timeout_s) {
-    MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
-    MPI_Comm_size(MPI_COMM_WORLD, &size_);
+  MpiCommunicator(double timeout_s, MPI_Comm comm) : timeout_s_(timeout_s), comm_(comm) {
+    MPI_Comm_rank(comm_, &rank_);
+    MPI_Comm_size(comm_, &size_);
     int flag = 0;
     int* ub = nullptr;
     MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &ub, &flag);
@@ -63,7 +63,11 @@ class MpiCommunicator final : public Communicator {
   ~MpiCommunicator() override {
     for (auto& p : pending_) MPI_Wait(&p.request, MPI_STATUS_IGNORE);
     pending_.clear();
-    MPI_Finalize();
+    if (finalize_) {
+      MPI_Finalize();
+    } else {
+      MPI_Comm_free(&comm_);
+    }
   }
 
   int rank() const override { return rank_; }
@@ -78,7 +82,7 @@ class MpiCommunicator final : public Communicator {
     MEMPLAN_CHECK(bytes.size() <= static_cast<size_t>(INT32_MAX), "message over 2 GiB");
     pending_.push_back({MPI_REQUEST_NULL, std::move(bytes)});
     Pending& p = pending_.back();
-    MPI_Isend(p.bytes.data(), static_cast<int>(p.bytes.size()), MPI_BYTE, to, tag, MPI_COMM_WORLD, &p.request);
+    MPI_Isend(p.bytes.data(), static_cast<int>(p.bytes.size()), MPI_BYTE, to, tag, comm_, &p.request);
     Retire();
   }
 
@@ -89,7 +93,7 @@ class MpiCommunicator final : public Communicator {
     MPI_Status status;
     for (;;) {
       int arrived = 0;
-      MPI_Iprobe(from, tag, MPI_COMM_WORLD, &arrived, &status);
+      MPI_Iprobe(from, tag, comm_, &arrived, &status);
       if (arrived) break;
       Retire();
       const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -106,14 +110,14 @@ class MpiCommunicator final : public Communicator {
     int count = 0;
     MPI_Get_count(&status, MPI_BYTE, &count);
     std::vector<std::byte> bytes(static_cast<size_t>(count));
-    MPI_Recv(bytes.data(), count, MPI_BYTE, from, tag, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+    MPI_Recv(bytes.data(), count, MPI_BYTE, from, tag, comm_, MPI_STATUS_IGNORE);
     return bytes;
   }
 
   std::vector<std::string> AllGather(const std::string& mine) override {
     int n = static_cast<int>(mine.size());
     std::vector<int> sizes(static_cast<size_t>(size_)), offsets(static_cast<size_t>(size_));
-    MPI_Allgather(&n, 1, MPI_INT, sizes.data(), 1, MPI_INT, MPI_COMM_WORLD);
+    MPI_Allgather(&n, 1, MPI_INT, sizes.data(), 1, MPI_INT, comm_);
     int64_t total = 0;
     for (int r = 0; r < size_; ++r) {
       offsets[static_cast<size_t>(r)] = static_cast<int>(total);
@@ -121,7 +125,7 @@ class MpiCommunicator final : public Communicator {
     }
     MEMPLAN_CHECK(total <= INT32_MAX, "gathered data over 2 GiB");
     std::string all(static_cast<size_t>(total), '\0');
-    MPI_Allgatherv(mine.data(), n, MPI_CHAR, all.data(), sizes.data(), offsets.data(), MPI_CHAR, MPI_COMM_WORLD);
+    MPI_Allgatherv(mine.data(), n, MPI_CHAR, all.data(), sizes.data(), offsets.data(), MPI_CHAR, comm_);
     std::vector<std::string> out;
     for (int r = 0; r < size_; ++r) {
       out.push_back(all.substr(static_cast<size_t>(offsets[static_cast<size_t>(r)]),
@@ -130,7 +134,30 @@ class MpiCommunicator final : public Communicator {
     return out;
   }
 
-  void Barrier() override { MPI_Barrier(MPI_COMM_WORLD); }
+  void Barrier() override { MPI_Barrier(comm_); }
+
+  std::unique_ptr<Communicator> Split(int color, int key) override {
+    MPI_Comm sub;
+    MPI_Comm_split(comm_, color, key, &sub);
+    auto out = std::unique_ptr<MpiCommunicator>(new MpiCommunicator(timeout_s_, sub));
+    out->finalize_ = false;
+    return out;
+  }
+
+  void ReduceScatterSum(const float* in, float* out, int64_t block) override {
+    MEMPLAN_CHECK(block >= 0 && block <= INT32_MAX, "reduce-scatter block over 2^31 elements");
+    MPI_Reduce_scatter_block(in, out, static_cast<int>(block), MPI_FLOAT, MPI_SUM, comm_);
+  }
+
+  void AllReduceSum(float* data, int64_t n) override {
+    MEMPLAN_CHECK(n >= 0 && n <= INT32_MAX, "all-reduce over 2^31 elements");
+    MPI_Allreduce(MPI_IN_PLACE, data, static_cast<int>(n), MPI_FLOAT, MPI_SUM, comm_);
+  }
+
+  void AllGatherBlocks(const void* in, void* out, int64_t block) override {
+    MEMPLAN_CHECK(block >= 0 && block <= INT32_MAX, "all-gather block over 2 GiB");
+    MPI_Allgather(in, static_cast<int>(block), MPI_BYTE, out, static_cast<int>(block), MPI_BYTE, comm_);
+  }
 
   [[noreturn]] void Abort(int code) override {
     MPI_Abort(MPI_COMM_WORLD, code);
@@ -153,6 +180,8 @@ class MpiCommunicator final : public Communicator {
   }
 
   double timeout_s_;
+  MPI_Comm comm_;
+  bool finalize_ = true;  // the world's: MPI_Finalize; a split: MPI_Comm_free
   int rank_ = 0, size_ = 1, max_tag_ = 32767;
   std::deque<Pending> pending_;
 };
@@ -178,7 +207,7 @@ Expected<std::unique_ptr<Communicator>> MakeMpiCommunicator(double timeout_s) {
       return Error{ErrorCode::kRuntime, "MPI_Init_thread failed"};
     }
   }
-  return std::unique_ptr<Communicator>(new MpiCommunicator(timeout_s));
+  return std::unique_ptr<Communicator>(new MpiCommunicator(timeout_s, MPI_COMM_WORLD));
 }
 
 #else

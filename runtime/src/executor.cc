@@ -205,6 +205,10 @@ Expected<std::monostate> Executor::AgreeAcrossRanks(const Expected<std::monostat
 Expected<RunResult> Executor::Run() {
   if (!options_.comm) return RunHere();
   if (auto s = AgreeAcrossRanks(Validate()); !s.ok()) return s.error();
+  // World ranks are pp-major: pp rank * dp + data-parallel rank.
+  pp_rank_ = static_cast<int32_t>(options_.comm->rank() / model_.parallel.dp);
+  dp_rank_ = options_.comm->rank() % model_.parallel.dp;
+  dp_comm_ = options_.comm->Split(pp_rank_, static_cast<int>(dp_rank_));
   // From here a rank that fails fails alone: it says why and ends them all.
   try {
     auto result = RunHere();
@@ -292,6 +296,7 @@ Expected<RunResult> Executor::RunHere() {
     }
     compute_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
     SyncTied();
+    ReduceGradients();
     if (!options_.dump_dir.empty()) {
       if (auto d = Dump(DumpWhat::kGrads); !d.ok()) return d.error();
     }

@@ -206,7 +206,24 @@ class Executor {
   static constexpr int kMsgKinds = 5;
   int64_t StageMsgId(int64_t stage, int32_t mb) const { return stage * model_.train.microbatches + mb; }
   int32_t RankOfStage(int64_t stage) const { return static_cast<int32_t>(stage % model_.parallel.pp); }
-  bool Local(int32_t rank) const { return !options_.comm || rank == options_.comm->rank(); }
+  bool Local(int32_t rank) const { return !options_.comm || rank == pp_rank_; }
+  // The process of pipeline rank `pp` in this process's data-parallel
+  // replica (ranks are pp-major: world rank = pp * dp + dp rank).
+  int World(int32_t pp) const { return static_cast<int>(pp * model_.parallel.dp + dp_rank_); }
+  // The microbatch's index in the global batch (data, dropout masks).
+  int32_t GlobalMicrobatch(int32_t mb) const {
+    return static_cast<int32_t>(dp_rank_ * model_.train.microbatches + mb);
+  }
+  // Data parallelism (ZeRO-1): the elements of a parameter of `n` this
+  // replica's optimizer owns, [Shard * dp_rank_, + Owned).
+  int64_t Shard(int64_t n) const { return (n + model_.parallel.dp - 1) / model_.parallel.dp; }
+  int64_t Owned(int64_t n) const { return std::clamp<int64_t>(n - Shard(n) * dp_rank_, 0, Shard(n)); }
+  bool Zero1() const { return model_.parallel.dp > 1 && model_.parallel.zero >= 1; }
+  // The data-parallel gradient reduction: all-reduce, or (ZeRO-1) each
+  // replica's shard reduce-scattered into its place in the gradient.
+  void ReduceGradients();
+  // ZeRO-1: every replica's updated shard of each weight, gathered.
+  void GatherWeights();
   void Post(int32_t from, int32_t to, Msg kind, int64_t id, std::vector<std::byte> bytes);
   // One process only: whether the message is in the mailbox.
   bool Arrived(int32_t from, int32_t to, Msg kind, int64_t id) const;
@@ -330,6 +347,11 @@ class Executor {
   traces::ChromeTrace trace_;
   // cuda: CUPTI's view of the step (started before any device memory).
   std::unique_ptr<traces::GpuProfiler> cupti_;
+  // One process per rank: this process's coordinates and its data-parallel
+  // group (the replicas of its pipeline rank).
+  int32_t pp_rank_ = -1;
+  int64_t dp_rank_ = 0;
+  std::unique_ptr<Communicator> dp_comm_;
   int64_t context_bytes_ = 0;
   double compute_s_ = 0;  // the forwards and backwards of the step
   int64_t cupti_epoch_ns_ = 0;               // CUPTI's clock at t0_

@@ -14,22 +14,35 @@ Expected<std::monostate> Executor::Dump(DumpWhat what) {
   if (ec) return Error{ErrorCode::kRuntime, options_.dump_dir + ": " + ec.message()};
   for (auto& r : ranks_) {
     for (auto& ps : r->params) {
-      std::vector<float> v(static_cast<size_t>(ps.elements));
       // bf16 parameters: the fp32 master (the forward reads its bf16 rounding).
       const Buffer& from = grads ? ps.grad : ps.master.empty() ? ps.weight : ps.master;
-      backend_->ToHost(*r->stat, v.data(), from.ptr, ps.elements * 4);
+      const int64_t n = ps.elements;
+      std::vector<float> v(static_cast<size_t>(Zero1() ? Shard(n) * model_.parallel.dp : n));
+      if (Zero1() && (grads || !ps.master.empty())) {
+        // ZeRO-1: the reduced gradient and the master are shards, gathered
+        // for the dump (every replica takes part; replica 0 writes).
+        const float* shard = from.as<float>() + (grads ? Shard(n) * dp_rank_ : 0);
+        std::vector<float> mine(static_cast<size_t>(Shard(n)), 0.f);
+        backend_->ToHost(*r->stat, mine.data(), shard, Owned(n) * 4);
+        dp_comm_->AllGatherBlocks(mine.data(), v.data(), Shard(n) * 4);
+      } else {
+        backend_->ToHost(*r->stat, v.data(), from.ptr, n * 4);
+      }
+      if (dp_rank_ != 0) continue;  // the replicas hold the same step
       auto st = WriteNpy((dir / sub / (ps.spec->name + ".npy")).string(), v.data(), ps.shape);
       if (!st.ok()) return st.error();
     }
   }
   if (what == DumpWhat::kWeights) {
+    // Each replica its microbatches, named by their index in the global batch.
     fs::create_directories(dir / "batch", ec);
     if (ec) return Error{ErrorCode::kRuntime, options_.dump_dir + ": " + ec.message()};
     std::vector<int64_t> shape{model_.train.micro_batch, model_.train.seq_len};
-    for (size_t m = 0; m < tokens_.size(); ++m) {
-      auto a = WriteNpy((dir / "batch" / ("tokens_mb" + std::to_string(m) + ".npy")).string(), tokens_[m].data(), shape);
+    for (size_t m = 0; m < tokens_.size() && Local(0); ++m) {
+      const std::string g = std::to_string(GlobalMicrobatch(static_cast<int32_t>(m)));
+      auto a = WriteNpy((dir / "batch" / ("tokens_mb" + g + ".npy")).string(), tokens_[m].data(), shape);
       if (!a.ok()) return a.error();
-      auto b = WriteNpy((dir / "batch" / ("targets_mb" + std::to_string(m) + ".npy")).string(), targets_[m].data(), shape);
+      auto b = WriteNpy((dir / "batch" / ("targets_mb" + g + ".npy")).string(), targets_[m].data(), shape);
       if (!b.ok()) return b.error();
     }
   }
@@ -46,11 +59,13 @@ Expected<RunResult> Executor::Finish(double grad_norm, double step_s) {
   m.plan_digest = plan_json_.value("digest", std::string());
   m.step_s = step_s;
   m.compute_s = compute_s_;
-  m.loss = loss_sum_ / static_cast<double>(model_.train.microbatches * model_.train.micro_batch * model_.train.seq_len);
+  m.loss = loss_sum_ / static_cast<double>(model_.train.microbatches * model_.parallel.dp * model_.train.micro_batch *
+                                           model_.train.seq_len);
   m.grad_norm = grad_norm;
   for (auto& r : ranks_) {
     traces::MeasuredRank mr;
     mr.pp_rank = r->index;
+    mr.dp_rank = dp_rank_;
     mr.static_bytes = r->static_bytes;
     mr.allocated_peak = r->static_bytes + r->dev->allocated_peak();
     mr.peak = r->static_bytes + r->dev->high_water();
@@ -115,7 +130,8 @@ void Executor::GatherRanks(RunResult& out) {
   // the sum in rank order is the single process's bits.
   double loss_sum = 0;
   for (double v : GatherDoubles(loss_sum_)) loss_sum += v;
-  m.loss = loss_sum / static_cast<double>(model_.train.microbatches * model_.train.micro_batch * model_.train.seq_len);
+  m.loss = loss_sum / static_cast<double>(model_.train.microbatches * model_.parallel.dp * model_.train.micro_batch *
+                                          model_.train.seq_len);
   for (double v : GatherDoubles(m.step_s)) m.step_s = std::max(m.step_s, v);
   for (double v : GatherDoubles(m.compute_s)) m.compute_s = std::max(m.compute_s, v);
   std::vector<std::string> all = options_.comm->AllGather(traces::MeasuredToJson(m).dump());
@@ -124,6 +140,7 @@ void Executor::GatherRanks(RunResult& out) {
   std::vector<std::string> warnings = options_.comm->AllGather(Json(out.warnings).dump());
   if (options_.comm->rank() != 0) return;
   m.ranks.clear();
+  m.process.reset();  // one process's CUPTI view; each rank has its own
   out.warnings.clear();
   for (size_t k = 0; k < all.size(); ++k) {
     auto theirs = traces::ParseMeasured(Json::parse(all[k]), "rank " + std::to_string(k));

@@ -8,7 +8,7 @@ namespace memplan::runtime::exec {
 
 void Executor::Post(int32_t from, int32_t to, Msg kind, int64_t id, std::vector<std::byte> bytes) {
   if (options_.comm && !Local(to)) {
-    options_.comm->Send(to, static_cast<int>(kind) + kMsgKinds * static_cast<int>(id), std::move(bytes));
+    options_.comm->Send(World(to), static_cast<int>(kind) + kMsgKinds * static_cast<int>(id), std::move(bytes));
     return;
   }
   mailbox_[{from, to, kind, id}].push_back(std::move(bytes));
@@ -21,7 +21,7 @@ bool Executor::Arrived(int32_t from, int32_t to, Msg kind, int64_t id) const {
 
 std::vector<std::byte> Executor::Take(int32_t from, int32_t to, Msg kind, int64_t id) {
   if (options_.comm && !Local(from)) {
-    return options_.comm->Recv(from, static_cast<int>(kind) + kMsgKinds * static_cast<int>(id));
+    return options_.comm->Recv(World(from), static_cast<int>(kind) + kMsgKinds * static_cast<int>(id));
   }
   auto it = mailbox_.find({from, to, kind, id});
   MEMPLAN_CHECK(it != mailbox_.end() && !it->second.empty(), "a message between pipeline ranks did not arrive");

@@ -23,7 +23,7 @@ class ExecOpContext final : public OpContext {
   const planner::Model& model() const override { return e_.model_; }
   kernels::Ops& k() override { return *r_.ops; }
   int64_t layer() const override { return blk_.layer; }
-  int32_t microbatch() const override { return mb_; }
+  int32_t microbatch() const override { return e_.GlobalMicrobatch(mb_); }
   bool forward_pass() const override { return blk_.forward; }
   uint64_t seed() const override { return e_.options_.seed; }
 

@@ -308,7 +308,8 @@ void CrossEntropyFwd(OpContext& c) {
 }
 void CrossEntropyBwd(OpContext& c) {
   Dims2 d = RowsCols(c.InSpec(0));
-  const float scale = 1.f / static_cast<float>(d.rows * c.model().train.microbatches);
+  // The mean over the global batch: every data-parallel replica's tokens.
+  const float scale = 1.f / static_cast<float>(d.rows * c.model().train.microbatches * c.model().parallel.dp);
   c.k().CrossEntropyBwd(c.Out(0).as<float>(), c.In(1).as<int32_t>(), d.rows, d.cols, scale,
                         c.InputGrad(0).as<float>());
   c.FinishInputGrad(0);

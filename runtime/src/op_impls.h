@@ -22,7 +22,7 @@ class OpContext {
   virtual const planner::Model& model() const = 0;
   virtual kernels::Ops& k() = 0;
   virtual int64_t layer() const = 0;
-  virtual int32_t microbatch() const = 0;
+  virtual int32_t microbatch() const = 0;  // in the global batch (data-parallel replicas run their own)
   // True in the forward pass; false when a backward rebuilds a value.
   virtual bool forward_pass() const = 0;
   virtual uint64_t seed() const = 0;

@@ -37,12 +37,25 @@ Expected<std::monostate> Executor::Setup() {
   // each reason with its JSON path or op).
   std::vector<std::string> why;
   const auto& par = model_.parallel;
-  for (auto [name, v] : {std::pair<const char*, int64_t>{"tp", par.tp}, {"ep", par.ep}, {"cp", par.cp}, {"dp", par.dp}}) {
+  for (auto [name, v] : {std::pair<const char*, int64_t>{"tp", par.tp}, {"ep", par.ep}, {"cp", par.cp}}) {
     if (v > 1) {
       why.push_back("/model/parallel/" + std::string(name) + " is " + std::to_string(v) +
-                    ": the runtime executes pipeline ranks (one process each under mpirun, or emulated in "
-                    "one process) and cannot execute " + name + " > 1 yet");
+                    ": the runtime executes pipeline and data-parallel ranks and cannot execute " + name +
+                    " > 1 yet");
     }
+  }
+  // Data parallelism runs one process per rank: its reductions are real.
+  if (par.dp > 1 && !options_.comm) {
+    why.push_back("/model/parallel/dp is " + std::to_string(par.dp) +
+                  ": data-parallel replicas run one process per rank (mpirun -np " +
+                  std::to_string(par.pp * par.dp * par.ep * par.tp * par.cp) + " memplan run ...)");
+  }
+  if (par.dp > 1 && (par.zero >= 2 || par.pipeline_zero2)) {
+    why.push_back(std::string(par.pipeline_zero2 ? "/model/parallel/pipeline_zero2" : "/model/parallel/zero") +
+                  ": with dp > 1 the runtime executes ZeRO-0 and ZeRO-1 (partitioned gradients are not executed yet)");
+  }
+  if (par.dp > 1 && model_.train.optimizer == planner::Optimizer::kMuon) {
+    why.push_back("/model/train/optimizer: Muon with dp > 1 (its gather before Newton-Schulz) is not executed yet");
   }
   // Activations and weights in fp32 or bf16 (bf16: on the host backend, the
   // kernels computing in fp32 on each op's widened operands); gradients and

@@ -92,15 +92,18 @@ void Executor::InitParams(Rank& r) {
       ps.tied_head = spec.kind == planner::ParamKind::kHead && model_.arch.tied_embeddings;
       if (ps.tied_head) ps.shape = {spec.shape[1], spec.shape[0]};
       int64_t bytes = n * 4;
+      // ZeRO-1: the optimizer's state, and a bf16 parameter's fp32 master,
+      // for this replica's shard alone.
+      const int64_t state = Zero1() ? Shard(n) * 4 : bytes;
       if (!bf16) ps.weight = alloc(bytes);
       ps.grad = alloc(n * planner::DTypeBytes(model_.train.grad_dtype));
       int64_t opt = planner::OptimizerBytesPerParam(model_, spec);
       ps.muon = planner::UsesMuon(model_, spec);
       MEMPLAN_CHECK(opt == (bf16 ? 4 : 0) + (ps.muon ? 4 : 8),
                     "AdamW keeps m and v, Muon a momentum, and 16-bit parameters an fp32 master");
-      if (bf16) ps.master = alloc(bytes);
-      ps.m = alloc(bytes);
-      if (!ps.muon) ps.v = alloc(bytes);
+      if (bf16) ps.master = alloc(state);
+      ps.m = alloc(state);
+      if (!ps.muon) ps.v = alloc(state);
       // Initial values (docs/runtime.md): norms gamma 1, beta 0; every
       // matrix U(-a, a) with a = 1/sqrt(fan_in), fan_in its input width
       // (the embedding and a tied head: hidden).
@@ -128,11 +131,18 @@ void Executor::InitParams(Rank& r) {
         for (auto& th : pool) th.join();
       }
       if (options_.init_hook) options_.init_hook(ps.tied_head ? G(0).params.front().name : name, &w);
-      backend_->FromHost(*r.stat, (bf16 ? ps.master : ps.weight).ptr, w.data(), bytes);
       std::vector<float> zero(static_cast<size_t>(n), 0.f);
+      if (!bf16) {
+        backend_->FromHost(*r.stat, ps.weight.ptr, w.data(), bytes);
+      } else {
+        // The master holds this replica's shard (ZeRO-1) or all of it.
+        const int64_t from = Zero1() ? Shard(n) * dp_rank_ : 0, count = Zero1() ? Owned(n) : n;
+        backend_->FromHost(*r.stat, ps.master.ptr, zero.data(), state);
+        backend_->FromHost(*r.stat, ps.master.ptr, w.data() + from, count * 4);
+      }
       backend_->FromHost(*r.stat, ps.grad.ptr, zero.data(), bytes);
-      backend_->FromHost(*r.stat, ps.m.ptr, zero.data(), bytes);
-      if (!ps.muon) backend_->FromHost(*r.stat, ps.v.ptr, zero.data(), bytes);
+      backend_->FromHost(*r.stat, ps.m.ptr, zero.data(), state);
+      if (!ps.muon) backend_->FromHost(*r.stat, ps.v.ptr, zero.data(), state);
       r.param_index[name] = r.params.size();
       r.params.push_back(std::move(ps));
       if (bf16) initial.push_back(std::move(w));
@@ -216,13 +226,18 @@ double Executor::SquaredNorm(Rank& r, const float* x, int64_t n) {
 
 void Executor::Optimize(double* grad_norm) {
   // Per rank, then over ranks in rank order: the same sum whether the
-  // ranks share a process or not.
+  // ranks share a process or not. Data-parallel replicas add their shard
+  // (ZeRO-1), or replica 0 the whole reduced gradient.
   std::vector<double> partial;
   for (auto& r : ranks_) {
     double sum = 0;
     for (auto& ps : r->params) {
       if (ps.tied_head) continue;  // counted once, with the embedding
-      sum += SquaredNorm(*r, ps.grad.as<float>(), ps.elements);
+      if (Zero1()) {
+        sum += SquaredNorm(*r, ps.grad.as<float>() + Shard(ps.elements) * dp_rank_, Owned(ps.elements));
+      } else if (dp_rank_ == 0) {
+        sum += SquaredNorm(*r, ps.grad.as<float>(), ps.elements);
+      }
     }
     partial.push_back(sum);
   }
@@ -235,6 +250,15 @@ void Executor::Optimize(double* grad_norm) {
     for (auto& ps : r->params) {
       if (ps.muon) {
         MuonStep(*r, ps, cfg);
+      } else if (Zero1()) {
+        // This replica's shard: of the fp32 weight in place, or of the
+        // bf16 parameter's shard-sized master.
+        const int64_t from = Shard(ps.elements) * dp_rank_;
+        float* master = ps.master.empty() ? ps.weight.as<float>() + from : ps.master.as<float>();
+        r->ops->AdamStep(master, ps.grad.as<float>() + from, ps.m.as<float>(), ps.v.as<float>(), Owned(ps.elements),
+                         cfg, 1);
+        if (!ps.master.empty()) r->ops->RoundToBf16(master, Owned(ps.elements), ps.weight.as<uint16_t>() + from);
+        continue;
       } else {
         r->ops->AdamStep(ps.Master(), ps.grad.as<float>(), ps.m.as<float>(), ps.v.as<float>(), ps.elements, cfg, 1);
       }
@@ -242,6 +266,43 @@ void Executor::Optimize(double* grad_norm) {
     }
     backend_->Finish(*r->dev);
   }
+  GatherWeights();
+}
+
+void Executor::ReduceGradients() {
+  if (model_.parallel.dp == 1) return;
+  const int64_t dp = model_.parallel.dp;
+  Rank& r = *ranks_.front();
+  for (auto& ps : r.params) {
+    // Staged through the host, as the pipeline's messages are.
+    const int64_t n = ps.elements, k = Shard(n);
+    std::vector<float> g(static_cast<size_t>(k * dp), 0.f);
+    backend_->ToHost(*r.stat, g.data(), ps.grad.ptr, n * 4);
+    if (!Zero1()) {
+      dp_comm_->AllReduceSum(g.data(), n);
+      backend_->FromHost(*r.stat, ps.grad.ptr, g.data(), n * 4);
+      continue;
+    }
+    std::vector<float> mine(static_cast<size_t>(k));
+    dp_comm_->ReduceScatterSum(g.data(), mine.data(), k);
+    backend_->FromHost(*r.stat, ps.grad.as<float>() + k * dp_rank_, mine.data(), Owned(n) * 4);
+  }
+  ++r.events["dp_reductions"];
+}
+
+void Executor::GatherWeights() {
+  if (!Zero1()) return;
+  const int64_t dp = model_.parallel.dp;
+  Rank& r = *ranks_.front();
+  for (auto& ps : r.params) {
+    const int64_t n = ps.elements, k = Shard(n);
+    const int64_t width = ps.master.empty() ? 4 : 2;  // the weight's bytes per element
+    std::vector<std::byte> mine(static_cast<size_t>(k * width)), all(static_cast<size_t>(k * width * dp));
+    backend_->ToHost(*r.stat, mine.data(), ps.weight.ptr + k * dp_rank_ * width, Owned(n) * width);
+    dp_comm_->AllGatherBlocks(mine.data(), all.data(), k * width);
+    backend_->FromHost(*r.stat, ps.weight.ptr, all.data(), n * width);
+  }
+  ++r.events["dp_weight_gathers"];
 }
 
 // One Muon step of every matrix of `ps` (experts: each expert's), with the
@@ -297,8 +358,9 @@ void Executor::MakeBatch() {
   const int64_t n = b * sl;
   for (int64_t m = 0; m < mbs; ++m) {
     std::vector<int32_t> tok(static_cast<size_t>(n)), tgt(tok.size());
+    const uint64_t g = static_cast<uint64_t>(GlobalMicrobatch(static_cast<int32_t>(m)));
     for (int64_t i = 0; i < n; ++i) {
-      float u = kernels::Uniform01(options_.seed, Fnv1a("tokens") + static_cast<uint64_t>(m), static_cast<uint64_t>(i));
+      float u = kernels::Uniform01(options_.seed, Fnv1a("tokens") + g, static_cast<uint64_t>(i));
       tok[static_cast<size_t>(i)] = std::min<int32_t>(static_cast<int32_t>(model_.arch.vocab - 1),
                                                       static_cast<int32_t>(u * static_cast<float>(model_.arch.vocab)));
     }

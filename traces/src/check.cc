@@ -122,11 +122,14 @@ Expected<CheckResult> Check(const PlanBounds& plan, const Measured& measured, co
                                                  measured.plan_digest + ", but " + options.plan_file +
                                                  ": /digest is " + plan.digest + " (a different model)"};
   }
-  std::map<int64_t, const MeasuredRank*> by_rank;
+  // Every data-parallel replica of a pipeline rank against that rank.
+  std::multimap<int64_t, const MeasuredRank*> by_rank;
   std::set<int64_t> measured_ranks, plan_ranks;
+  bool replicas = false;
   for (const auto& r : measured.ranks) {
-    by_rank[r.pp_rank] = &r;
+    by_rank.emplace(r.pp_rank, &r);
     measured_ranks.insert(r.pp_rank);
+    replicas = replicas || r.dp_rank > 0;
   }
   for (const auto& r : plan.ranks) plan_ranks.insert(r.pp_rank);
   if (measured_ranks != plan_ranks) {
@@ -139,8 +142,10 @@ Expected<CheckResult> Check(const PlanBounds& plan, const Measured& measured, co
                             (measured.compute_s - plan.emulated_s) / plan.emulated_s};
   }
   for (const auto& p : plan.ranks) {
-    const MeasuredRank& m = *by_rank.at(p.pp_rank);
-    RankCheck c{p.pp_rank, std::nullopt, p.peak, m.peak, p.lower_bound, m.allocated_peak, std::nullopt, true, ""};
+    for (auto [it, end] = by_rank.equal_range(p.pp_rank); it != end; ++it) {
+    const MeasuredRank& m = *it->second;
+    RankCheck c{p.pp_rank, std::nullopt, p.peak, m.peak, p.lower_bound, m.allocated_peak, std::nullopt, true, "", std::nullopt};
+    if (replicas) c.dp_rank = m.dp_rank;
     std::vector<std::string> why;
     if (m.allocated_peak < p.lower_bound) {
       why.push_back("allocated " + std::to_string(p.lower_bound - m.allocated_peak) + " B below lower bound");
@@ -166,6 +171,7 @@ Expected<CheckResult> Check(const PlanBounds& plan, const Measured& measured, co
     if (c.pass) c.verdict = "pass";
     result.pass = result.pass && c.pass;
     result.ranks.push_back(std::move(c));
+   }
   }
   if (measured.process) {
     ProcessCheck pc;
@@ -196,7 +202,10 @@ std::string RenderCheckTable(const CheckResult& result, bool failures_only) {
   for (const auto& r : result.ranks) cupti = cupti || r.cupti_bytes.has_value();
   bool devices = false;
   for (const auto& r : result.ranks) devices = devices || r.device.has_value();
+  bool replicas = false;
+  for (const auto& r : result.ranks) replicas = replicas || r.dp_rank.has_value();
   std::vector<std::string> header{"pp_rank"};
+  if (replicas) header.push_back("dp_rank");
   if (devices) header.push_back("device");
   for (const char* h : {"peak", "measured", "lower_bd", "allocated"}) header.push_back(h + u);
   if (cupti) header.push_back("cupti" + u);
@@ -205,6 +214,7 @@ std::string RenderCheckTable(const CheckResult& result, bool failures_only) {
   for (const auto& r : result.ranks) {
     if (failures_only && r.pass) continue;
     std::vector<std::string> row{std::to_string(r.pp_rank)};
+    if (replicas) row.push_back(r.dp_rank ? std::to_string(*r.dp_rank) : "-");
     if (devices) row.push_back(r.device ? std::to_string(*r.device) : "-");
     for (int64_t b : {r.predicted_peak, r.measured_peak, r.lower_bound, r.allocated_peak}) row.push_back(cell(b));
     if (cupti) row.push_back(r.cupti_bytes ? cell(*r.cupti_bytes) : "-");

@@ -155,6 +155,7 @@ MeasuredRank ParseRank(const Json& json, const JsonLocation& where) {
   ObjectReader r(json, where);
   MeasuredRank rank;
   rank.pp_rank = r.Int("pp_rank", 0, 1 << 20);
+  if (r.Has("dp_rank")) rank.dp_rank = r.Int("dp_rank", 0, 1 << 20);
   rank.allocated_peak = ByteCount(r, "allocated_peak");
   rank.peak = ByteCount(r, "peak");
   rank.static_bytes = ByteCount(r, "static");
@@ -200,12 +201,13 @@ Expected<Measured> ParseMeasured(const Json& json, const std::string& file) {
     m.grad_norm = NonNegative(r, "grad_norm");
     const Json& ranks = ExpectArray(r.Required("ranks"), r.At("ranks"));
     if (ranks.empty()) ThrowAt(r.At("ranks"), "expected at least one rank");
-    std::set<int64_t> seen;
+    std::set<std::pair<int64_t, int64_t>> seen;
     for (size_t i = 0; i < ranks.size(); ++i) {
       m.ranks.push_back(ParseRank(ranks[i], r.At("ranks").Child(i)));
-      if (!seen.insert(m.ranks.back().pp_rank).second) {
+      const MeasuredRank& mr = m.ranks.back();
+      if (!seen.insert({mr.pp_rank, mr.dp_rank}).second) {
         ThrowAt(r.At("ranks").Child(i).Child("pp_rank"),
-                "pp_rank " + std::to_string(m.ranks.back().pp_rank) + " appears twice");
+                "pp_rank " + std::to_string(mr.pp_rank) + " (dp_rank " + std::to_string(mr.dp_rank) + ") appears twice");
       }
     }
     for (size_t i = 0; i < m.ranks.size(); ++i) {
@@ -250,6 +252,7 @@ OrderedJson MeasuredToJson(const Measured& m) {
   for (const auto& rank : m.ranks) {
     OrderedJson r;
     r["pp_rank"] = rank.pp_rank;
+    r["dp_rank"] = rank.dp_rank;
     r["allocated_peak"] = rank.allocated_peak;
     r["peak"] = rank.peak;
     r["static"] = rank.static_bytes;

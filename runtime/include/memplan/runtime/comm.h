@@ -21,6 +21,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -45,6 +46,16 @@ class Communicator {
   // Every rank's `mine`, in rank order.
   virtual std::vector<std::string> AllGather(const std::string& mine) = 0;
   virtual void Barrier() = 0;
+  // The ranks with the same `color`, ordered by `key` (MPI_Comm_split); a
+  // collective of this communicator.
+  virtual std::unique_ptr<Communicator> Split(int color, int key) = 0;
+  // Data parallelism. `in` holds size() blocks of `block` floats; rank r
+  // receives the element-wise sum of every rank's block r.
+  virtual void ReduceScatterSum(const float* in, float* out, int64_t block) = 0;
+  // The element-wise sum of every rank's `data`, in place.
+  virtual void AllReduceSum(float* data, int64_t n) = 0;
+  // Every rank's `block` bytes at `in`, in rank order, into `out`.
+  virtual void AllGatherBlocks(const void* in, void* out, int64_t block) = 0;
   // Ends every rank's process with `code` (a rank that failed alone).
   [[noreturn]] virtual void Abort(int code) = 0;
 };
@@ -59,8 +70,8 @@ bool LaunchedByMpi();
 Expected<std::unique_ptr<Communicator>> MakeMpiCommunicator(double timeout_s = 120);
 
 // Every rank's local outcome, agreed: the first failing rank's error (its
-// message prefixed with "rank N: " when the world has more than one rank),
-// else ok. A collective: every rank calls it, so every rank takes the same
+// message prefixed with "rank N: " unless every rank failed alike), else
+// ok. A collective: every rank calls it, so every rank takes the same
 // way out and none waits for a rank that already gave up.
 Expected<std::monostate> Agree(Communicator& comm, const Expected<std::monostate>& local);
 

@@ -80,6 +80,7 @@ struct RankCheck {
   std::optional<int64_t> cupti_bytes;  // CUPTI's bytes compared with measured_peak
   bool pass = false;
   std::string verdict;  // "pass", or why not, with the excess in bytes
+  std::optional<int64_t> dp_rank;  // the data-parallel replica, when the run had several
 };
 
 // The process-wide comparison (measurements with a `process` object).

@@ -75,6 +75,7 @@ struct MeasuredRank {
   std::map<std::string, int64_t> events;  // name -> count
   std::optional<CuptiRankBytes> cupti;    // when CUPTI was collected
   std::optional<PoolMarks> pool;          // allocator "pool" only
+  int64_t dp_rank = 0;  // data-parallel replica (JSON: optional, 0 when absent)
 };
 
 // Device bytes of the whole process (CUPTI and cudaMemGetInfo): everything
@@ -102,7 +103,7 @@ struct Measured {
   double compute_s = 0;
   double loss = 0;
   double grad_norm = 0;
-  std::vector<MeasuredRank> ranks;  // pp_rank unique
+  std::vector<MeasuredRank> ranks;  // (pp_rank, dp_rank) unique
   std::optional<MeasuredProcess> process;
 };
 
