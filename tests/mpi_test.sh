@@ -60,7 +60,10 @@ assert [r["pp_rank"] for r in mpi["ranks"]] == list(range(n)), mpi["ranks"]
 for a, b, p in zip(one["ranks"], mpi["ranks"], plan["ranks"]):
     assert (a["peak"], a["allocated_peak"], a["static"]) == (b["peak"], b["allocated_peak"], b["static"]), (a, b)
     assert b["peak"] == p["peak"], (b["peak"], p["peak"])
-    assert a["events"] == b["events"], (a["events"], b["events"])
+    # The same memory program; across processes remote payloads are also
+    # counted as they leave (remote_puts) and come back (remote_returns).
+    theirs = {k: v for k, v in b["events"].items() if not k.startswith("remote_")}
+    assert a["events"] == theirs, (a["events"], b["events"])
 # One trace: a process (pid) per rank, each with its kernels.
 pids = {e["pid"] for e in trace["traceEvents"] if e.get("ph") == "X"}
 assert pids == set(range(1, n + 1)), pids
@@ -70,23 +73,33 @@ PY
 }
 
 if want pipeline; then
+# Every storage: recompute, fp8, host offload, and remote offload (the
+# payload lands in the target process's arena and comes back).
 mix='m["policies"] = [{"match": "*.mlp.*", "policy": "recompute"}, {"match": "*.attn.*", "policy": ["fp8", "offload_host"]}, {"match": "*norm*", "policy": "fp8"}]'
+remote='m["policies"] = [{"match": "*.mlp.*", "policy": "offload_remote"}, {"match": "*.attn.*", "policy": ["fp8", "offload_remote"]}]'
 checked=0
 for m in tiny-gpt tiny-llama tiny-moe tiny-mla tiny-attnres tiny-deepseek tiny-k3; do
   model "$root/examples/models/$m.json" "$tmp/$m.json" "$mix"
   same_step "$m" "$tmp/$m.json" 2
   checked=$((checked + 1))
 done
+for m in tiny-llama tiny-k3; do
+  model "$root/examples/models/$m.json" "$tmp/$m-remote.json" "$remote"
+  same_step "$m-remote" "$tmp/$m-remote.json" 2
+  python3 -c "import json, sys; e = [x['events'] for x in json.load(open(sys.argv[1]))['ranks']]; assert sum(x.get('remote_puts', 0) for x in e) == sum(x.get('remote_returns', 0) for x in e) > 0" \
+    "$tmp/$m-remote.mpi.json" && ok || bad "$m-remote: no payload went to another process"
+  checked=$((checked + 1))
+done
 # Four ranks: blocks cached on three other ranks (Block AttnRes), a tied
 # embedding two stages apart, interleaved stages.
 model "$root/examples/models/tiny-attnres.json" "$tmp/attnres4.json" 'm["parallel"]["pp"] = 4; m["train"]["microbatches"] = 8; m.pop("budget", None)'
 same_step attnres-pp4 "$tmp/attnres4.json" 4
-model "$root/examples/models/tiny-gpt.json" "$tmp/gpt4.json" 'm["parallel"]["pp"] = 4; m["train"]["microbatches"] = 8; m.pop("budget", None); m["policies"] = [{"match": "*", "policy": "offload_host"}]'
+model "$root/examples/models/tiny-gpt.json" "$tmp/gpt4.json" 'm["parallel"]["pp"] = 4; m["train"]["microbatches"] = 8; m.pop("budget", None); m["policies"] = [{"match": "*.mlp.*", "policy": "offload_host"}, {"match": "*.attn.*", "policy": "offload_remote"}]'
 same_step gpt-pp4 "$tmp/gpt4.json" 4
 model "$root/examples/models/tiny-k3.json" "$tmp/k3-4.json" 'm["parallel"]["pp"] = 4; m["train"]["microbatches"] = 8; m.pop("budget", None)'
 same_step k3-pp4-vp2 "$tmp/k3-4.json" 4
 checked=$((checked + 3))
-[ "$checked" -eq 10 ] && ok || bad "compared $checked steps, expected 10"
+[ "$checked" -eq 12 ] && ok || bad "compared $checked steps, expected 12"
 fi
 
 # 2. Data parallelism (pp 2 x dp 2): the step of a model with dp = 2 against
@@ -117,8 +130,15 @@ for sub in ["weights", "grads", "updated", "batch"]:
         assert sa == sb, (f, sa, sb)
         scale = max(abs(x) for x in a) or 1.0
         worst = max(abs(x - y) for x, y in zip(a, b)) / scale
-        exact = sub in ("weights", "batch")
-        assert (worst == 0) if exact else (worst <= tol), (sub, f, worst)
+        if sub in ("weights", "batch"):
+            assert worst == 0, (sub, f, worst)
+        elif sub == "grads":
+            assert worst <= tol, (sub, f, worst)
+        else:
+            # Adam's first step divides each gradient by its own magnitude:
+            # a gradient near zero may move its weight by up to lr (1e-3)
+            # differently; every other weight agrees far closer.
+            assert max(abs(x - y) for x, y in zip(a, b)) <= 2e-3, (sub, f)
         files += 1
 assert files > 50, files
 PY
@@ -155,6 +175,8 @@ data_parallel llama-zero1 "$root/examples/models/tiny-llama.json" 1
 data_parallel gpt-tied-zero1 "$root/examples/models/tiny-gpt.json" 1
 data_parallel moe-bf16-zero1 "$root/examples/models/tiny-moe.json" 1 \
   "m['train']['act_dtype'] = m['train']['param_dtype'] = 'bf16'; m['policies'] = [{'match': '*.mlp.*', 'policy': 'recompute'}]"
+data_parallel moe-remote-zero1 "$root/examples/models/tiny-moe.json" 1 \
+  "m['policies'] = [{'match': '*.mlp.*', 'policy': 'offload_remote'}, {'match': '*.attn.*', 'policy': ['fp8', 'offload_remote']}]"
 # ZeRO-1 holds less than ZeRO-0: Adam's m and v for half the parameters.
 python3 - "$tmp/llama-zero0.dp.plan.json" "$tmp/llama-zero1.dp.plan.json" <<'PY' && ok || bad "ZeRO-1 does not shard the optimizer"
 import json, sys
@@ -193,14 +215,6 @@ rc=$?
 [ "$rc" -eq 2 ] && [ "$(grep -c '^memplan:' "$tmp/err")" -eq 1 ] && grep -q "rank 1: .*nowhere.json" "$tmp/err" \
   && ok || bad "unreadable plan on rank 1: exit $rc: $(cat "$tmp/err")"
 
-# 6. What does not execute across processes yet is refused with its reason.
-model "$root/examples/models/tiny-llama.json" "$tmp/remote.json" 'm["policies"] = [{"match": "*.mlp.*", "policy": "offload_remote"}]'
-"$memplan" plan "$tmp/remote.json" -o "$tmp/remote.plan.json" -q 2>/dev/null
-"${mpi[@]}" -np 2 "$memplan" run "$tmp/remote.plan.json" -q >"$tmp/out" 2>"$tmp/err"
-rc=$?
-[ "$rc" -eq 2 ] && grep -q "offload_remote between processes is not executed yet" "$tmp/err" \
-  && ok || bad "offload_remote: exit $rc: $(cat "$tmp/err")"
-
 # A step long enough to interrupt (64 microbatches, ~3 s).
 model "$root/examples/models/tiny-llama.json" "$tmp/long.json" 'm["train"]["microbatches"] = 64; m.pop("budget", None)'
 "$memplan" plan "$tmp/long.json" -o "$tmp/long.plan.json" -q
@@ -221,7 +235,7 @@ wait_for_rank() {  # the rank's pid once its process runs (5 s at most)
 }
 orphans() { pgrep -f "^$memplan run $tmp/long.plan.json" | wc -l; }
 
-# 7. A rank killed mid-step: the job ends within 30 s, naming the lost rank,
+# 6. A rank killed mid-step: the job ends within 30 s, naming the lost rank,
 #    and leaves no process behind.
 "${mpi[@]}" -np 2 "$memplan" run "$tmp/long.plan.json" -q >"$tmp/out" 2>"$tmp/err" &
 job=$!
@@ -242,7 +256,7 @@ fi
 sleep 0.5
 [ "$(orphans)" -eq 0 ] && ok || bad "processes left after a killed rank"
 
-# 8. A rank that stops answering: the other gives up after
+# 7. A rank that stops answering: the other gives up after
 #    MEMPLAN_COMM_TIMEOUT_S, naming it, and the job ends.
 MEMPLAN_COMM_TIMEOUT_S=2 "${mpi[@]}" -np 2 "$memplan" run "$tmp/long.plan.json" -q >"$tmp/out" 2>"$tmp/err" &
 job=$!
@@ -264,7 +278,7 @@ fi
 sleep 0.5
 [ "$(orphans)" -eq 0 ] && ok || bad "processes left after a stuck rank"
 
-# 9. SIGINT to mpirun ends every rank.
+# 8. SIGINT to mpirun ends every rank.
 "${mpi[@]}" -np 2 "$memplan" run "$tmp/long.plan.json" -q >"$tmp/out" 2>"$tmp/err" &
 job=$!
 victim=$(wait_for_rank 1)

@@ -335,6 +335,26 @@ void ActivationManager::Restore(int32_t rank, int32_t i) {
   }
 }
 
+std::vector<std::byte> ActivationManager::TakeWire(int32_t rank, int32_t instance) {
+  Instance& s = Inst(rank, instance);
+  MEMPLAN_CHECK(s.on_wire, "no remote payload on the wire");
+  s.on_wire = false;
+  return std::exchange(s.wire, {});
+}
+
+void ActivationManager::PutWire(int32_t rank, int32_t instance, std::vector<std::byte> bytes) {
+  Instance& s = Inst(rank, instance);
+  MEMPLAN_CHECK(!s.on_wire, "a remote payload is already on the wire");
+  s.wire = std::move(bytes);
+  s.on_wire = true;
+}
+
+Buffer ActivationManager::Landed(int32_t owner, int32_t instance) const {
+  const Instance& s = Inst(owner, instance);
+  MEMPLAN_CHECK(!s.landed.empty(), "remote buffer used outside its steps");
+  return s.landed;
+}
+
 std::vector<CopyRecord> ActivationManager::TakeCopies(int32_t rank) {
   return std::exchange(ranks_[static_cast<size_t>(rank)]->copies, {});
 }

@@ -42,7 +42,9 @@ void Executor::Step(Rank& r) {
   const bool gpu_trace = cupti_ && options_.trace;
   if (gpu_trace) gpu_ops_.push_back({r.index, span_name});
   ProfiledOp gpu_op(gpu_trace ? cupti_.get() : nullptr, gpu_ops_.size());
+  ReceiveRemoteFetches(r, s);
   acts_->BeginStep(r.index);
+  ReturnRemotePayloads(r, s);
   MEMPLAN_CHECK(acts_->step(r.index) == s, "memory program out of step");
   BeginCross(r);
 
@@ -108,6 +110,7 @@ void Executor::Step(Rank& r) {
   if (blk.forward) {
     for (int32_t i : r.produced_at[static_cast<size_t>(s)]) {
       acts_->Save(r.index, i);
+      SendRemotePayload(r, i);
       SendBlockCaches(r, i);
     }
   }

@@ -202,8 +202,10 @@ class Executor {
   // kind and an id (activations and their gradients: the receiving stage
   // and the microbatch; Block AttnRes caches and their gradients: the
   // owner's instance; the tied embedding's gradient: 0).
-  enum class Msg : int { kActivation = 0, kGradient = 1, kBlockCache = 2, kBlockGrad = 3, kTiedGrad = 4 };
-  static constexpr int kMsgKinds = 5;
+  enum class Msg : int {
+    kActivation = 0, kGradient = 1, kBlockCache = 2, kBlockGrad = 3, kTiedGrad = 4, kRemotePut = 5, kRemoteReturn = 6
+  };
+  static constexpr int kMsgKinds = 7;
   int64_t StageMsgId(int64_t stage, int32_t mb) const { return stage * model_.train.microbatches + mb; }
   int32_t RankOfStage(int64_t stage) const { return static_cast<int32_t>(stage % model_.parallel.pp); }
   bool Local(int32_t rank) const { return !options_.comm || rank == pp_rank_; }
@@ -229,6 +231,18 @@ class Executor {
   bool Arrived(int32_t from, int32_t to, Msg kind, int64_t id) const;
   // The message, taken (across processes: waits for it).
   std::vector<std::byte> Take(int32_t from, int32_t to, Msg kind, int64_t id);
+  // Remote offloads between processes (messages.cc): the owner sends the
+  // payload after Save; the target lands it in its buffer and returns it at
+  // the step of its timeline that starts last before the owner's fetch;
+  // the owner waits for it before the step that allocates the fetch.
+  void SetupRemote();
+  void ReceiveRemoteFetches(Rank& r, int64_t step);  // before BeginStep
+  void ReturnRemotePayloads(Rank& r, int64_t step);  // after BeginStep
+  void SendRemotePayload(Rank& r, int32_t inst);     // after Save
+  // Per rank and step: the (owner rank, instance) payloads handled there;
+  // per owner rank, the target of each instance shipped away.
+  std::vector<std::map<int64_t, std::vector<std::pair<int32_t, int32_t>>>> remote_returns_, remote_fetches_;
+  std::vector<std::map<int32_t, int32_t>> remote_target_;
   // With a communicator: the largest message id of any kind fits a tag.
   Expected<std::monostate> CheckTags() const;
   // Every rank's `mine`, in rank order (one process: `mine` alone).

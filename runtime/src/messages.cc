@@ -31,6 +31,78 @@ std::vector<std::byte> Executor::Take(int32_t from, int32_t to, Msg kind, int64_
   return bytes;
 }
 
+void Executor::SetupRemote() {
+  const size_t pp = p_.tensors.size();
+  remote_returns_.assign(pp, {});
+  remote_fetches_.assign(pp, {});
+  remote_target_.assign(pp, {});
+  if (!options_.comm) return;  // one process: the activation manager's wire
+  std::map<std::pair<int32_t, int32_t>, int64_t> fetch_step;  // (owner, instance) -> its fetch's first step
+  for (const Interval& iv : eval_.intervals) {
+    if (iv.part == IntervalPart::kFetched && iv.rank == iv.owner_rank) fetch_step[{iv.owner_rank, iv.instance}] = iv.first;
+  }
+  for (const Interval& iv : eval_.intervals) {
+    if (iv.part != IntervalPart::kLanded) continue;
+    const int32_t owner = iv.owner_rank, target = iv.rank;
+    auto f = fetch_step.find({owner, iv.instance});
+    MEMPLAN_CHECK(f != fetch_step.end(), "a remote payload is never fetched");
+    // The target returns the payload at its last step that starts after
+    // the owner's copy-out ended and strictly before the owner's fetch
+    // starts: every wait then points forward in the plan's timeline (two
+    // ranks fetching from each other at the same instant would otherwise
+    // wait for each other), so none closes a cycle.
+    const auto& otl = p_.timelines[static_cast<size_t>(owner)];
+    const int64_t prod = p_.instances[static_cast<size_t>(owner)][static_cast<size_t>(iv.instance)].prod;
+    const double saved_s = otl.end_s[static_cast<size_t>(prod)];
+    const double fetch_s = otl.start_s[static_cast<size_t>(f->second)];
+    const auto& tl = p_.timelines[static_cast<size_t>(target)];
+    int64_t at = -1;
+    for (int64_t s = iv.first; s <= iv.last; ++s) {
+      const double t = tl.start_s[static_cast<size_t>(s)];
+      if (t >= saved_s && t < fetch_s) at = s;
+    }
+    if (at < 0) {
+      ThrowError(ErrorCode::kBadInput,
+                 options_.plan_file + ": " + p_.tensors[static_cast<size_t>(owner)][static_cast<size_t>(
+                                                 p_.instances[static_cast<size_t>(owner)][static_cast<size_t>(iv.instance)].tensor)].name +
+                     ": pp rank " + std::to_string(target) +
+                     " has no step between the remote copy-out and the fetch to carry the payload between processes");
+    }
+    remote_returns_[static_cast<size_t>(target)][at].push_back({owner, iv.instance});
+    remote_fetches_[static_cast<size_t>(owner)][f->second].push_back({target, iv.instance});
+    remote_target_[static_cast<size_t>(owner)][iv.instance] = target;
+  }
+}
+
+void Executor::SendRemotePayload(Rank& r, int32_t inst) {
+  auto& targets = remote_target_[static_cast<size_t>(r.index)];
+  auto t = targets.find(inst);
+  if (t == targets.end()) return;
+  Post(r.index, t->second, Msg::kRemotePut, inst, acts_->TakeWire(r.index, inst));
+  ++r.events["remote_puts"];
+}
+
+void Executor::ReturnRemotePayloads(Rank& r, int64_t step) {
+  auto it = remote_returns_[static_cast<size_t>(r.index)].find(step);
+  if (it == remote_returns_[static_cast<size_t>(r.index)].end()) return;
+  for (auto [owner, inst] : it->second) {
+    // Through this rank's buffer, as the plan places it, and back.
+    std::vector<std::byte> payload = Take(owner, r.index, Msg::kRemotePut, inst);
+    Buffer landed = acts_->Landed(owner, inst);
+    MEMPLAN_CHECK(static_cast<int64_t>(payload.size()) == landed.bytes, "a remote payload has the wrong size");
+    backend_->FromHost(*r.dev, landed.ptr, payload.data(), landed.bytes);
+    backend_->ToHost(*r.dev, payload.data(), landed.ptr, landed.bytes);
+    Post(r.index, owner, Msg::kRemoteReturn, inst, std::move(payload));
+    ++r.events["remote_returns"];
+  }
+}
+
+void Executor::ReceiveRemoteFetches(Rank& r, int64_t step) {
+  auto it = remote_fetches_[static_cast<size_t>(r.index)].find(step);
+  if (it == remote_fetches_[static_cast<size_t>(r.index)].end()) return;
+  for (auto [target, inst] : it->second) acts_->PutWire(r.index, inst, Take(target, r.index, Msg::kRemoteReturn, inst));
+}
+
 Expected<std::monostate> Executor::CheckTags() const {
   if (!options_.comm) return std::monostate{};
   int64_t ids = model_.parallel.pp * model_.parallel.vp * model_.train.microbatches;

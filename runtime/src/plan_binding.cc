@@ -172,17 +172,13 @@ Expected<std::monostate> Executor::Setup() {
         return BadInput(file + ": /tensors: " + st.name + ": to_pp_rank " + std::to_string(target) +
                         " is not another pipeline rank (0.." + std::to_string(model_.parallel.pp - 1) + ")");
       }
-      if (planner::IsRemote(storage) && options_.comm) {
-        return BadInput(file + ": /tensors: " + st.name +
-                        ": offload_remote between processes is not executed yet (run it without mpirun: the "
-                        "ranks share one process; or plan without pp_balance and offload_remote policies)");
-      }
       assign_.storage[r][t] = storage;
       assign_.target[r][t] = target;
     }
   }
   eval_ = planner::Evaluate(p_, assign_, false);
   profiles_ = planner::Profiles(p_, eval_.intervals);
+  SetupRemote();
   return Check();
 }
 

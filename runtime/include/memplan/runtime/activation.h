@@ -111,6 +111,15 @@ class ActivationManager {
   void Save(int32_t rank, int32_t instance);
   void Restore(int32_t rank, int32_t instance);
 
+  // One process per rank: the executor carries remote payloads between
+  // processes. TakeWire: the payload Save left on the owner's wire (its
+  // target is in another process); PutWire: the payload back on the
+  // owner's wire before its fetch; Landed: the target's buffer of the
+  // owner's instance (live on the target's rank).
+  std::vector<std::byte> TakeWire(int32_t rank, int32_t instance);
+  void PutWire(int32_t rank, int32_t instance, std::vector<std::byte> bytes);
+  Buffer Landed(int32_t owner, int32_t instance) const;
+
   // Copies started on `rank` since the last call.
   std::vector<CopyRecord> TakeCopies(int32_t rank);
   // Counts: allocations, frees, d2h/h2d/link copies, quantizes, dequantizes.
