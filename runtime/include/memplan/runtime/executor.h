@@ -10,7 +10,9 @@
 //     and copy engines) per rank, and runs every rank's steps in the
 //     pipeline order of the plan's schedule (Megatron 1F1B / interleaved
 //     1F1B). Activations and their gradients cross ranks through a mailbox
-//     outside the pools, as a network link would carry them.
+//     outside the pools, as a network link would carry them. With a
+//     communicator (RunOptions::comm: launched by mpirun) this process runs
+//     one rank of the pp x dp grid and the messages go through it.
 //   - Interprets the layer graph op by op (`kernels::Ops`: CPU references on
 //     the host backend, CUDA kernels and cuBLAS on the cuda backend). Every
 //     buffer a step uses is allocated and freed at the steps of the plan's
@@ -25,12 +27,12 @@
 // The model code never names a policy: op handlers ask for tensors by name
 // and the storage bound by the plan decides where their bytes are.
 //
-// Limits (refused with ErrorCode::kBadInput and a reason): tp, ep, cp or
-// dp > 1 (multi-process ranks come later); activations, parameters or
-// gradients other than fp32 (the kernels compute in fp32); Muon; MLA and
-// linear attention (KDA) layers; Block AttnRes with a single copy of the
-// blocks or without checkpointing. A plan that is malformed, whose storages
-// are illegal, or whose bytes differ from this planner's is refused too.
+// Limits (refused with ErrorCode::kBadInput and a reason): tp, ep or cp >
+// 1; dp > 1 without a communicator, or with ZeRO-2, pipeline ZeRO-2 or
+// Muon; fp16 and 16-bit gradients; bf16 on the cuda backend; MLA without
+// flash attention; Block AttnRes without checkpointing (docs/runtime.md,
+// "Limits"). A plan that is malformed, whose storages are illegal, or whose
+// bytes differ from this planner's is refused too.
 #pragma once
 
 #include <cstdint>
