@@ -177,6 +177,17 @@ data_parallel moe-bf16-zero1 "$root/examples/models/tiny-moe.json" 1 \
   "m['train']['act_dtype'] = m['train']['param_dtype'] = 'bf16'; m['policies'] = [{'match': '*.mlp.*', 'policy': 'recompute'}]"
 data_parallel moe-remote-zero1 "$root/examples/models/tiny-moe.json" 1 \
   "m['policies'] = [{'match': '*.mlp.*', 'policy': 'offload_remote'}, {'match': '*.attn.*', 'policy': ['fp8', 'offload_remote']}]"
+# Muon with ZeRO-1: each matrix gathered for Newton-Schulz by all-gather, or
+# by point-to-point to its owner; both in the plan's "muon_gather" buffer and
+# both giving the same updated weights, bit for bit.
+for gather in allgather p2p; do
+  data_parallel "k3-muon-$gather" "$root/examples/models/tiny-k3-fp32.json" 1 "m['parallel']['muon_gather'] = '$gather'"
+  python3 -c "import json, sys; r = json.load(open(sys.argv[1]))['ranks']; assert all(x['events'].get(sys.argv[2], 0) == 2 for x in r), r" \
+    "$tmp/k3-muon-$gather.dp.m.json" "muon_$([ $gather = p2p ] && echo p2p_gathers || echo allgathers)" \
+    && ok || bad "k3-muon-$gather: the gather did not run once per chunk"
+done
+cmp -s <(cd "$tmp/k3-muon-allgather.dp.d/updated" && cat $(ls)) <(cd "$tmp/k3-muon-p2p.dp.d/updated" && cat $(ls)) \
+  && ok || bad "Muon's all-gather and P2P gathers updated the weights differently"
 # ZeRO-1 holds less than ZeRO-0: Adam's m and v for half the parameters.
 python3 - "$tmp/llama-zero0.dp.plan.json" "$tmp/llama-zero1.dp.plan.json" <<'PY' && ok || bad "ZeRO-1 does not shard the optimizer"
 import json, sys

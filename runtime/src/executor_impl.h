@@ -193,6 +193,10 @@ class Executor {
   void SyncTied();
   void Optimize(double* grad_norm);
   void MuonStep(Rank& r, ParamState& ps, const kernels::AdamConfig& cfg);
+  // muon.cc: Newton-Schulz on the NS scratch's X slot; every Muon matrix of
+  // this rank across data-parallel replicas (ZeRO-1: the gather).
+  void Orthogonalize(Rank& r, int64_t rows, int64_t cols);
+  void MuonStepsSharded(Rank& r, const kernels::AdamConfig& cfg);
   // sum x_i^2 in double (Ops::SquaredNorm) through the planned kernel scratch.
   double SquaredNorm(Rank& r, const float* x, int64_t n);
   void MakeBatch();

@@ -54,9 +54,7 @@ Expected<std::monostate> Executor::Setup() {
     why.push_back(std::string(par.pipeline_zero2 ? "/model/parallel/pipeline_zero2" : "/model/parallel/zero") +
                   ": with dp > 1 the runtime executes ZeRO-0 and ZeRO-1 (partitioned gradients are not executed yet)");
   }
-  if (par.dp > 1 && model_.train.optimizer == planner::Optimizer::kMuon) {
-    why.push_back("/model/train/optimizer: Muon with dp > 1 (its gather before Newton-Schulz) is not executed yet");
-  }
+
   // Activations and weights in fp32 or bf16 (bf16: on the host backend, the
   // kernels computing in fp32 on each op's widened operands); gradients and
   // optimizer state in fp32.

@@ -248,6 +248,7 @@ void Executor::Optimize(double* grad_norm) {
   kernels::AdamConfig cfg;
   for (auto& r : ranks_) {
     for (auto& ps : r->params) {
+      if (ps.muon && Zero1()) continue;  // below, every matrix together
       if (ps.muon) {
         MuonStep(*r, ps, cfg);
       } else if (Zero1()) {
@@ -263,6 +264,14 @@ void Executor::Optimize(double* grad_norm) {
         r->ops->AdamStep(ps.Master(), ps.grad.as<float>(), ps.m.as<float>(), ps.v.as<float>(), ps.elements, cfg, 1);
       }
       if (!ps.master.empty()) r->ops->RoundToBf16(ps.master.as<float>(), ps.elements, ps.weight.as<uint16_t>());
+    }
+    if (Zero1() && model_.train.optimizer == planner::Optimizer::kMuon) {
+      MuonStepsSharded(*r, cfg);
+      for (auto& ps : r->params) {
+        if (!ps.muon || ps.master.empty()) continue;
+        const int64_t from = Shard(ps.elements) * dp_rank_;
+        r->ops->RoundToBf16(ps.master.as<float>(), Owned(ps.elements), ps.weight.as<uint16_t>() + from);
+      }
     }
     backend_->Finish(*r->dev);
   }
@@ -303,52 +312,6 @@ void Executor::GatherWeights() {
     backend_->FromHost(*r.stat, ps.weight.ptr, all.data(), n * width);
   }
   ++r.events["dp_weight_gathers"];
-}
-
-// One Muon step of every matrix of `ps` (experts: each expert's), with the
-// plan's "muon_ns_scratch" buffer: X and T [rows, cols], A and B [m, m].
-//   M <- mu M + G;  X <- G + mu M  (Nesterov);  X <- X / (||X||_F + eps)
-//   5 x:  A = X X^T;  B = b A + c A A;  X <- a X + B X
-//         (rows > cols: A = X^T X, X <- a X + X B, the same iteration on X^T)
-//   W <- (1 - lr wd) W - lr 0.2 sqrt(max(rows, cols)) X
-void Executor::MuonStep(Rank& r, ParamState& ps, const kernels::AdamConfig& cfg) {
-  kernels::Ops& k = *r.ops;
-  auto [rows, cols] = planner::MuonMatrixShape(*ps.spec);
-  const int64_t n = rows * cols, m = std::min(rows, cols);
-  MEMPLAN_CHECK(n > 0 && ps.elements % n == 0, "Muon parameter is not a stack of matrices");
-  const Buffer& scratch = r.static_buffers.at("muon_ns_scratch");
-  MEMPLAN_CHECK(scratch.bytes >= planner::MuonNsScratchBytes(rows, cols), "Muon scratch smaller than the plan's");
-  float* x = scratch.as<float>();
-  float* t = x + n;
-  float* a = t + n;
-  float* b = a + m * m;
-  const float adjusted_lr =
-      static_cast<float>(cfg.lr * kMuonRmsScale * std::sqrt(static_cast<double>(std::max(rows, cols))));
-  for (int64_t i = 0; i < ps.elements / n; ++i) {
-    float* w = ps.Master() + i * n;
-    const float* g = ps.grad.as<float>() + i * n;
-    float* mom = ps.m.as<float>() + i * n;
-    k.Axpby(mom, g, n, kMuonMomentum, 1.f, mom);
-    k.Axpby(g, mom, n, 1.f, kMuonMomentum, x);
-    const double sq = SquaredNorm(r, x, n);
-    k.Axpby(x, nullptr, n, static_cast<float>(1.0 / (std::sqrt(sq) + kMuonNormEps)), 0.f, x);
-    for (int s = 0; s < kMuonNsSteps; ++s) {
-      if (rows <= cols) {
-        k.Gemm(false, true, m, m, cols, 1.f, x, x, 0.f, a, nullptr);
-      } else {
-        k.Gemm(true, false, m, m, rows, 1.f, x, x, 0.f, a, nullptr);
-      }
-      k.Gemm(false, false, m, m, m, kMuonNsC, a, a, 0.f, b, nullptr);
-      k.Axpby(b, a, m * m, 1.f, kMuonNsB, b);
-      if (rows <= cols) {
-        k.Gemm(false, false, rows, cols, rows, 1.f, b, x, 0.f, t, nullptr);
-      } else {
-        k.Gemm(false, false, rows, cols, cols, 1.f, x, b, 0.f, t, nullptr);
-      }
-      k.Axpby(x, t, n, kMuonNsA, 1.f, x);
-    }
-    k.Axpby(w, x, n, 1.f - cfg.lr * cfg.weight_decay, -adjusted_lr, w);
-  }
 }
 
 void Executor::MakeBatch() {

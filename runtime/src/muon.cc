@@ -1,0 +1,237 @@
+// Muon (executor_impl.h; docs/runtime.md, "Optimizer"): one step of every
+// matrix of a parameter in one process, and across data-parallel replicas
+// with ZeRO-1, where each replica holds an element range of the momentum
+// and Newton-Schulz needs whole matrices: gathered by all-gather or by
+// point-to-point to each matrix's owner (`muon_gather`), in the plan's
+// "muon_gather" buffer (accounting.md §6b).
+#include "executor_impl.h"
+
+namespace memplan::runtime::exec {
+
+// The matrix at x (the NS scratch's X slot; T, A and B follow it):
+//   X <- X / (||X||_F + eps)
+//   5 x:  A = X X^T;  B = b A + c A A;  X <- a X + B X
+//         (rows > cols: A = X^T X, X <- a X + X B, the same iteration on X^T)
+void Executor::Orthogonalize(Rank& r, int64_t rows, int64_t cols) {
+  kernels::Ops& k = *r.ops;
+  const int64_t n = rows * cols, m = std::min(rows, cols);
+  const Buffer& scratch = r.static_buffers.at("muon_ns_scratch");
+  MEMPLAN_CHECK(scratch.bytes >= planner::MuonNsScratchBytes(rows, cols), "Muon scratch smaller than the plan's");
+  float* x = scratch.as<float>();
+  float* t = x + n;
+  float* a = t + n;
+  float* b = a + m * m;
+  const double sq = SquaredNorm(r, x, n);
+  k.Axpby(x, nullptr, n, static_cast<float>(1.0 / (std::sqrt(sq) + kMuonNormEps)), 0.f, x);
+  for (int s = 0; s < kMuonNsSteps; ++s) {
+    if (rows <= cols) {
+      k.Gemm(false, true, m, m, cols, 1.f, x, x, 0.f, a, nullptr);
+    } else {
+      k.Gemm(true, false, m, m, rows, 1.f, x, x, 0.f, a, nullptr);
+    }
+    k.Gemm(false, false, m, m, m, kMuonNsC, a, a, 0.f, b, nullptr);
+    k.Axpby(b, a, m * m, 1.f, kMuonNsB, b);
+    if (rows <= cols) {
+      k.Gemm(false, false, rows, cols, rows, 1.f, b, x, 0.f, t, nullptr);
+    } else {
+      k.Gemm(false, false, rows, cols, cols, 1.f, x, b, 0.f, t, nullptr);
+    }
+    k.Axpby(x, t, n, kMuonNsA, 1.f, x);
+  }
+}
+
+namespace {
+
+float AdjustedLr(const kernels::AdamConfig& cfg, int64_t rows, int64_t cols) {
+  return static_cast<float>(cfg.lr * kMuonRmsScale * std::sqrt(static_cast<double>(std::max(rows, cols))));
+}
+
+}  // namespace
+
+// One Muon step of every matrix of `ps` (experts: each expert's):
+//   M <- mu M + G;  X <- G + mu M  (Nesterov);  X <- Orthogonalize(X)
+//   W <- (1 - lr wd) W - lr 0.2 sqrt(max(rows, cols)) X
+void Executor::MuonStep(Rank& r, ParamState& ps, const kernels::AdamConfig& cfg) {
+  kernels::Ops& k = *r.ops;
+  auto [rows, cols] = planner::MuonMatrixShape(*ps.spec);
+  const int64_t n = rows * cols;
+  MEMPLAN_CHECK(n > 0 && ps.elements % n == 0, "Muon parameter is not a stack of matrices");
+  float* x = r.static_buffers.at("muon_ns_scratch").as<float>();
+  for (int64_t i = 0; i < ps.elements / n; ++i) {
+    float* w = ps.Master() + i * n;
+    const float* g = ps.grad.as<float>() + i * n;
+    float* mom = ps.m.as<float>() + i * n;
+    k.Axpby(mom, g, n, kMuonMomentum, 1.f, mom);
+    k.Axpby(g, mom, n, 1.f, kMuonMomentum, x);
+    Orthogonalize(r, rows, cols);
+    k.Axpby(w, x, n, 1.f - cfg.lr * cfg.weight_decay, -AdjustedLr(cfg, rows, cols), w);
+  }
+}
+
+// ZeRO-1 across dp replicas, chunk by chunk (the plan sizes the gather
+// buffer for the rank's largest chunk). Each replica holds elements
+// [lo, lo + owned) of every parameter (Shard, Owned): it updates its
+// momentum range and turns its gradient range into X's (Nesterov) in place,
+// then
+//   allgather: every replica gathers every Muon parameter of the chunk
+//     into the buffer, orthogonalizes every matrix and applies its range;
+//   p2p: the chunk's matrices are dealt in decreasing size, round robin,
+//     to owners (dense and routed experts apart, as the accounting deals
+//     them); each replica sends its part of a matrix to the matrix's owner,
+//     which assembles it in the buffer's first half, orthogonalizes it into
+//     the second half and sends each replica its part back.
+// Either way each replica's weight range gets the same update as in one
+// process; GatherWeights then all-gathers the weights.
+void Executor::MuonStepsSharded(Rank& r, const kernels::AdamConfig& cfg) {
+  kernels::Ops& k = *r.ops;
+  const int64_t dp = model_.parallel.dp;
+  if (std::none_of(r.params.begin(), r.params.end(), [](const ParamState& ps) { return ps.muon; })) return;
+  auto planned = r.static_buffers.find("muon_gather");
+  MEMPLAN_CHECK(planned != r.static_buffers.end(), "Muon with ZeRO-1 and no gather buffer in the plan");
+  const Buffer& gather = planned->second;
+  float* x = r.static_buffers.at("muon_ns_scratch").as<float>();
+  const bool p2p = model_.parallel.muon_gather_p2p;
+  for (const auto& chunk : p_.layout.chunks[static_cast<size_t>(pp_rank_)]) {
+    struct Matrix {
+      ParamState* ps;
+      int64_t index;  // within the parameter
+      int64_t rows, cols;
+      int64_t at = 0;  // allgather: offset in the buffer; p2p: in each half
+      int owner = 0;
+    };
+    std::vector<Matrix> mats;
+    std::vector<ParamState*> params;
+    for (int64_t layer : chunk) {
+      for (const auto& spec : G(layer).params) {
+        auto it = r.param_index.find(spec.name);
+        if (it == r.param_index.end() || !r.params[it->second].muon) continue;
+        ParamState& ps = r.params[it->second];
+        params.push_back(&ps);
+        auto [rows, cols] = planner::MuonMatrixShape(*ps.spec);
+        for (int64_t i = 0; i < ps.elements / (rows * cols); ++i) mats.push_back({&ps, i, rows, cols});
+      }
+    }
+    // Nesterov on this replica's range, X's range in place of the gradient's.
+    for (ParamState* ps : params) {
+      const int64_t lo = Shard(ps->elements) * dp_rank_;
+      float* g = ps->grad.as<float>() + lo;
+      k.Axpby(ps->m.as<float>(), g, Owned(ps->elements), kMuonMomentum, 1.f, ps->m.as<float>());
+      k.Axpby(g, ps->m.as<float>(), Owned(ps->elements), 1.f, kMuonMomentum, g);
+    }
+    backend_->Finish(*r.dev);
+    // The update of matrix `mt` (rows x cols at `u`, device) on this
+    // replica's range of its weight.
+    auto apply = [&](const Matrix& mt, const float* u) {
+      ParamState& ps = *mt.ps;
+      const int64_t n = mt.rows * mt.cols, lo = Shard(ps.elements) * dp_rank_;
+      const int64_t from = std::max(lo, mt.index * n), to = std::min(lo + Owned(ps.elements), (mt.index + 1) * n);
+      if (from >= to) return;
+      float* w = ps.master.empty() ? ps.weight.as<float>() + from : ps.master.as<float>() + (from - lo);
+      k.Axpby(w, u + (from - mt.index * n), to - from, 1.f - cfg.lr * cfg.weight_decay,
+              -AdjustedLr(cfg, mt.rows, mt.cols), w);
+    };
+    if (!p2p) {
+      int64_t at = 0;
+      std::map<ParamState*, int64_t> where;
+      for (ParamState* ps : params) {
+        const int64_t n = ps->elements, kk = Shard(n);
+        std::vector<float> mine(static_cast<size_t>(kk), 0.f), all(static_cast<size_t>(kk * dp));
+        backend_->ToHost(*r.stat, mine.data(), ps->grad.as<float>() + kk * dp_rank_, Owned(n) * 4);
+        dp_comm_->AllGatherBlocks(mine.data(), all.data(), kk * 4);
+        MEMPLAN_CHECK((at + n) * 4 <= gather.bytes, "Muon's gather exceeds the plan's buffer");
+        backend_->FromHost(*r.stat, gather.as<float>() + at, all.data(), n * 4);
+        where[ps] = at;
+        at += n;
+      }
+      for (const Matrix& mt : mats) {
+        const int64_t n = mt.rows * mt.cols;
+        k.Copy(reinterpret_cast<std::byte*>(x), reinterpret_cast<const std::byte*>(gather.as<float>() + where[mt.ps] + mt.index * n),
+               n * 4);
+        Orthogonalize(r, mt.rows, mt.cols);
+        apply(mt, x);
+      }
+      ++r.events["muon_allgathers"];
+      continue;
+    }
+    // p2p: deal the matrices (dense, then routed experts) in decreasing size.
+    int64_t owned_elements = 0;
+    for (int group = 0; group < 2; ++group) {
+      std::vector<Matrix*> order;
+      for (Matrix& mt : mats) {
+        if ((mt.ps->spec->kind == planner::ParamKind::kExpert) == (group == 1)) order.push_back(&mt);
+      }
+      std::stable_sort(order.begin(), order.end(),
+                       [](const Matrix* a, const Matrix* b) { return a->rows * a->cols > b->rows * b->cols; });
+      for (size_t j = 0; j < order.size(); ++j) order[j]->owner = static_cast<int>(j % static_cast<size_t>(dp));
+    }
+    for (Matrix& mt : mats) {
+      if (mt.owner != dp_rank_) continue;
+      mt.at = owned_elements;
+      owned_elements += mt.rows * mt.cols;
+    }
+    MEMPLAN_CHECK(2 * owned_elements * 4 <= gather.bytes, "Muon's gather exceeds the plan's buffer");
+    float* assembled = gather.as<float>();
+    float* result = assembled + owned_elements;
+    // This replica's part [from, to) of matrix `mt`, in the parameter's elements.
+    auto part = [&](const Matrix& mt, int64_t replica) {
+      const int64_t n = mt.rows * mt.cols, kk = Shard(mt.ps->elements);
+      const int64_t lo = kk * replica, hi = std::min(mt.ps->elements, lo + kk);
+      return std::pair<int64_t, int64_t>{std::max(lo, mt.index * n), std::min(hi, (mt.index + 1) * n)};
+    };
+    // 1. Every part to its matrix's owner (sends never block).
+    for (size_t j = 0; j < mats.size(); ++j) {
+      const Matrix& mt = mats[j];
+      auto [from, to] = part(mt, dp_rank_);
+      std::vector<std::byte> bytes(static_cast<size_t>(std::max<int64_t>(0, to - from) * 4));
+      if (from < to) backend_->ToHost(*r.stat, bytes.data(), mt.ps->grad.as<float>() + from, (to - from) * 4);
+      if (mt.owner == dp_rank_) {
+        if (from < to) {
+          backend_->FromHost(*r.stat, assembled + mt.at + (from - mt.index * mt.rows * mt.cols), bytes.data(),
+                             (to - from) * 4);
+        }
+      } else {
+        dp_comm_->Send(mt.owner, static_cast<int>(j), std::move(bytes));
+      }
+    }
+    // 2. The owner assembles, orthogonalizes and sends each part back.
+    for (size_t j = 0; j < mats.size(); ++j) {
+      const Matrix& mt = mats[j];
+      if (mt.owner != dp_rank_) continue;
+      const int64_t n = mt.rows * mt.cols;
+      for (int64_t q = 0; q < dp; ++q) {
+        if (q == dp_rank_) continue;
+        auto [from, to] = part(mt, q);
+        std::vector<std::byte> bytes = dp_comm_->Recv(static_cast<int>(q), static_cast<int>(j));
+        MEMPLAN_CHECK(static_cast<int64_t>(bytes.size()) == std::max<int64_t>(0, to - from) * 4, "a Muon part has the wrong size");
+        if (from < to) backend_->FromHost(*r.stat, assembled + mt.at + (from - mt.index * n), bytes.data(), (to - from) * 4);
+      }
+      k.Copy(reinterpret_cast<std::byte*>(x), reinterpret_cast<const std::byte*>(assembled + mt.at), n * 4);
+      Orthogonalize(r, mt.rows, mt.cols);
+      k.Copy(reinterpret_cast<std::byte*>(result + mt.at), reinterpret_cast<const std::byte*>(x), n * 4);
+      backend_->Finish(*r.dev);
+      for (int64_t q = 0; q < dp; ++q) {
+        if (q == dp_rank_) continue;
+        auto [from, to] = part(mt, q);
+        std::vector<std::byte> bytes(static_cast<size_t>(std::max<int64_t>(0, to - from) * 4));
+        if (from < to) backend_->ToHost(*r.stat, bytes.data(), result + mt.at + (from - mt.index * n), (to - from) * 4);
+        dp_comm_->Send(static_cast<int>(q), static_cast<int>(mats.size() + j), std::move(bytes));
+      }
+      apply(mt, result + mt.at);
+    }
+    // 3. The other matrices' updates, each from its owner.
+    for (size_t j = 0; j < mats.size(); ++j) {
+      const Matrix& mt = mats[j];
+      if (mt.owner == dp_rank_) continue;
+      auto [from, to] = part(mt, dp_rank_);
+      std::vector<std::byte> bytes = dp_comm_->Recv(mt.owner, static_cast<int>(mats.size() + j));
+      if (from >= to) continue;
+      // Into the X scratch at the part's place in the matrix, then applied.
+      const int64_t n = mt.rows * mt.cols;
+      backend_->FromHost(*r.stat, x + (from - mt.index * n), bytes.data(), (to - from) * 4);
+      apply(mt, x);
+    }
+    ++r.events["muon_p2p_gathers"];
+  }
+}
+
+}  // namespace memplan::runtime::exec
