@@ -3,7 +3,7 @@
 # the single-process emulation of the same plan (docs/runtime.md, "One
 # process per rank"), and what happens when the launch is wrong or a rank is
 # lost. Skips (77) without mpirun or without MPI in memplan.
-# Usage: mpi_test.sh MEMPLAN [pipeline|data-parallel|faults] (default: all).
+# Usage: mpi_test.sh MEMPLAN [pipeline|data-parallel|optimizers|faults] (default: all).
 set -u
 memplan="$1"
 section="${2:-all}"
@@ -78,28 +78,28 @@ if want pipeline; then
 mix='m["policies"] = [{"match": "*.mlp.*", "policy": "recompute"}, {"match": "*.attn.*", "policy": ["fp8", "offload_host"]}, {"match": "*norm*", "policy": "fp8"}]'
 remote='m["policies"] = [{"match": "*.mlp.*", "policy": "offload_remote"}, {"match": "*.attn.*", "policy": ["fp8", "offload_remote"]}]'
 checked=0
-for m in tiny-gpt tiny-llama tiny-moe tiny-mla tiny-attnres tiny-deepseek tiny-k3; do
+# (tiny-gpt: a tied embedding; tiny-moe: routed experts; tiny-attnres: Block
+# AttnRes caches; tiny-k3: MLA, KDA, Muon and bf16 at once.)
+for m in tiny-gpt tiny-moe tiny-attnres tiny-k3; do
   model "$root/examples/models/$m.json" "$tmp/$m.json" "$mix"
   same_step "$m" "$tmp/$m.json" 2
   checked=$((checked + 1))
 done
-for m in tiny-llama tiny-k3; do
+for m in tiny-llama; do
   model "$root/examples/models/$m.json" "$tmp/$m-remote.json" "$remote"
   same_step "$m-remote" "$tmp/$m-remote.json" 2
   python3 -c "import json, sys; e = [x['events'] for x in json.load(open(sys.argv[1]))['ranks']]; assert sum(x.get('remote_puts', 0) for x in e) == sum(x.get('remote_returns', 0) for x in e) > 0" \
     "$tmp/$m-remote.mpi.json" && ok || bad "$m-remote: no payload went to another process"
   checked=$((checked + 1))
 done
-# Four ranks: blocks cached on three other ranks (Block AttnRes), a tied
-# embedding two stages apart, interleaved stages.
+# Four ranks: blocks cached on three other ranks (Block AttnRes);
+# interleaved stages with remote offloads between them (tiny-k3).
 model "$root/examples/models/tiny-attnres.json" "$tmp/attnres4.json" 'm["parallel"]["pp"] = 4; m["train"]["microbatches"] = 8; m.pop("budget", None)'
 same_step attnres-pp4 "$tmp/attnres4.json" 4
-model "$root/examples/models/tiny-gpt.json" "$tmp/gpt4.json" 'm["parallel"]["pp"] = 4; m["train"]["microbatches"] = 8; m.pop("budget", None); m["policies"] = [{"match": "*.mlp.*", "policy": "offload_host"}, {"match": "*.attn.*", "policy": "offload_remote"}]'
-same_step gpt-pp4 "$tmp/gpt4.json" 4
-model "$root/examples/models/tiny-k3.json" "$tmp/k3-4.json" 'm["parallel"]["pp"] = 4; m["train"]["microbatches"] = 8; m.pop("budget", None)'
+model "$root/examples/models/tiny-k3.json" "$tmp/k3-4.json" 'm["parallel"]["pp"] = 4; m["train"]["microbatches"] = 8; m.pop("budget", None); m["policies"] = [{"match": "*.mlp.*", "policy": "offload_remote"}]'
 same_step k3-pp4-vp2 "$tmp/k3-4.json" 4
-checked=$((checked + 3))
-[ "$checked" -eq 12 ] && ok || bad "compared $checked steps, expected 12"
+checked=$((checked + 2))
+[ "$checked" -eq 7 ] && ok || bad "compared $checked steps, expected 7"
 fi
 
 # 2. Data parallelism (pp 2 x dp 2): the step of a model with dp = 2 against
@@ -109,7 +109,6 @@ fi
 #    weights to fp32 reduction-order tolerance (the replicas' gradients are
 #    summed by MPI in its own order), every replica's static bytes equal to
 #    the plan's (ZeRO-1: Adam's state for a shard), `check` at tolerance 0.
-if want data-parallel; then
 cat >"$tmp/npy.py" <<'PY'
 import array, ast, os, sys
 def load(path):
@@ -164,12 +163,14 @@ assert coords == [(0, 0), (0, 1), (1, 0), (1, 1)], coords
 for r in dp["ranks"]:
     p = plan["ranks"][r["pp_rank"]]
     assert r["static"] == p["static"]["total"] and r["peak"] == p["peak"], (r, p["static"])
-    assert r["events"]["dp_reductions"] == 1, r["events"]
+    # Reduced once after the step, or pass by pass (pipeline ZeRO-2).
+    assert r["events"].get("dp_reductions", 0) == 1 or r["events"].get("grad_passes_reduced", 0) > 0, r["events"]
 PY
   python3 "$tmp/npy.py" "$tmp/$name.one.d" "$tmp/$name.dp.d" 1e-4 && ok || bad "$name: dumps differ"
   "$memplan" check "$tmp/$name.dp.plan.json" "$tmp/$name.dp.m.json" --tolerance 0 >"$tmp/out" \
     && grep -q "dp_rank" "$tmp/out" && ok || bad "$name: memplan check failed: $(cat "$tmp/out")"
 }
+if want data-parallel; then
 data_parallel llama-zero0 "$root/examples/models/tiny-llama.json" 0
 data_parallel llama-zero1 "$root/examples/models/tiny-llama.json" 1
 data_parallel gpt-tied-zero1 "$root/examples/models/tiny-gpt.json" 1
@@ -177,6 +178,9 @@ data_parallel moe-bf16-zero1 "$root/examples/models/tiny-moe.json" 1 \
   "m['train']['act_dtype'] = m['train']['param_dtype'] = 'bf16'; m['policies'] = [{'match': '*.mlp.*', 'policy': 'recompute'}]"
 data_parallel moe-remote-zero1 "$root/examples/models/tiny-moe.json" 1 \
   "m['policies'] = [{'match': '*.mlp.*', 'policy': 'offload_remote'}, {'match': '*.attn.*', 'policy': ['fp8', 'offload_remote']}]"
+fi
+
+if want optimizers; then
 # Muon with ZeRO-1: each matrix gathered for Newton-Schulz by all-gather, or
 # by point-to-point to its owner; both in the plan's "muon_gather" buffer and
 # both giving the same updated weights, bit for bit.
@@ -186,8 +190,27 @@ for gather in allgather p2p; do
     "$tmp/k3-muon-$gather.dp.m.json" "muon_$([ $gather = p2p ] && echo p2p_gathers || echo allgathers)" \
     && ok || bad "k3-muon-$gather: the gather did not run once per chunk"
 done
+# Pipeline ZeRO-2: each chunk's backward pass accumulates its gradients in
+# one half of the plan's fp32 double buffer; at its end the half is
+# reduce-scattered and added into the replica's partition, in host memory
+# with grad_offload host. With it, the K3 memory design across processes:
+# Muon with P2P gathers and remote offloads.
+data_parallel k3-pz2-host "$root/examples/models/tiny-k3-fp32.json" 1 \
+  "m['parallel'].update(pipeline_zero2=True, grad_offload='host', muon_gather='p2p'); m['policies'] = [{'match': '*.mlp.*', 'policy': 'offload_remote'}]"
+python3 - "$tmp/k3-pz2-host.dp.m.json" "$tmp/k3-pz2-host.dp.plan.json" <<'PY' && ok || bad "pipeline ZeRO-2 did not run as planned"
+import json, sys
+m, p = (json.load(open(f)) for f in sys.argv[1:])
+for r in m["ranks"]:
+    s = p["ranks"][r["pp_rank"]]
+    assert s["static"]["grads"] == 0 and s["host"] > 0 and s["static"]["buffer_detail"]["grad_double_buffer"] > 0, s
+    assert r["events"]["grad_passes_reduced"] == 8 and r["events"]["muon_p2p_gathers"] == 2, r["events"]
+assert sum(r["events"].get("remote_puts", 0) for r in m["ranks"]) > 0
+PY
 cmp -s <(cd "$tmp/k3-muon-allgather.dp.d/updated" && cat $(ls)) <(cd "$tmp/k3-muon-p2p.dp.d/updated" && cat $(ls)) \
   && ok || bad "Muon's all-gather and P2P gathers updated the weights differently"
+fi
+
+if want data-parallel; then
 # ZeRO-1 holds less than ZeRO-0: Adam's m and v for half the parameters.
 python3 - "$tmp/llama-zero0.dp.plan.json" "$tmp/llama-zero1.dp.plan.json" <<'PY' && ok || bad "ZeRO-1 does not shard the optimizer"
 import json, sys

@@ -77,6 +77,7 @@ void Executor::Step(Rank& r) {
         }
       }
     } else {
+      if (!blk.prev_in_pass && PipelineZero2()) BeginGradPass(r, chunk);
       RestoreLayer(r, bi);
       ReceiveSharedGrads(r, bi);
       if (received) {
@@ -129,6 +130,7 @@ void Executor::Step(Rank& r) {
     Post(r.index, RankOfStage(neighbour), blk.forward ? Msg::kActivation : Msg::kGradient,
          StageMsgId(neighbour, blk.microbatch), std::move(msg));
   }
+  if (!blk.forward && local == n - 1 && !blk.next_in_pass && PipelineZero2()) EndGradPass(r, chunk);
   // Routing offsets live on the host until the layer's backward is over.
   if (!blk.forward && local == n - 1) r.routing.erase({blk.layer, blk.microbatch});
   EndCross(r);

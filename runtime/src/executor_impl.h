@@ -118,6 +118,10 @@ struct ParamState {
   int64_t elements = 0;
   Buffer weight, grad, m, v;
   Buffer master;  // bf16 parameters: the fp32 master the optimizer updates (weight = its bf16 rounding)
+  // Pipeline ZeRO-2: this replica's reduced gradient range (host with
+  // grad_offload host); `grad` is then bound to the double buffer during
+  // each backward pass of the parameter's chunk.
+  Buffer part;
   // What the optimizer updates: the master, else the (fp32) weight itself.
   float* Master() const { return master.empty() ? weight.as<float>() : master.as<float>(); }
   bool tied_head = false;  // stores the embedding matrix; logits = x * E^T
@@ -148,6 +152,8 @@ struct Rank {
   std::unique_ptr<Device> dev;   // activations
   std::unique_ptr<Device> stat;  // weights, gradients, optimizer state
   std::unique_ptr<HostArena> host;
+  std::unique_ptr<HostArena> grad_host;  // pipeline ZeRO-2 with grad_offload host: the partitions
+  int64_t grad_passes = 0;               // pipeline ZeRO-2: which half of the double buffer is next
   std::unique_ptr<kernels::Ops> ops;
   int64_t static_bytes = 0;
   OpsMemory ops_memory;  // planned static buffers: cuBLAS workspace, kernel scratch
@@ -224,7 +230,22 @@ class Executor {
   // replica's optimizer owns, [Shard * dp_rank_, + Owned).
   int64_t Shard(int64_t n) const { return (n + model_.parallel.dp - 1) / model_.parallel.dp; }
   int64_t Owned(int64_t n) const { return std::clamp<int64_t>(n - Shard(n) * dp_rank_, 0, Shard(n)); }
-  bool Zero1() const { return model_.parallel.dp > 1 && model_.parallel.zero >= 1; }
+  bool Zero1() const {
+    return model_.parallel.dp > 1 && (model_.parallel.zero >= 1 || model_.parallel.pipeline_zero2);
+  }
+  bool PipelineZero2() const { return model_.parallel.pipeline_zero2; }
+  // This replica's reduced gradient at element `from` of the parameter
+  // (inside its range under ZeRO-1 / pipeline ZeRO-2).
+  float* OwnGrad(const ParamState& ps, int64_t from) const {
+    return PipelineZero2() ? ps.part.as<float>() + (from - Shard(ps.elements) * dp_rank_) : ps.grad.as<float>() + from;
+  }
+  // Pipeline ZeRO-2 (training.cc): at the first backward step of a chunk's
+  // pass its parameters' gradients are bound to one half of the double
+  // buffer and zeroed; at its last the half is reduce-scattered across the
+  // replicas and added into the partitions.
+  std::vector<ParamState*> ChunkParams(Rank& r, int32_t chunk);
+  void BeginGradPass(Rank& r, int32_t chunk);
+  void EndGradPass(Rank& r, int32_t chunk);
   // The data-parallel gradient reduction: all-reduce, or (ZeRO-1) each
   // replica's shard reduce-scattered into its place in the gradient.
   void ReduceGradients();

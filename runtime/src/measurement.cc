@@ -21,12 +21,12 @@ Expected<std::monostate> Executor::Dump(DumpWhat what) {
       if (Zero1() && (grads || !ps.master.empty())) {
         // ZeRO-1: the reduced gradient and the master are shards, gathered
         // for the dump (every replica takes part; replica 0 writes).
-        const float* shard = from.as<float>() + (grads ? Shard(n) * dp_rank_ : 0);
+        const float* shard = grads ? OwnGrad(ps, Shard(n) * dp_rank_) : from.as<float>();
         std::vector<float> mine(static_cast<size_t>(Shard(n)), 0.f);
         backend_->ToHost(*r->stat, mine.data(), shard, Owned(n) * 4);
         dp_comm_->AllGatherBlocks(mine.data(), v.data(), Shard(n) * 4);
       } else {
-        backend_->ToHost(*r->stat, v.data(), from.ptr, n * 4);
+        backend_->ToHost(*r->stat, v.data(), grads ? OwnGrad(ps, 0) : from.as<float>(), n * 4);
       }
       if (dp_rank_ != 0) continue;  // the replicas hold the same step
       auto st = WriteNpy((dir / sub / (ps.spec->name + ".npy")).string(), v.data(), ps.shape);

@@ -59,7 +59,7 @@ void Executor::MuonStep(Rank& r, ParamState& ps, const kernels::AdamConfig& cfg)
   float* x = r.static_buffers.at("muon_ns_scratch").as<float>();
   for (int64_t i = 0; i < ps.elements / n; ++i) {
     float* w = ps.Master() + i * n;
-    const float* g = ps.grad.as<float>() + i * n;
+    const float* g = OwnGrad(ps, i * n);
     float* mom = ps.m.as<float>() + i * n;
     k.Axpby(mom, g, n, kMuonMomentum, 1.f, mom);
     k.Axpby(g, mom, n, 1.f, kMuonMomentum, x);
@@ -114,7 +114,7 @@ void Executor::MuonStepsSharded(Rank& r, const kernels::AdamConfig& cfg) {
     // Nesterov on this replica's range, X's range in place of the gradient's.
     for (ParamState* ps : params) {
       const int64_t lo = Shard(ps->elements) * dp_rank_;
-      float* g = ps->grad.as<float>() + lo;
+      float* g = OwnGrad(*ps, lo);
       k.Axpby(ps->m.as<float>(), g, Owned(ps->elements), kMuonMomentum, 1.f, ps->m.as<float>());
       k.Axpby(g, ps->m.as<float>(), Owned(ps->elements), 1.f, kMuonMomentum, g);
     }
@@ -136,7 +136,7 @@ void Executor::MuonStepsSharded(Rank& r, const kernels::AdamConfig& cfg) {
       for (ParamState* ps : params) {
         const int64_t n = ps->elements, kk = Shard(n);
         std::vector<float> mine(static_cast<size_t>(kk), 0.f), all(static_cast<size_t>(kk * dp));
-        backend_->ToHost(*r.stat, mine.data(), ps->grad.as<float>() + kk * dp_rank_, Owned(n) * 4);
+        backend_->ToHost(*r.stat, mine.data(), OwnGrad(*ps, kk * dp_rank_), Owned(n) * 4);
         dp_comm_->AllGatherBlocks(mine.data(), all.data(), kk * 4);
         MEMPLAN_CHECK((at + n) * 4 <= gather.bytes, "Muon's gather exceeds the plan's buffer");
         backend_->FromHost(*r.stat, gather.as<float>() + at, all.data(), n * 4);
@@ -183,7 +183,7 @@ void Executor::MuonStepsSharded(Rank& r, const kernels::AdamConfig& cfg) {
       const Matrix& mt = mats[j];
       auto [from, to] = part(mt, dp_rank_);
       std::vector<std::byte> bytes(static_cast<size_t>(std::max<int64_t>(0, to - from) * 4));
-      if (from < to) backend_->ToHost(*r.stat, bytes.data(), mt.ps->grad.as<float>() + from, (to - from) * 4);
+      if (from < to) backend_->ToHost(*r.stat, bytes.data(), OwnGrad(*mt.ps, from), (to - from) * 4);
       if (mt.owner == dp_rank_) {
         if (from < to) {
           backend_->FromHost(*r.stat, assembled + mt.at + (from - mt.index * mt.rows * mt.cols), bytes.data(),

@@ -50,9 +50,16 @@ Expected<std::monostate> Executor::Setup() {
                   ": data-parallel replicas run one process per rank (mpirun -np " +
                   std::to_string(par.pp * par.dp * par.ep * par.tp * par.cp) + " memplan run ...)");
   }
-  if (par.dp > 1 && (par.zero >= 2 || par.pipeline_zero2)) {
-    why.push_back(std::string(par.pipeline_zero2 ? "/model/parallel/pipeline_zero2" : "/model/parallel/zero") +
-                  ": with dp > 1 the runtime executes ZeRO-0 and ZeRO-1 (partitioned gradients are not executed yet)");
+  if (par.dp > 1 && par.zero >= 2 && !par.pipeline_zero2) {
+    why.push_back("/model/parallel/zero: with dp > 1 the runtime executes ZeRO-0, ZeRO-1 and pipeline ZeRO-2 "
+                  "(ZeRO-2's reduce bucket is not executed yet)");
+  }
+  if (par.pipeline_zero2 && par.pp == 1 && par.vp > 1 && model_.arch.tied_embeddings) {
+    why.push_back("/model/parallel/pipeline_zero2: a tied head in another chunk than its embedding on one pipeline "
+                  "rank (their gradient is one buffer, bound chunk by chunk)");
+  }
+  if (par.pipeline_zero2 && model_.train.grad_dtype != planner::DType::kFP32) {
+    why.push_back("/model/parallel/pipeline_zero2: its double buffer executes fp32 gradients");
   }
 
   // Activations and weights in fp32 or bf16 (bf16: on the host backend, the

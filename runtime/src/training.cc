@@ -35,6 +35,15 @@ Expected<std::monostate> Executor::MakeRanks() {
     auto host = backend_->MakeHostArena(name + ".host", host_bytes);
     if (!host.ok()) return host.error();
     rank->host = std::move(*host);
+    if (PipelineZero2() && model_.parallel.grad_offload_host) {
+      // The gradient partitions in host memory: the plan's ranks[].host,
+      // and the arena's alignment per partition.
+      int64_t parts = 0;
+      for (int64_t l : p_.layout.LayersOfRank(r)) parts += static_cast<int64_t>(G(l).params.size());
+      auto grads = backend_->MakeHostArena(name + ".grads", p_.statics[static_cast<size_t>(r)].host + 256 * parts + 256);
+      if (!grads.ok()) return grads.error();
+      rank->grad_host = std::move(*grads);
+    }
     // The plan's static buffers first (static.buffer_detail: the kernels'
     // "gemm_workspace" and "kernel_scratch", Muon's "muon_ns_scratch", ...),
     // then the parameters (InitParams).
@@ -96,7 +105,15 @@ void Executor::InitParams(Rank& r) {
       // for this replica's shard alone.
       const int64_t state = Zero1() ? Shard(n) * 4 : bytes;
       if (!bf16) ps.weight = alloc(bytes);
-      ps.grad = alloc(n * planner::DTypeBytes(model_.train.grad_dtype));
+      if (!PipelineZero2()) {
+        ps.grad = alloc(n * planner::DTypeBytes(model_.train.grad_dtype));
+      } else if (r.grad_host) {
+        auto h = r.grad_host->Allocate(Shard(n) * 4);
+        if (!h.ok()) ThrowError(h.error().code, h.error().message);
+        ps.part = *h;
+      } else {
+        ps.part = alloc(Shard(n) * 4);
+      }
       int64_t opt = planner::OptimizerBytesPerParam(model_, spec);
       ps.muon = planner::UsesMuon(model_, spec);
       MEMPLAN_CHECK(opt == (bf16 ? 4 : 0) + (ps.muon ? 4 : 8),
@@ -140,7 +157,11 @@ void Executor::InitParams(Rank& r) {
         backend_->FromHost(*r.stat, ps.master.ptr, zero.data(), state);
         backend_->FromHost(*r.stat, ps.master.ptr, w.data() + from, count * 4);
       }
-      backend_->FromHost(*r.stat, ps.grad.ptr, zero.data(), bytes);
+      if (PipelineZero2()) {
+        backend_->FromHost(*r.stat, ps.part.ptr, zero.data(), Shard(n) * 4);
+      } else {
+        backend_->FromHost(*r.stat, ps.grad.ptr, zero.data(), bytes);
+      }
       backend_->FromHost(*r.stat, ps.m.ptr, zero.data(), state);
       if (!ps.muon) backend_->FromHost(*r.stat, ps.v.ptr, zero.data(), state);
       r.param_index[name] = r.params.size();
@@ -184,9 +205,13 @@ void Executor::SyncTied() {
       if (ps.tied_head) std::tie(head, hr) = std::pair{&ps, r.get()};
     }
   }
+  // The gradient, or under pipeline ZeRO-2 this replica's reduced range
+  // (the embedding and the head have the same shape: the same range).
+  auto count = [&](const ParamState& ps) { return PipelineZero2() ? Owned(ps.elements) : ps.elements; };
+  auto at = [&](const ParamState& ps) { return OwnGrad(ps, PipelineZero2() ? Shard(ps.elements) * dp_rank_ : 0); };
   auto grad_of = [&](Rank& r, ParamState& ps) {
-    std::vector<std::byte> g(static_cast<size_t>(ps.elements * 4));
-    backend_->ToHost(*r.stat, g.data(), ps.grad.ptr, ps.elements * 4);
+    std::vector<std::byte> g(static_cast<size_t>(count(ps) * 4));
+    backend_->ToHost(*r.stat, g.data(), at(ps), count(ps) * 4);
     return g;
   };
   // The embedding's gradient and the head's; across processes each side
@@ -209,8 +234,8 @@ void Executor::SyncTied() {
   std::memcpy(fa.data(), a.data(), a.size());
   std::memcpy(fb.data(), b.data(), b.size());
   for (size_t i = 0; i < n; ++i) sum[i] = fa[i] + fb[i];
-  if (emb) backend_->FromHost(*er->stat, emb->grad.ptr, sum.data(), emb->elements * 4);
-  if (head) backend_->FromHost(*hr->stat, head->grad.ptr, sum.data(), head->elements * 4);
+  if (emb) backend_->FromHost(*er->stat, at(*emb), sum.data(), count(*emb) * 4);
+  if (head) backend_->FromHost(*hr->stat, at(*head), sum.data(), count(*head) * 4);
 }
 
 double Executor::SquaredNorm(Rank& r, const float* x, int64_t n) {
@@ -234,9 +259,9 @@ void Executor::Optimize(double* grad_norm) {
     for (auto& ps : r->params) {
       if (ps.tied_head) continue;  // counted once, with the embedding
       if (Zero1()) {
-        sum += SquaredNorm(*r, ps.grad.as<float>() + Shard(ps.elements) * dp_rank_, Owned(ps.elements));
+        sum += SquaredNorm(*r, OwnGrad(ps, Shard(ps.elements) * dp_rank_), Owned(ps.elements));
       } else if (dp_rank_ == 0) {
-        sum += SquaredNorm(*r, ps.grad.as<float>(), ps.elements);
+        sum += SquaredNorm(*r, OwnGrad(ps, 0), ps.elements);
       }
     }
     partial.push_back(sum);
@@ -256,12 +281,12 @@ void Executor::Optimize(double* grad_norm) {
         // bf16 parameter's shard-sized master.
         const int64_t from = Shard(ps.elements) * dp_rank_;
         float* master = ps.master.empty() ? ps.weight.as<float>() + from : ps.master.as<float>();
-        r->ops->AdamStep(master, ps.grad.as<float>() + from, ps.m.as<float>(), ps.v.as<float>(), Owned(ps.elements),
+        r->ops->AdamStep(master, OwnGrad(ps, from), ps.m.as<float>(), ps.v.as<float>(), Owned(ps.elements),
                          cfg, 1);
         if (!ps.master.empty()) r->ops->RoundToBf16(master, Owned(ps.elements), ps.weight.as<uint16_t>() + from);
         continue;
       } else {
-        r->ops->AdamStep(ps.Master(), ps.grad.as<float>(), ps.m.as<float>(), ps.v.as<float>(), ps.elements, cfg, 1);
+        r->ops->AdamStep(ps.Master(), OwnGrad(ps, 0), ps.m.as<float>(), ps.v.as<float>(), ps.elements, cfg, 1);
       }
       if (!ps.master.empty()) r->ops->RoundToBf16(ps.master.as<float>(), ps.elements, ps.weight.as<uint16_t>());
     }
@@ -278,8 +303,55 @@ void Executor::Optimize(double* grad_norm) {
   GatherWeights();
 }
 
+std::vector<ParamState*> Executor::ChunkParams(Rank& r, int32_t chunk) {
+  std::vector<ParamState*> out;
+  for (int64_t layer : p_.layout.chunks[static_cast<size_t>(r.index)][static_cast<size_t>(chunk)]) {
+    for (const auto& spec : G(layer).params) {
+      auto it = r.param_index.find(spec.name);
+      if (it != r.param_index.end()) out.push_back(&r.params[it->second]);
+    }
+  }
+  return out;
+}
+
+void Executor::BeginGradPass(Rank& r, int32_t chunk) {
+  const Buffer& buffer = r.static_buffers.at("grad_double_buffer");
+  const int64_t half = buffer.bytes / 2;
+  const int64_t start = half * (r.grad_passes++ % 2);
+  int64_t at = start;
+  for (ParamState* ps : ChunkParams(r, chunk)) {
+    const int64_t bytes = ps->elements * 4;
+    MEMPLAN_CHECK(at + bytes <= start + half, "a chunk's gradients exceed the plan's double buffer");
+    ps->grad = Buffer{buffer.ptr + at, buffer.offset + at, bytes};
+    r.ops->Zero(ps->grad.ptr, bytes);
+    at += bytes;
+  }
+}
+
+void Executor::EndGradPass(Rank& r, int32_t chunk) {
+  backend_->Finish(*r.dev);
+  const int64_t dp = model_.parallel.dp;
+  for (ParamState* ps : ChunkParams(r, chunk)) {
+    // Reduced across the replicas (staged through the host as every
+    // message is), then added into this replica's partition.
+    const int64_t n = ps->elements, k = Shard(n), owned = Owned(n);
+    std::vector<float> g(static_cast<size_t>(k * dp), 0.f), mine(static_cast<size_t>(k)), part(static_cast<size_t>(owned));
+    backend_->ToHost(*r.stat, g.data(), ps->grad.ptr, n * 4);
+    if (dp > 1) {
+      dp_comm_->ReduceScatterSum(g.data(), mine.data(), k);
+    } else {
+      mine.assign(g.begin(), g.begin() + k);
+    }
+    backend_->ToHost(*r.stat, part.data(), ps->part.ptr, owned * 4);
+    for (int64_t i = 0; i < owned; ++i) part[static_cast<size_t>(i)] += mine[static_cast<size_t>(i)];
+    backend_->FromHost(*r.stat, ps->part.ptr, part.data(), owned * 4);
+    ps->grad = Buffer{};
+  }
+  ++r.events["grad_passes_reduced"];
+}
+
 void Executor::ReduceGradients() {
-  if (model_.parallel.dp == 1) return;
+  if (model_.parallel.dp == 1 || PipelineZero2()) return;  // pipeline ZeRO-2: reduced pass by pass
   const int64_t dp = model_.parallel.dp;
   Rank& r = *ranks_.front();
   for (auto& ps : r.params) {

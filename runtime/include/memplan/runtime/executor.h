@@ -28,8 +28,7 @@
 // and the storage bound by the plan decides where their bytes are.
 //
 // Limits (refused with ErrorCode::kBadInput and a reason): tp, ep or cp >
-// 1; dp > 1 without a communicator, or with ZeRO-2, pipeline ZeRO-2 or
-// Muon; fp16 and 16-bit gradients; bf16 on the cuda backend; MLA without
+// 1; dp > 1 without a communicator, or with ZeRO-2's reduce bucket; fp16 and 16-bit gradients; bf16 on the cuda backend; MLA without
 // flash attention; Block AttnRes without checkpointing (docs/runtime.md,
 // "Limits"). A plan that is malformed, whose storages are illegal, or whose
 // bytes differ from this planner's is refused too.
