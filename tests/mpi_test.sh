@@ -249,6 +249,13 @@ rc=$?
 [ "$rc" -eq 2 ] && [ "$(grep -c '^memplan:' "$tmp/err")" -eq 1 ] && grep -q "rank 1: .*nowhere.json" "$tmp/err" \
   && ok || bad "unreadable plan on rank 1: exit $rc: $(cat "$tmp/err")"
 
+# A backend that cannot start (here: no GPU) is said once, exit 5 everywhere.
+if ! "$memplan" run "$tmp/llama.plan.json" -q --backend cuda >/dev/null 2>&1; then
+  "${mpi[@]}" -np 2 "$memplan" run "$tmp/llama.plan.json" -q --backend cuda >"$tmp/out" 2>"$tmp/err"
+  rc=$?
+  [ "$rc" -eq 5 ] && [ "$(grep -c '^memplan:' "$tmp/err")" -eq 1 ] && ok || bad "--backend cuda without a GPU: exit $rc: $(cat "$tmp/err")"
+fi
+
 # A step long enough to interrupt (64 microbatches, ~3 s).
 model "$root/examples/models/tiny-llama.json" "$tmp/long.json" 'm["train"]["microbatches"] = 64; m.pop("budget", None)'
 "$memplan" plan "$tmp/long.json" -o "$tmp/long.plan.json" -q
@@ -269,48 +276,36 @@ wait_for_rank() {  # the rank's pid once its process runs (5 s at most)
 }
 orphans() { pgrep -f "^$memplan run $tmp/long.plan.json" | wc -l; }
 
-# 6. A rank killed mid-step: the job ends within 30 s, naming the lost rank,
-#    and leaves no process behind.
-"${mpi[@]}" -np 2 "$memplan" run "$tmp/long.plan.json" -q >"$tmp/out" 2>"$tmp/err" &
-job=$!
-victim=$(wait_for_rank 1)
-sleep 0.5
-if [ -n "$victim" ]; then
-  kill -KILL "$victim"
-  start=$(date +%s)
-  wait "$job"
-  rc=$?
-  took=$(($(date +%s) - start))
-  [ "$rc" -ne 0 ] && [ "$took" -le 30 ] && ok || bad "killed rank: exit $rc after $took s"
-  grep -q "rank 1" "$tmp/err" && ok || bad "killed rank not named: $(cat "$tmp/err")"
-else
-  wait "$job"
-  bad "rank 1 never started"
-fi
-sleep 0.5
-[ "$(orphans)" -eq 0 ] && ok || bad "processes left after a killed rank"
-
-# 7. A rank that stops answering: the other gives up after
-#    MEMPLAN_COMM_TIMEOUT_S, naming it, and the job ends.
-MEMPLAN_COMM_TIMEOUT_S=2 "${mpi[@]}" -np 2 "$memplan" run "$tmp/long.plan.json" -q >"$tmp/out" 2>"$tmp/err" &
-job=$!
-victim=$(wait_for_rank 1)
-sleep 0.5
-if [ -n "$victim" ]; then
-  kill -STOP "$victim"
+# Sends `signal` to rank 1 of a running job, then checks that the job ends
+# within 30 s, non-zero, with stderr matching `pattern`, leaving no process.
+interrupt_rank() {  # what signal pattern
+  local what=$1 signal=$2 pattern=$3 job victim start rc took
+  "${mpi[@]}" -np 2 "$memplan" run "$tmp/long.plan.json" -q >"$tmp/out" 2>"$tmp/err" &
+  job=$!
+  victim=$(wait_for_rank 1)
+  sleep 0.5
+  if [ -z "$victim" ]; then
+    wait "$job"
+    bad "$what: rank 1 never started"
+    return
+  fi
+  kill "-$signal" "$victim"
   start=$(date +%s)
   wait "$job"
   rc=$?
   took=$(($(date +%s) - start))
   kill -KILL "$victim" 2>/dev/null
-  [ "$rc" -ne 0 ] && [ "$took" -le 30 ] && ok || bad "stuck rank: exit $rc after $took s"
-  grep -q "rank 0: rank 0 waited [0-9]* s for rank 1" "$tmp/err" && ok || bad "stuck rank: $(cat "$tmp/err")"
-else
-  wait "$job"
-  bad "rank 1 never started"
-fi
-sleep 0.5
-[ "$(orphans)" -eq 0 ] && ok || bad "processes left after a stuck rank"
+  [ "$rc" -ne 0 ] && [ "$took" -le 30 ] && ok || bad "$what: exit $rc after $took s"
+  grep -q "$pattern" "$tmp/err" && ok || bad "$what: $(cat "$tmp/err")"
+  sleep 0.5
+  [ "$(orphans)" -eq 0 ] && ok || bad "$what: processes left behind"
+}
+
+# 6. A rank killed mid-step: mpirun ends the job, naming the lost rank.
+interrupt_rank "killed rank" KILL "rank 1"
+# 7. A rank that stops answering: the other gives up after
+#    MEMPLAN_COMM_TIMEOUT_S, naming it, and the job ends.
+MEMPLAN_COMM_TIMEOUT_S=2 interrupt_rank "stuck rank" STOP "rank 0: rank 0 waited [0-9]* s for rank 1"
 
 # 8. SIGINT to mpirun ends every rank.
 "${mpi[@]}" -np 2 "$memplan" run "$tmp/long.plan.json" -q >"$tmp/out" 2>"$tmp/err" &

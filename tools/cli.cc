@@ -54,7 +54,7 @@ Expected<Command> ParseCommandLine(const std::vector<std::string>& args) {
 
   std::string run_plan, run_out;
   bool run_quiet = false;
-  auto* run = app.add_subcommand("run", "Execute one training step of PLAN.json and measure its memory");
+  auto* run = app.add_subcommand("run", "Execute one training step of PLAN.json and measure its memory (under mpirun: one process per rank, mpirun -np pp*dp)");
   run->add_option("plan", run_plan, "plan file (memplan.plan/1)")->required();
   run->add_option("--backend", c.backend, "host (default: CPU reference kernels) or cuda")
       ->check(CLI::IsMember({"host", "cuda"}));

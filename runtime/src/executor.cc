@@ -209,7 +209,10 @@ Expected<std::monostate> Executor::AgreeAcrossRanks(const Expected<std::monostat
 
 Expected<RunResult> Executor::Run() {
   if (!options_.comm) return RunHere();
-  if (auto s = AgreeAcrossRanks(Validate()); !s.ok()) return s.error();
+  // A plan or a backend that fails on some rank fails every rank at once.
+  Expected<std::monostate> local = Validate();
+  if (local.ok()) local = MakeBackend();
+  if (auto s = AgreeAcrossRanks(local); !s.ok()) return s.error();
   // World ranks are pp-major: pp rank * dp + data-parallel rank.
   pp_rank_ = static_cast<int32_t>(options_.comm->rank() / model_.parallel.dp);
   dp_rank_ = options_.comm->rank() % model_.parallel.dp;
@@ -231,20 +234,25 @@ void Executor::FailAlone(const Error& e) {
   std::_Exit(static_cast<int>(e.code));  // Abort does not return
 }
 
-Expected<RunResult> Executor::RunHere() {
-  if (!options_.comm) {
-    if (auto s = Validate(); !s.ok()) return s.error();
-  }
-  const CudaPlugin* cuda = nullptr;
+Expected<std::monostate> Executor::MakeBackend() {
   if (options_.backend == BackendKind::kCuda) {
     auto plugin = LoadCudaPlugin();
     if (!plugin) return plugin.error();
-    cuda = *plugin;
-    backend_ = cuda->make_backend(!options_.cuda_pool);
+    cuda_ = *plugin;
+    backend_ = cuda_->make_backend(!options_.cuda_pool);
     if (!backend_) return Error{ErrorCode::kRuntime, "--backend cuda: no CUDA device is visible"};
   } else {
     backend_ = MakeHostBackend(options_.copy_jitter_us);
   }
+  return std::monostate{};
+}
+
+Expected<RunResult> Executor::RunHere() {
+  if (!options_.comm) {
+    if (auto s = Validate(); !s.ok()) return s.error();
+    if (auto b = MakeBackend(); !b.ok()) return b.error();
+  }
+  const CudaPlugin* cuda = cuda_;
   if (cuda && options_.cupti) {
     // Before any allocation: the context's bytes, and CUPTI sees the arenas
     // made. A profiler that cannot start is a warning, never a failed run.

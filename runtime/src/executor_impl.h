@@ -178,6 +178,8 @@ class Executor {
   Executor(const Json& plan, const RunOptions& options) : plan_json_(plan), options_(options) {}
 
   Expected<RunResult> Run();
+  // The backend (cuda: from the plugin, with a device), or why not.
+  Expected<std::monostate> MakeBackend();
   // Run's work in this process (Run adds the ranks' agreement around it).
   Expected<RunResult> RunHere();
   // With a communicator: every rank's Validate outcome, the same plan on
@@ -365,6 +367,7 @@ class Executor {
   planner::Evaluation eval_;
   std::vector<std::vector<int64_t>> profiles_;
   std::unique_ptr<Backend> backend_;
+  const CudaPlugin* cuda_ = nullptr;  // --backend cuda
   std::vector<std::unique_ptr<Rank>> ranks_;
   std::unique_ptr<ActivationManager> acts_;
   std::vector<std::vector<int32_t>> tensor_base_;  // layer -> rank-local index of its first saved tensor
