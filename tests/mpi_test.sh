@@ -43,11 +43,14 @@ same_step() {  # name model.json ranks
   local name=$1 file=$2 n=$3
   "$memplan" plan "$file" -o "$tmp/$name.plan.json" -q 2>/dev/null || { bad "$name: plan failed"; return; }
   "$memplan" run "$tmp/$name.plan.json" -q -o "$tmp/$name.one.json" || { bad "$name: single-process run failed"; return; }
-  if ! timeout 60 "${mpi[@]}" -np "$n" "$memplan" run "$tmp/$name.plan.json" -q -o "$tmp/$name.mpi.json" \
-      --trace "$tmp/$name.trace.json" 2>"$tmp/err"; then
+  if ! timeout 60 "${mpi[@]}" -np "$n" "$memplan" run "$tmp/$name.plan.json" -o "$tmp/$name.mpi.json" \
+      --trace "$tmp/$name.trace.json" >"$tmp/out" 2>"$tmp/err"; then
     bad "$name: mpirun -np $n failed: $(head -3 "$tmp/err")"
     return
   fi
+  # Rank 0 alone prints: one table, one last progress line.
+  [ "$(grep -c "meas_peak" "$tmp/out")" -eq 1 ] && [ "$(grep -c "steps (100%)" "$tmp/err")" -eq 1 ] \
+    && ok || bad "$name: output: $(cat "$tmp/out" "$tmp/err")"
   python3 - "$tmp/$name.one.json" "$tmp/$name.mpi.json" "$tmp/$name.trace.json" "$n" "$tmp/$name.plan.json" <<'PY' \
     && ok || bad "$name: the processes' step differs from the single process's"
 import json, sys
@@ -149,11 +152,15 @@ data_parallel() {  # name model.json zero [python edits]
     "$memplan" plan "$tmp/$name.dp.json" -o "$tmp/$name.dp.plan.json" -q 2>/dev/null || { bad "$name: plan failed"; return; }
   "$memplan" run "$tmp/$name.one.plan.json" -q -o "$tmp/$name.one.m.json" --dump "$tmp/$name.one.d" ||
     { bad "$name: single-process run failed"; return; }
-  if ! timeout 60 "${mpi[@]}" -np 4 "$memplan" run "$tmp/$name.dp.plan.json" -q -o "$tmp/$name.dp.m.json"       --dump "$tmp/$name.dp.d" 2>"$tmp/err"; then
+  # Not quiet: rank 0 prints the table, a row per (pp, dp) rank.
+  if ! timeout 60 "${mpi[@]}" -np 4 "$memplan" run "$tmp/$name.dp.plan.json" -o "$tmp/$name.dp.m.json" \
+      --dump "$tmp/$name.dp.d" >"$tmp/out" 2>"$tmp/err"; then
     bad "$name: mpirun -np 4 failed: $(head -3 "$tmp/err")"
     return
   fi
-  python3 - "$tmp/$name.one.m.json" "$tmp/$name.dp.m.json" "$tmp/$name.dp.plan.json" <<'PY'     && ok || bad "$name: the data-parallel step differs"
+  [ "$(grep -cE "^ +[01] +[01] " "$tmp/out")" -eq 4 ] && grep -q "dp_rank" "$tmp/out" && ok || bad "$name: table: $(cat "$tmp/out")"
+  python3 - "$tmp/$name.one.m.json" "$tmp/$name.dp.m.json" "$tmp/$name.dp.plan.json" <<'PY' \
+    && ok || bad "$name: the data-parallel step differs"
 import json, sys
 one, dp, plan = (json.load(open(f)) for f in sys.argv[1:4])
 assert one["loss"] == dp["loss"], (one["loss"], dp["loss"])

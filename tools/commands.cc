@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -161,16 +162,27 @@ int RunCheck(const Command& c) {
 }
 
 void PrintRunTable(const Json& plan_json, const traces::Measured& m) {
-  Table t({"pp_rank", "static(MiB)", "lower_bd(MiB)", "alloc_peak(MiB)", "peak(MiB)", "meas_peak(MiB)", "diff(%)"});
+  // Data-parallel replicas (mpirun) each get a row beside their pipeline rank.
+  const bool replicas = std::any_of(m.ranks.begin(), m.ranks.end(), [](const auto& r) { return r.dp_rank > 0; });
+  std::vector<std::string> header{"pp_rank"};
+  if (replicas) header.push_back("dp_rank");
+  for (const char* h : {"static(MiB)", "lower_bd(MiB)", "alloc_peak(MiB)", "peak(MiB)", "meas_peak(MiB)", "diff(%)"}) {
+    header.push_back(h);
+  }
+  Table t(header);
   const auto& ranks = plan_json["ranks"];
   const double mib = 1024.0 * 1024.0;
-  for (size_t r = 0; r < m.ranks.size(); ++r) {
-    const auto& mr = m.ranks[r];
-    int64_t lb = ranks[r].value("lower_bound", int64_t{0}), peak = ranks[r].value("peak", int64_t{0});
-    t.AddRow({std::to_string(mr.pp_rank), FormatFixed(static_cast<double>(mr.static_bytes) / mib, 3),
+  for (const auto& mr : m.ranks) {
+    const Json& pr = static_cast<size_t>(mr.pp_rank) < ranks.size() ? ranks[static_cast<size_t>(mr.pp_rank)] : Json::object();
+    int64_t lb = pr.value("lower_bound", int64_t{0}), peak = pr.value("peak", int64_t{0});
+    std::vector<std::string> row{std::to_string(mr.pp_rank)};
+    if (replicas) row.push_back(std::to_string(mr.dp_rank));
+    std::vector<std::string> cells{FormatFixed(static_cast<double>(mr.static_bytes) / mib, 3),
               FormatFixed(static_cast<double>(lb) / mib, 3), FormatFixed(static_cast<double>(mr.allocated_peak) / mib, 3),
               FormatFixed(static_cast<double>(peak) / mib, 3), FormatFixed(static_cast<double>(mr.peak) / mib, 3),
-              FormatFixed(peak ? 100.0 * static_cast<double>(mr.peak - peak) / static_cast<double>(peak) : 0.0, 3)});
+              FormatFixed(peak ? 100.0 * static_cast<double>(mr.peak - peak) / static_cast<double>(peak) : 0.0, 3)};
+    row.insert(row.end(), cells.begin(), cells.end());
+    t.AddRow(row);
   }
   std::fputs(t.Render().c_str(), stdout);
   std::printf("\n%s backend (%s): step %s ms, loss %.6f, grad_norm %.6f\n", m.backend.c_str(), m.device.c_str(),
