@@ -204,6 +204,8 @@ int RunExecute(const Command& c) {
     comm = std::move(*made);
   }
   const bool lead = !comm || comm->rank() == 0;
+  // An error every rank has: rank 0 says it, every rank exits with its code.
+  auto fail = [&](const Error& e) { return lead ? Fail(e) : static_cast<int>(e.code); };
   Expected<std::monostate> local = std::monostate{};
   if (c.backend == "host" && c.allocator == "pool") {
     local = Error{ErrorCode::kBadInput, "--allocator pool: the host backend is always an arena (pools are cuda's)"};
@@ -213,7 +215,7 @@ int RunExecute(const Command& c) {
   auto plan_json = ReadJsonFile(c.input);
   if (local.ok() && !plan_json) local = plan_json.error();
   if (comm) local = runtime::Agree(*comm, local);
-  if (!local.ok()) return lead ? Fail(local.error()) : static_cast<int>(local.error().code);
+  if (!local.ok()) return fail(local.error());
   OutputFiles out;
   runtime::RunOptions options;
   options.backend = c.backend == "cuda" ? runtime::BackendKind::kCuda : runtime::BackendKind::kHost;
@@ -230,7 +232,7 @@ int RunExecute(const Command& c) {
     if (comm) {
       Expected<std::monostate> st = std::monostate{};
       if (!staged) st = staged.error();
-      if (auto agreed = runtime::Agree(*comm, st); !agreed) return lead ? Fail(agreed.error()) : 5;
+      if (auto agreed = runtime::Agree(*comm, st); !agreed) return fail(agreed.error());
       staged = comm->AllGather(*staged).front();
     }
     if (!staged) return Fail(staged.error());
@@ -242,7 +244,7 @@ int RunExecute(const Command& c) {
     };
   }
   auto result = runtime::RunPlan(*plan_json, options);
-  if (!result) return lead ? Fail(Located(result.error(), c.input)) : static_cast<int>(result.error().code);
+  if (!result) return fail(Located(result.error(), c.input));
   if (!lead) return 0;
   for (const auto& w : result->warnings) std::fprintf(stderr, "memplan: warning: %s\n", OneLine(w).c_str());
   const auto& m = result->measured;

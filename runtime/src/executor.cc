@@ -174,6 +174,28 @@ void Executor::RetireCopies(Rank& r, bool all) {
 }
 
 
+Rank* Executor::NextRank() {
+  // One process per rank: its own steps in order, waiting for what they
+  // receive.
+  if (options_.comm) return ranks_.front().get();
+  // The runnable rank whose next step starts first in the plan's pipeline
+  // timeline (ties: the earlier end, then the lower rank).
+  Rank* pick = nullptr;
+  double best_start = 0, best_end = 0;
+  for (auto& r : ranks_) {
+    if (!Runnable(*r)) continue;
+    const auto& tl = p_.timelines[static_cast<size_t>(r->index)];
+    double st = tl.start_s[static_cast<size_t>(r->next_step)], en = tl.end_s[static_cast<size_t>(r->next_step)];
+    if (!pick || st < best_start || (st == best_start && en < best_end)) {
+      pick = r.get();
+      best_start = st;
+      best_end = en;
+    }
+  }
+  MEMPLAN_CHECK(pick != nullptr, "pipeline deadlock: no rank can run");
+  return pick;
+}
+
 Expected<std::monostate> Executor::Validate() {
   try {
     return Setup();
@@ -277,24 +299,7 @@ Expected<RunResult> Executor::RunHere() {
     if (cupti_) cupti_epoch_ns_ = cupti_->NowNs();
     int64_t next_report = 0;
     while (steps_done_ < steps_total_) {
-      // The runnable rank whose next step starts first in the plan's
-      // pipeline timeline (ties: the earlier end, then the lower rank).
-      // One process per rank: its own steps in order, waiting for what
-      // they receive.
-      Rank* pick = options_.comm ? ranks_.front().get() : nullptr;
-      double best_start = 0, best_end = 0;
-      for (auto& r : ranks_) {
-        if (options_.comm || !Runnable(*r)) continue;
-        const auto& tl = p_.timelines[static_cast<size_t>(r->index)];
-        double st = tl.start_s[static_cast<size_t>(r->next_step)], en = tl.end_s[static_cast<size_t>(r->next_step)];
-        if (!pick || st < best_start || (st == best_start && en < best_end)) {
-          pick = r.get();
-          best_start = st;
-          best_end = en;
-        }
-      }
-      MEMPLAN_CHECK(pick != nullptr, "pipeline deadlock: no rank can run");
-      Step(*pick);
+      Step(*NextRank());
       if (options_.progress && (steps_done_ >= next_report || steps_done_ == steps_total_)) {
         options_.progress("run: " + std::to_string(steps_done_) + "/" + std::to_string(steps_total_) + " steps (" +
                           std::to_string(100 * steps_done_ / steps_total_) + "%)");

@@ -229,9 +229,25 @@ class Executor {
     return static_cast<int32_t>(dp_rank_ * model_.train.microbatches + mb);
   }
   // Data parallelism (ZeRO-1): the elements of a parameter of `n` this
-  // replica's optimizer owns, [Shard * dp_rank_, + Owned).
+  // replica's optimizer owns, [RangeStart, + Owned).
   int64_t Shard(int64_t n) const { return (n + model_.parallel.dp - 1) / model_.parallel.dp; }
-  int64_t Owned(int64_t n) const { return std::clamp<int64_t>(n - Shard(n) * dp_rank_, 0, Shard(n)); }
+  int64_t Owned(int64_t n) const { return std::clamp<int64_t>(n - RangeStart(n), 0, Shard(n)); }
+  int64_t RangeStart(int64_t n) const { return Shard(n) * dp_rank_; }
+  // Across the replicas, staged through the host as every message is
+  // (training.cc): this replica's range of the sum of every replica's `n`
+  // floats at `grad` (Shard(n) floats; dp 1: the gradient itself); and
+  // every replica's range of `n` elements of `width` bytes (this one's at
+  // `mine`) in order, the whole in the first n * width bytes.
+  std::vector<float> ReduceScatterRange(Rank& r, const std::byte* grad, int64_t n);
+  std::vector<std::byte> GatherRanges(Rank& r, const void* mine, int64_t n, int64_t width);
+  // The tokens of the step's global batch (every replica's), the loss's divisor.
+  double GlobalTokens() const {
+    return static_cast<double>(model_.train.microbatches * model_.parallel.dp * model_.train.micro_batch *
+                               model_.train.seq_len);
+  }
+  // One process: the runnable rank whose next step starts first in the
+  // plan's timeline; one process per rank: this process's rank.
+  Rank* NextRank();
   bool Zero1() const {
     return model_.parallel.dp > 1 && (model_.parallel.zero >= 1 || model_.parallel.pipeline_zero2);
   }
@@ -239,7 +255,7 @@ class Executor {
   // This replica's reduced gradient at element `from` of the parameter
   // (inside its range under ZeRO-1 / pipeline ZeRO-2).
   float* OwnGrad(const ParamState& ps, int64_t from) const {
-    return PipelineZero2() ? ps.part.as<float>() + (from - Shard(ps.elements) * dp_rank_) : ps.grad.as<float>() + from;
+    return PipelineZero2() ? ps.part.as<float>() + (from - RangeStart(ps.elements)) : ps.grad.as<float>() + from;
   }
   // Pipeline ZeRO-2 (training.cc): at the first backward step of a chunk's
   // pass its parameters' gradients are bound to one half of the double

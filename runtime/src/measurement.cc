@@ -17,14 +17,12 @@ Expected<std::monostate> Executor::Dump(DumpWhat what) {
       // bf16 parameters: the fp32 master (the forward reads its bf16 rounding).
       const Buffer& from = grads ? ps.grad : ps.master.empty() ? ps.weight : ps.master;
       const int64_t n = ps.elements;
-      std::vector<float> v(static_cast<size_t>(Zero1() ? Shard(n) * model_.parallel.dp : n));
+      std::vector<float> v(static_cast<size_t>(n));
       if (Zero1() && (grads || !ps.master.empty())) {
-        // ZeRO-1: the reduced gradient and the master are shards, gathered
+        // ZeRO-1: the reduced gradient and the master are ranges, gathered
         // for the dump (every replica takes part; replica 0 writes).
-        const float* shard = grads ? OwnGrad(ps, Shard(n) * dp_rank_) : from.as<float>();
-        std::vector<float> mine(static_cast<size_t>(Shard(n)), 0.f);
-        backend_->ToHost(*r->stat, mine.data(), shard, Owned(n) * 4);
-        dp_comm_->AllGatherBlocks(mine.data(), v.data(), Shard(n) * 4);
+        std::vector<std::byte> all = GatherRanges(*r, grads ? OwnGrad(ps, RangeStart(n)) : from.as<float>(), n, 4);
+        std::memcpy(v.data(), all.data(), static_cast<size_t>(n * 4));
       } else {
         backend_->ToHost(*r->stat, v.data(), grads ? OwnGrad(ps, 0) : from.as<float>(), n * 4);
       }
@@ -59,8 +57,7 @@ Expected<RunResult> Executor::Finish(double grad_norm, double step_s) {
   m.plan_digest = plan_json_.value("digest", std::string());
   m.step_s = step_s;
   m.compute_s = compute_s_;
-  m.loss = loss_sum_ / static_cast<double>(model_.train.microbatches * model_.parallel.dp * model_.train.micro_batch *
-                                           model_.train.seq_len);
+  m.loss = loss_sum_ / GlobalTokens();
   m.grad_norm = grad_norm;
   for (auto& r : ranks_) {
     traces::MeasuredRank mr;
@@ -130,8 +127,7 @@ void Executor::GatherRanks(RunResult& out) {
   // the sum in rank order is the single process's bits.
   double loss_sum = 0;
   for (double v : GatherDoubles(loss_sum_)) loss_sum += v;
-  m.loss = loss_sum / static_cast<double>(model_.train.microbatches * model_.parallel.dp * model_.train.micro_batch *
-                                          model_.train.seq_len);
+  m.loss = loss_sum / GlobalTokens();
   for (double v : GatherDoubles(m.step_s)) m.step_s = std::max(m.step_s, v);
   for (double v : GatherDoubles(m.compute_s)) m.compute_s = std::max(m.compute_s, v);
   std::vector<std::string> all = options_.comm->AllGather(traces::MeasuredToJson(m).dump());

@@ -113,7 +113,7 @@ void Executor::MuonStepsSharded(Rank& r, const kernels::AdamConfig& cfg) {
     }
     // Nesterov on this replica's range, X's range in place of the gradient's.
     for (ParamState* ps : params) {
-      const int64_t lo = Shard(ps->elements) * dp_rank_;
+      const int64_t lo = RangeStart(ps->elements);
       float* g = OwnGrad(*ps, lo);
       k.Axpby(ps->m.as<float>(), g, Owned(ps->elements), kMuonMomentum, 1.f, ps->m.as<float>());
       k.Axpby(g, ps->m.as<float>(), Owned(ps->elements), 1.f, kMuonMomentum, g);
@@ -123,7 +123,7 @@ void Executor::MuonStepsSharded(Rank& r, const kernels::AdamConfig& cfg) {
     // replica's range of its weight.
     auto apply = [&](const Matrix& mt, const float* u) {
       ParamState& ps = *mt.ps;
-      const int64_t n = mt.rows * mt.cols, lo = Shard(ps.elements) * dp_rank_;
+      const int64_t n = mt.rows * mt.cols, lo = RangeStart(ps.elements);
       const int64_t from = std::max(lo, mt.index * n), to = std::min(lo + Owned(ps.elements), (mt.index + 1) * n);
       if (from >= to) return;
       float* w = ps.master.empty() ? ps.weight.as<float>() + from : ps.master.as<float>() + (from - lo);
@@ -134,10 +134,8 @@ void Executor::MuonStepsSharded(Rank& r, const kernels::AdamConfig& cfg) {
       int64_t at = 0;
       std::map<ParamState*, int64_t> where;
       for (ParamState* ps : params) {
-        const int64_t n = ps->elements, kk = Shard(n);
-        std::vector<float> mine(static_cast<size_t>(kk), 0.f), all(static_cast<size_t>(kk * dp));
-        backend_->ToHost(*r.stat, mine.data(), OwnGrad(*ps, kk * dp_rank_), Owned(n) * 4);
-        dp_comm_->AllGatherBlocks(mine.data(), all.data(), kk * 4);
+        const int64_t n = ps->elements;
+        std::vector<std::byte> all = GatherRanges(r, OwnGrad(*ps, RangeStart(n)), n, 4);
         MEMPLAN_CHECK((at + n) * 4 <= gather.bytes, "Muon's gather exceeds the plan's buffer");
         backend_->FromHost(*r.stat, gather.as<float>() + at, all.data(), n * 4);
         where[ps] = at;

@@ -153,7 +153,7 @@ void Executor::InitParams(Rank& r) {
         backend_->FromHost(*r.stat, ps.weight.ptr, w.data(), bytes);
       } else {
         // The master holds this replica's shard (ZeRO-1) or all of it.
-        const int64_t from = Zero1() ? Shard(n) * dp_rank_ : 0, count = Zero1() ? Owned(n) : n;
+        const int64_t from = Zero1() ? RangeStart(n) : 0, count = Zero1() ? Owned(n) : n;
         backend_->FromHost(*r.stat, ps.master.ptr, zero.data(), state);
         backend_->FromHost(*r.stat, ps.master.ptr, w.data() + from, count * 4);
       }
@@ -208,7 +208,7 @@ void Executor::SyncTied() {
   // The gradient, or under pipeline ZeRO-2 this replica's reduced range
   // (the embedding and the head have the same shape: the same range).
   auto count = [&](const ParamState& ps) { return PipelineZero2() ? Owned(ps.elements) : ps.elements; };
-  auto at = [&](const ParamState& ps) { return OwnGrad(ps, PipelineZero2() ? Shard(ps.elements) * dp_rank_ : 0); };
+  auto at = [&](const ParamState& ps) { return OwnGrad(ps, PipelineZero2() ? RangeStart(ps.elements) : 0); };
   auto grad_of = [&](Rank& r, ParamState& ps) {
     std::vector<std::byte> g(static_cast<size_t>(count(ps) * 4));
     backend_->ToHost(*r.stat, g.data(), at(ps), count(ps) * 4);
@@ -259,7 +259,7 @@ void Executor::Optimize(double* grad_norm) {
     for (auto& ps : r->params) {
       if (ps.tied_head) continue;  // counted once, with the embedding
       if (Zero1()) {
-        sum += SquaredNorm(*r, OwnGrad(ps, Shard(ps.elements) * dp_rank_), Owned(ps.elements));
+        sum += SquaredNorm(*r, OwnGrad(ps, RangeStart(ps.elements)), Owned(ps.elements));
       } else if (dp_rank_ == 0) {
         sum += SquaredNorm(*r, OwnGrad(ps, 0), ps.elements);
       }
@@ -279,7 +279,7 @@ void Executor::Optimize(double* grad_norm) {
       } else if (Zero1()) {
         // This replica's shard: of the fp32 weight in place, or of the
         // bf16 parameter's shard-sized master.
-        const int64_t from = Shard(ps.elements) * dp_rank_;
+        const int64_t from = RangeStart(ps.elements);
         float* master = ps.master.empty() ? ps.weight.as<float>() + from : ps.master.as<float>();
         r->ops->AdamStep(master, OwnGrad(ps, from), ps.m.as<float>(), ps.v.as<float>(), Owned(ps.elements),
                          cfg, 1);
@@ -294,7 +294,7 @@ void Executor::Optimize(double* grad_norm) {
       MuonStepsSharded(*r, cfg);
       for (auto& ps : r->params) {
         if (!ps.muon || ps.master.empty()) continue;
-        const int64_t from = Shard(ps.elements) * dp_rank_;
+        const int64_t from = RangeStart(ps.elements);
         r->ops->RoundToBf16(ps.master.as<float>(), Owned(ps.elements), ps.weight.as<uint16_t>() + from);
       }
     }
@@ -330,18 +330,10 @@ void Executor::BeginGradPass(Rank& r, int32_t chunk) {
 
 void Executor::EndGradPass(Rank& r, int32_t chunk) {
   backend_->Finish(*r.dev);
-  const int64_t dp = model_.parallel.dp;
   for (ParamState* ps : ChunkParams(r, chunk)) {
-    // Reduced across the replicas (staged through the host as every
-    // message is), then added into this replica's partition.
-    const int64_t n = ps->elements, k = Shard(n), owned = Owned(n);
-    std::vector<float> g(static_cast<size_t>(k * dp), 0.f), mine(static_cast<size_t>(k)), part(static_cast<size_t>(owned));
-    backend_->ToHost(*r.stat, g.data(), ps->grad.ptr, n * 4);
-    if (dp > 1) {
-      dp_comm_->ReduceScatterSum(g.data(), mine.data(), k);
-    } else {
-      mine.assign(g.begin(), g.begin() + k);
-    }
+    // Reduced across the replicas, then added into this replica's partition.
+    const int64_t owned = Owned(ps->elements);
+    std::vector<float> mine = ReduceScatterRange(r, ps->grad.ptr, ps->elements), part(static_cast<size_t>(owned));
     backend_->ToHost(*r.stat, part.data(), ps->part.ptr, owned * 4);
     for (int64_t i = 0; i < owned; ++i) part[static_cast<size_t>(i)] += mine[static_cast<size_t>(i)];
     backend_->FromHost(*r.stat, ps->part.ptr, part.data(), owned * 4);
@@ -350,37 +342,50 @@ void Executor::EndGradPass(Rank& r, int32_t chunk) {
   ++r.events["grad_passes_reduced"];
 }
 
+std::vector<float> Executor::ReduceScatterRange(Rank& r, const std::byte* grad, int64_t n) {
+  const int64_t dp = model_.parallel.dp, k = Shard(n);
+  std::vector<float> g(static_cast<size_t>(k * dp), 0.f);
+  backend_->ToHost(*r.stat, g.data(), grad, n * 4);
+  if (dp == 1) return g;
+  std::vector<float> mine(static_cast<size_t>(k));
+  dp_comm_->ReduceScatterSum(g.data(), mine.data(), k);
+  return mine;
+}
+
+std::vector<std::byte> Executor::GatherRanges(Rank& r, const void* mine, int64_t n, int64_t width) {
+  const int64_t k = Shard(n);
+  std::vector<std::byte> ours(static_cast<size_t>(k * width)), all(static_cast<size_t>(k * width * model_.parallel.dp));
+  backend_->ToHost(*r.stat, ours.data(), mine, Owned(n) * width);
+  dp_comm_->AllGatherBlocks(ours.data(), all.data(), k * width);
+  return all;
+}
+
 void Executor::ReduceGradients() {
   if (model_.parallel.dp == 1 || PipelineZero2()) return;  // pipeline ZeRO-2: reduced pass by pass
-  const int64_t dp = model_.parallel.dp;
   Rank& r = *ranks_.front();
   for (auto& ps : r.params) {
-    // Staged through the host, as the pipeline's messages are.
-    const int64_t n = ps.elements, k = Shard(n);
-    std::vector<float> g(static_cast<size_t>(k * dp), 0.f);
-    backend_->ToHost(*r.stat, g.data(), ps.grad.ptr, n * 4);
-    if (!Zero1()) {
-      dp_comm_->AllReduceSum(g.data(), n);
-      backend_->FromHost(*r.stat, ps.grad.ptr, g.data(), n * 4);
+    const int64_t n = ps.elements;
+    if (Zero1()) {
+      std::vector<float> mine = ReduceScatterRange(r, ps.grad.ptr, n);
+      backend_->FromHost(*r.stat, ps.grad.as<float>() + RangeStart(n), mine.data(), Owned(n) * 4);
       continue;
     }
-    std::vector<float> mine(static_cast<size_t>(k));
-    dp_comm_->ReduceScatterSum(g.data(), mine.data(), k);
-    backend_->FromHost(*r.stat, ps.grad.as<float>() + k * dp_rank_, mine.data(), Owned(n) * 4);
+    // Staged through the host, as the pipeline's messages are.
+    std::vector<float> g(static_cast<size_t>(n));
+    backend_->ToHost(*r.stat, g.data(), ps.grad.ptr, n * 4);
+    dp_comm_->AllReduceSum(g.data(), n);
+    backend_->FromHost(*r.stat, ps.grad.ptr, g.data(), n * 4);
   }
   ++r.events["dp_reductions"];
 }
 
 void Executor::GatherWeights() {
   if (!Zero1()) return;
-  const int64_t dp = model_.parallel.dp;
   Rank& r = *ranks_.front();
   for (auto& ps : r.params) {
-    const int64_t n = ps.elements, k = Shard(n);
+    const int64_t n = ps.elements;
     const int64_t width = ps.master.empty() ? 4 : 2;  // the weight's bytes per element
-    std::vector<std::byte> mine(static_cast<size_t>(k * width)), all(static_cast<size_t>(k * width * dp));
-    backend_->ToHost(*r.stat, mine.data(), ps.weight.ptr + k * dp_rank_ * width, Owned(n) * width);
-    dp_comm_->AllGatherBlocks(mine.data(), all.data(), k * width);
+    std::vector<std::byte> all = GatherRanges(r, ps.weight.ptr + RangeStart(n) * width, n, width);
     backend_->FromHost(*r.stat, ps.weight.ptr, all.data(), n * width);
   }
   ++r.events["dp_weight_gathers"];
