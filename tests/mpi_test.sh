@@ -3,7 +3,7 @@
 # the single-process emulation of the same plan (docs/runtime.md, "One
 # process per rank"), and what happens when the launch is wrong or a rank is
 # lost. Skips (77) without mpirun or without MPI in memplan.
-# Usage: mpi_test.sh MEMPLAN [pipeline|data-parallel|optimizers|faults] (default: all).
+# Usage: mpi_test.sh MEMPLAN [pipeline|data-parallel|optimizers|expert-parallel|faults] (default: all).
 set -u
 memplan="$1"
 section="${2:-all}"
@@ -144,29 +144,33 @@ for sub in ["weights", "grads", "updated", "batch"]:
         files += 1
 assert files > 50, files
 PY
-data_parallel() {  # name model.json zero [python edits]
-  local name=$1 file=$2 zero=$3 edits=${4:-pass}
-  model "$file" "$tmp/$name.one.json" "m.pop('budget', None); $edits; m['train']['microbatches'] *= 2"
-  model "$file" "$tmp/$name.dp.json" "m.pop('budget', None); $edits; m['parallel']['dp'] = 2; m['parallel']['zero'] = $zero"
+data_parallel() {  # name model.json zero [python edits] [dp] [ep]
+  local name=$1 file=$2 zero=$3 edits=${4:-pass} dp=${5:-2} ep=${6:-1}
+  model "$file" "$tmp/$name.one.json" \
+    "m.pop('budget', None); $edits; m['train']['microbatches'] *= $dp; m['parallel'].update(dp=1, ep=1)"
+  model "$file" "$tmp/$name.dp.json" \
+    "m.pop('budget', None); $edits; m['parallel'].update(dp=$dp, ep=$ep, zero=$zero)"
+  local n=$((2 * dp))
   "$memplan" plan "$tmp/$name.one.json" -o "$tmp/$name.one.plan.json" -q 2>/dev/null &&
     "$memplan" plan "$tmp/$name.dp.json" -o "$tmp/$name.dp.plan.json" -q 2>/dev/null || { bad "$name: plan failed"; return; }
   "$memplan" run "$tmp/$name.one.plan.json" -q -o "$tmp/$name.one.m.json" --dump "$tmp/$name.one.d" ||
     { bad "$name: single-process run failed"; return; }
   # Not quiet: rank 0 prints the table, a row per (pp, dp) rank.
-  if ! timeout 60 "${mpi[@]}" -np 4 "$memplan" run "$tmp/$name.dp.plan.json" -o "$tmp/$name.dp.m.json" \
+  if ! timeout 60 "${mpi[@]}" -np $n "$memplan" run "$tmp/$name.dp.plan.json" -o "$tmp/$name.dp.m.json" \
       --dump "$tmp/$name.dp.d" >"$tmp/out" 2>"$tmp/err"; then
-    bad "$name: mpirun -np 4 failed: $(head -3 "$tmp/err")"
+    bad "$name: mpirun -np $n failed: $(head -3 "$tmp/err")"
     return
   fi
-  [ "$(grep -cE "^ +[01] +[01] " "$tmp/out")" -eq 4 ] && grep -q "dp_rank" "$tmp/out" && ok || bad "$name: table: $(cat "$tmp/out")"
-  python3 - "$tmp/$name.one.m.json" "$tmp/$name.dp.m.json" "$tmp/$name.dp.plan.json" <<'PY' \
+  [ "$(grep -cE "^ +[01] +[0-9] " "$tmp/out")" -eq $n ] && grep -q "dp_rank" "$tmp/out" && ok || bad "$name: table: $(cat "$tmp/out")"
+  python3 - "$tmp/$name.one.m.json" "$tmp/$name.dp.m.json" "$tmp/$name.dp.plan.json" $dp $ep <<'PY' \
     && ok || bad "$name: the data-parallel step differs"
 import json, sys
 one, dp, plan = (json.load(open(f)) for f in sys.argv[1:4])
+replicas, ep = int(sys.argv[4]), int(sys.argv[5])
 assert one["loss"] == dp["loss"], (one["loss"], dp["loss"])
 assert abs(one["grad_norm"] - dp["grad_norm"]) <= 1e-6 * one["grad_norm"], (one["grad_norm"], dp["grad_norm"])
-coords = [(r["pp_rank"], r["dp_rank"]) for r in dp["ranks"]]
-assert coords == [(0, 0), (0, 1), (1, 0), (1, 1)], coords
+coords = [(r["pp_rank"], r["dp_rank"], r.get("ep_rank", 0)) for r in dp["ranks"]]
+assert coords == [(p, d, d % ep) for p in range(2) for d in range(replicas)], coords
 for r in dp["ranks"]:
     p = plan["ranks"][r["pp_rank"]]
     assert r["static"] == p["static"]["total"] and r["peak"] == p["peak"], (r, p["static"])
@@ -228,12 +232,58 @@ PY
 # One process cannot run data-parallel replicas.
 "$memplan" run "$tmp/llama-zero1.dp.plan.json" -q >"$tmp/out" 2>"$tmp/err"
 rc=$?
-[ "$rc" -eq 2 ] && grep -q "data-parallel replicas run one process per rank (mpirun -np 4" "$tmp/err" \
+[ "$rc" -eq 2 ] && grep -q "/model/parallel/dp is 2: data- and expert-parallel ranks run one process per rank (mpirun -np 4" "$tmp/err" \
   && ok || bad "dp 2 in one process: exit $rc: $(cat "$tmp/err")"
 fi
 
+if want expert-parallel; then
+# 3. Expert parallelism, carved out of data parallelism: the routed experts
+#    divided over EP ranks, tokens dispatched to them and combined back by
+#    all-to-all (again when backward rebuilds the dispatch), their gradients
+#    reduced over the replicas that hold the same experts. Against one
+#    process with dp = ep = 1 and the same global batch; capacity_factor 2
+#    (= ep) so that no rank can receive more rows than its capacity.
+cap="m['arch']['moe']['capacity_factor'] = 2.0"
+# The K3 memory design on 8 processes, the bundled tiny-k3-ep (pp 2 x dp 4,
+# ep 2 inside dp): pipeline ZeRO-2 with host gradients, Muon with P2P
+# gathers, remote offloads.
+data_parallel k3-ep2 "$root/examples/models/tiny-k3-ep.json" 1 pass 4 2
+python3 - "$tmp/k3-ep2.dp.m.json" "$tmp/k3-ep2.dp.plan.json" <<'PY' && ok || bad "k3-ep2 did not run as planned"
+import json, sys
+m, p = (json.load(open(f)) for f in sys.argv[1:])
+assert len(m["ranks"]) == 8
+for r in m["ranks"]:
+    s = p["ranks"][r["pp_rank"]]
+    assert s["static"]["grads"] == 0 and s["host"] > 0, s
+    e = r["events"]
+    assert e["grad_passes_reduced"] == 8 and e["muon_p2p_gathers"] == 2 and e["expert_exchanges"] > 0, e
+assert sum(r["events"].get("remote_puts", 0) for r in m["ranks"]) > 0
+PY
+# bf16 with recomputed and FP8 routed tensors, ZeRO-0 (all-reduce) and an
+# expert group of one replica (dp = ep).
+data_parallel moe-ep2-bf16 "$root/examples/models/tiny-moe.json" 0 \
+  "$cap; m['policies'] = [{'match': '*.moe.fc1_out', 'policy': 'recompute'}, {'match': '*.moe.fc2_out', 'policy': 'fp8'}]" 2 2
+# Past capacity (capacity_factor 1): rows are dropped, said, and the memory
+# is still the plan's to the byte.
+model "$root/examples/models/tiny-moe.json" "$tmp/drop.json" "m['parallel'].update(pp=1, dp=2, ep=2)"
+"$memplan" plan "$tmp/drop.json" -o "$tmp/drop.plan.json" -q
+timeout 60 "${mpi[@]}" -np 2 "$memplan" run "$tmp/drop.plan.json" -q -o "$tmp/drop.m.json" 2>"$tmp/err" \
+  && grep -q "dropped [0-9]* routed rows past its capacity" "$tmp/err" \
+  && "$memplan" check "$tmp/drop.plan.json" "$tmp/drop.m.json" --tolerance 0 >/dev/null \
+  && ok || bad "EP past capacity: $(cat "$tmp/err")"
+# One process cannot run expert-parallel ranks; mpirun needs pp x dp ranks.
+"$memplan" run "$tmp/drop.plan.json" -q >"$tmp/out" 2>"$tmp/err"
+rc=$?
+[ "$rc" -eq 2 ] && grep -q "/model/parallel/ep is 2: data- and expert-parallel ranks run one process per rank (mpirun -np 2" "$tmp/err" \
+  && ok || bad "ep 2 in one process: exit $rc: $(cat "$tmp/err")"
+"${mpi[@]}" -np 4 "$memplan" run "$tmp/drop.plan.json" -q >"$tmp/out" 2>"$tmp/err"
+rc=$?
+[ "$rc" -eq 2 ] && grep -q "launched as 4 processes, the plan's grid has 2 ranks (pp 1 x dp 2, ep 2 inside dp)" "$tmp/err" \
+  && ok || bad "ep: -np 4: exit $rc: $(cat "$tmp/err")"
+fi
+
 if want faults; then
-# 3. The wrong number of processes: one line from rank 0 naming both
+# 4. The wrong number of processes: one line from rank 0 naming both
 #    numbers, exit 2 everywhere, nothing written.
 "${mpi[@]}" -np 3 "$memplan" run "$tmp/llama.plan.json" -q -o "$tmp/never.json" >"$tmp/out" 2>"$tmp/err"
 rc=$?
@@ -242,14 +292,14 @@ rc=$?
   && ok || bad "-np 3: $(cat "$tmp/err")"
 [ ! -e "$tmp/never.json" ] && ok || bad "-np 3 wrote MEASURED.json"
 
-# 4. Ranks given different plans are refused before any step.
+# 5. Ranks given different plans are refused before any step.
 "$memplan" plan "$root/examples/models/tiny-gpt.json" -o "$tmp/gpt.plan.json" -q
 "${mpi[@]}" -np 1 "$memplan" run "$tmp/llama.plan.json" -q : -np 1 "$memplan" run "$tmp/gpt.plan.json" -q \
   >"$tmp/out" 2>"$tmp/err"
 rc=$?
 [ "$rc" -eq 2 ] && grep -q "rank 1 runs a different plan" "$tmp/err" && ok || bad "different plans: exit $rc: $(cat "$tmp/err")"
 
-# 5. A rank that cannot read its plan: said once, naming the rank.
+# 6. A rank that cannot read its plan: said once, naming the rank.
 "${mpi[@]}" -np 1 "$memplan" run "$tmp/llama.plan.json" -q : -np 1 "$memplan" run "$tmp/nowhere.json" -q \
   >"$tmp/out" 2>"$tmp/err"
 rc=$?
@@ -308,13 +358,13 @@ interrupt_rank() {  # what signal pattern
   [ "$(orphans)" -eq 0 ] && ok || bad "$what: processes left behind"
 }
 
-# 6. A rank killed mid-step: mpirun ends the job, naming the lost rank.
+# 7. A rank killed mid-step: mpirun ends the job, naming the lost rank.
 interrupt_rank "killed rank" KILL "rank 1"
-# 7. A rank that stops answering: the other gives up after
+# 8. A rank that stops answering: the other gives up after
 #    MEMPLAN_COMM_TIMEOUT_S, naming it, and the job ends.
 MEMPLAN_COMM_TIMEOUT_S=2 interrupt_rank "stuck rank" STOP "rank 0: rank 0 waited [0-9]* s for rank 1"
 
-# 8. SIGINT to mpirun ends every rank.
+# 9. SIGINT to mpirun ends every rank.
 "${mpi[@]}" -np 2 "$memplan" run "$tmp/long.plan.json" -q >"$tmp/out" 2>"$tmp/err" &
 job=$!
 victim=$(wait_for_rank 1)

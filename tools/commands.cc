@@ -166,6 +166,8 @@ void PrintRunTable(const Json& plan_json, const traces::Measured& m) {
   const bool replicas = std::any_of(m.ranks.begin(), m.ranks.end(), [](const auto& r) { return r.dp_rank > 0; });
   std::vector<std::string> header{"pp_rank"};
   if (replicas) header.push_back("dp_rank");
+  const bool experts = std::any_of(m.ranks.begin(), m.ranks.end(), [](const auto& r) { return r.ep_rank > 0; });
+  if (experts) header.push_back("ep_rank");
   for (const char* h : {"static(MiB)", "lower_bd(MiB)", "alloc_peak(MiB)", "peak(MiB)", "meas_peak(MiB)", "diff(%)"}) {
     header.push_back(h);
   }
@@ -177,6 +179,7 @@ void PrintRunTable(const Json& plan_json, const traces::Measured& m) {
     int64_t lb = pr.value("lower_bound", int64_t{0}), peak = pr.value("peak", int64_t{0});
     std::vector<std::string> row{std::to_string(mr.pp_rank)};
     if (replicas) row.push_back(std::to_string(mr.dp_rank));
+    if (experts) row.push_back(std::to_string(mr.ep_rank));
     std::vector<std::string> cells{FormatFixed(static_cast<double>(mr.static_bytes) / mib, 3),
               FormatFixed(static_cast<double>(lb) / mib, 3), FormatFixed(static_cast<double>(mr.allocated_peak) / mib, 3),
               FormatFixed(static_cast<double>(peak) / mib, 3), FormatFixed(static_cast<double>(mr.peak) / mib, 3),

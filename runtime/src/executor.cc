@@ -219,11 +219,13 @@ Expected<std::monostate> Executor::AgreeAcrossRanks(const Expected<std::monostat
     }
   }
   const auto& par = model_.parallel;
-  const int64_t grid = par.pp * par.dp * par.ep * par.tp * par.cp;
+  // EP is carved out of data parallelism (docs/design.md): it adds no ranks.
+  const int64_t grid = par.pp * par.dp * par.tp * par.cp;
   if (comm.size() != grid) {
     return BadInput(options_.plan_file + ": launched as " + std::to_string(comm.size()) +
                     " processes, the plan's grid has " + std::to_string(grid) + " ranks (pp " + std::to_string(par.pp) +
-                    " x dp " + std::to_string(par.dp) + " x ep " + std::to_string(par.ep) +
+                    " x dp " + std::to_string(par.dp) +
+                    (par.ep > 1 ? ", ep " + std::to_string(par.ep) + " inside dp" : std::string()) +
                     "): run mpirun -np " + std::to_string(grid));
   }
   return CheckTags();
@@ -239,6 +241,13 @@ Expected<RunResult> Executor::Run() {
   pp_rank_ = static_cast<int32_t>(options_.comm->rank() / model_.parallel.dp);
   dp_rank_ = options_.comm->rank() % model_.parallel.dp;
   dp_comm_ = options_.comm->Split(pp_rank_, static_cast<int>(dp_rank_));
+  // Expert parallelism: EP groups are runs of ep consecutive replicas; the
+  // replicas at the same place in each hold the same experts.
+  const int64_t ep = model_.parallel.ep;
+  ep_comm_ = dp_comm_->Split(static_cast<int>(dp_rank_ / ep), static_cast<int>(dp_rank_ % ep));
+  edp_comm_ = dp_comm_->Split(static_cast<int>(dp_rank_ % ep), static_cast<int>(dp_rank_ / ep));
+  dense_group_ = {model_.parallel.dp, dp_rank_, dp_comm_.get()};
+  expert_group_ = {model_.parallel.dp / ep, dp_rank_ / ep, edp_comm_.get()};
   // From here a rank that fails fails alone: it says why and ends them all.
   try {
     auto result = RunHere();

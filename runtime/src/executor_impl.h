@@ -126,6 +126,7 @@ struct ParamState {
   float* Master() const { return master.empty() ? weight.as<float>() : master.as<float>(); }
   bool tied_head = false;  // stores the embedding matrix; logits = x * E^T
   bool muon = false;       // Muon (m: momentum; no v), else AdamW (m, v)
+  bool expert = false;     // a routed expert: this EP rank's experts, reduced over the expert data-parallel group
 };
 
 // Muon (docs/runtime.md, "Optimizer"): Moonlight's recipe. Momentum 0.95
@@ -138,6 +139,16 @@ inline constexpr float kMuonNsA = 3.4445f, kMuonNsB = -4.7750f, kMuonNsC = 2.031
 inline constexpr int kMuonNsSteps = 5;
 inline constexpr double kMuonNormEps = 1e-7;
 inline constexpr double kMuonRmsScale = 0.2;
+
+// One layer and microbatch's routing (op_impls.cc, experts.cc): the grouped
+// GEMMs' rows per local expert, and under expert parallelism how this
+// rank's routed rows were exchanged (docs/runtime.md, "Expert parallelism").
+struct Routing {
+  std::vector<int64_t> offsets;  // local experts + 1: each expert's first row in the grouped GEMMs' input
+  // ep > 1 only.
+  std::vector<int64_t> token_offsets;   // experts + 1: this rank's routed rows by (global) expert, as dispatched
+  std::vector<int64_t> received, kept;  // [ep rank s * local experts + e]: rows s sent for e; those within capacity
+};
 
 // A copy in flight, for the trace.
 struct CopySpan {
@@ -160,7 +171,8 @@ struct Rank {
   std::map<std::string, Buffer> static_buffers;  // every static.buffer_detail entry of the plan, by name
   std::vector<ParamState> params;
   std::unordered_map<std::string, size_t> param_index;
-  std::map<std::pair<int64_t, int32_t>, std::vector<int64_t>> routing;  // (layer, mb) -> expert offsets (host)
+  std::map<std::pair<int64_t, int32_t>, Routing> routing;  // (layer, mb) -> its routing (host)
+  int64_t dropped_rows = 0;  // expert parallelism: routed rows past an expert rank's capacity
   std::vector<std::vector<int32_t>> produced_at;  // step -> instances produced there
   size_t block = 0;
   int64_t next_step = 0;
@@ -228,18 +240,34 @@ class Executor {
   int32_t GlobalMicrobatch(int32_t mb) const {
     return static_cast<int32_t>(dp_rank_ * model_.train.microbatches + mb);
   }
-  // Data parallelism (ZeRO-1): the elements of a parameter of `n` this
-  // replica's optimizer owns, [RangeStart, + Owned).
-  int64_t Shard(int64_t n) const { return (n + model_.parallel.dp - 1) / model_.parallel.dp; }
-  int64_t Owned(int64_t n) const { return std::clamp<int64_t>(n - RangeStart(n), 0, Shard(n)); }
-  int64_t RangeStart(int64_t n) const { return Shard(n) * dp_rank_; }
-  // Across the replicas, staged through the host as every message is
-  // (training.cc): this replica's range of the sum of every replica's `n`
-  // floats at `grad` (Shard(n) floats; dp 1: the gradient itself); and
-  // every replica's range of `n` elements of `width` bytes (this one's at
-  // `mine`) in order, the whole in the first n * width bytes.
-  std::vector<float> ReduceScatterRange(Rank& r, const std::byte* grad, int64_t n);
-  std::vector<std::byte> GatherRanges(Rank& r, const void* mine, int64_t n, int64_t width);
+  // The data-parallel group a parameter's gradient is reduced over and its
+  // optimizer state divided across (docs/runtime.md, "Expert
+  // parallelism"): the dp replicas of its pipeline rank, or for routed
+  // experts the dp / ep replicas that hold the same experts. EP is carved
+  // out of DP: data-parallel rank d is EP rank d % ep of EP group d / ep.
+  struct DpGroup {
+    int64_t size = 1, rank = 0;
+    Communicator* comm = nullptr;  // null: one process
+  };
+  const DpGroup& GroupOf(const ParamState& ps) const { return ps.expert ? expert_group_ : dense_group_; }
+  int64_t EpRank() const { return dp_rank_ % model_.parallel.ep; }
+  // ZeRO-1: the elements of a parameter this replica's optimizer owns,
+  // [RangeStart, + Owned), Shard each in its group.
+  int64_t Shard(const ParamState& ps) const { return (ps.elements + GroupOf(ps).size - 1) / GroupOf(ps).size; }
+  int64_t Owned(const ParamState& ps) const {
+    return std::clamp<int64_t>(ps.elements - RangeStart(ps), 0, Shard(ps));
+  }
+  int64_t RangeStart(const ParamState& ps) const { return Shard(ps) * GroupOf(ps).rank; }
+  // Across the parameter's group, staged through the host as every message
+  // is (training.cc): this replica's range of the sum of every replica's
+  // gradient at `grad` (Shard floats; a group of one: the gradient itself);
+  // and every replica's range of `width`-byte elements (this one's at
+  // `mine`) in order, the whole in the first elements * width bytes.
+  std::vector<float> ReduceScatterRange(Rank& r, const ParamState& ps, const std::byte* grad);
+  std::vector<std::byte> GatherRanges(Rank& r, const ParamState& ps, const void* mine, int64_t width);
+  // Expert parallelism: the all-to-all of this rank's EP group (out[d] to
+  // EP rank d; what each sent this rank, in rank order).
+  std::vector<std::vector<std::byte>> ExchangeExperts(std::vector<std::vector<std::byte>> out);
   // The tokens of the step's global batch (every replica's), the loss's divisor.
   double GlobalTokens() const {
     return static_cast<double>(model_.train.microbatches * model_.parallel.dp * model_.train.micro_batch *
@@ -255,7 +283,7 @@ class Executor {
   // This replica's reduced gradient at element `from` of the parameter
   // (inside its range under ZeRO-1 / pipeline ZeRO-2).
   float* OwnGrad(const ParamState& ps, int64_t from) const {
-    return PipelineZero2() ? ps.part.as<float>() + (from - RangeStart(ps.elements)) : ps.grad.as<float>() + from;
+    return PipelineZero2() ? ps.part.as<float>() + (from - RangeStart(ps)) : ps.grad.as<float>() + from;
   }
   // Pipeline ZeRO-2 (training.cc): at the first backward step of a chunk's
   // pass its parameters' gradients are bound to one half of the double
@@ -409,7 +437,8 @@ class Executor {
   // group (the replicas of its pipeline rank).
   int32_t pp_rank_ = -1;
   int64_t dp_rank_ = 0;
-  std::unique_ptr<Communicator> dp_comm_;
+  std::unique_ptr<Communicator> dp_comm_, ep_comm_, edp_comm_;  // data-parallel, EP, expert data-parallel
+  DpGroup dense_group_, expert_group_;
   int64_t context_bytes_ = 0;
   double compute_s_ = 0;  // the forwards and backwards of the step
   int64_t cupti_epoch_ns_ = 0;               // CUPTI's clock at t0_

@@ -2,6 +2,8 @@
 // TRACE.json (executor_impl.h).
 #include "executor_impl.h"
 
+#include "memplan/common/table.h"
+
 namespace memplan::runtime::exec {
 
 Expected<std::monostate> Executor::Dump(DumpWhat what) {
@@ -21,10 +23,16 @@ Expected<std::monostate> Executor::Dump(DumpWhat what) {
       if (Zero1() && (grads || !ps.master.empty())) {
         // ZeRO-1: the reduced gradient and the master are ranges, gathered
         // for the dump (every replica takes part; replica 0 writes).
-        std::vector<std::byte> all = GatherRanges(*r, grads ? OwnGrad(ps, RangeStart(n)) : from.as<float>(), n, 4);
+        std::vector<std::byte> all = GatherRanges(*r, ps, grads ? OwnGrad(ps, RangeStart(ps)) : from.as<float>(), 4);
         std::memcpy(v.data(), all.data(), static_cast<size_t>(n * 4));
       } else {
         backend_->ToHost(*r->stat, v.data(), grads ? OwnGrad(ps, 0) : from.as<float>(), n * 4);
+      }
+      if (ps.expert && model_.parallel.ep > 1) {
+        // Every EP rank's experts, in order: the whole tensor.
+        std::vector<float> whole(static_cast<size_t>(n * model_.parallel.ep));
+        ep_comm_->AllGatherBlocks(v.data(), whole.data(), n * 4);
+        v = std::move(whole);
       }
       if (dp_rank_ != 0) continue;  // the replicas hold the same step
       auto st = WriteNpy((dir / sub / (ps.spec->name + ".npy")).string(), v.data(), ps.shape);
@@ -63,6 +71,7 @@ Expected<RunResult> Executor::Finish(double grad_norm, double step_s) {
     traces::MeasuredRank mr;
     mr.pp_rank = r->index;
     mr.dp_rank = dp_rank_;
+    mr.ep_rank = EpRank();
     mr.static_bytes = r->static_bytes;
     mr.allocated_peak = r->static_bytes + r->dev->allocated_peak();
     mr.peak = r->static_bytes + r->dev->high_water();
@@ -115,6 +124,13 @@ Expected<RunResult> Executor::Finish(double grad_norm, double step_s) {
   if (options_.trace) {
     for (auto& r : ranks_) trace_.AddRank(r->index);
     out.trace = trace_.ToJson();
+  }
+  for (auto& r : ranks_) {
+    if (r->dropped_rows == 0) continue;
+    warnings_.push_back("EP rank " + std::to_string(EpRank()) + " of pp rank " + std::to_string(r->index) + " dropped " +
+                        std::to_string(r->dropped_rows) +
+                        " routed rows past its capacity (/model/arch/moe/capacity_factor " +
+                        FormatFixed(model_.arch.moe->capacity_factor, 2) + "): their expert outputs are zero");
   }
   out.warnings = warnings_;
   if (options_.comm) GatherRanks(out);

@@ -130,4 +130,22 @@ std::vector<double> Executor::GatherDoubles(double mine) {
   return out;
 }
 
+std::vector<std::vector<std::byte>> Executor::ExchangeExperts(std::vector<std::vector<std::byte>> out) {
+  // Every EP rank of the group calls it at the same op of the same step
+  // (one plan, one program): one tag keeps the exchanges in order.
+  MEMPLAN_CHECK(ep_comm_ != nullptr && static_cast<int>(out.size()) == ep_comm_->size(),
+                "an expert exchange outside an EP group");
+  const int me = ep_comm_->rank();
+  ++ranks_.front()->events["expert_exchanges"];  // one rank per process
+  std::vector<std::vector<std::byte>> in(out.size());
+  for (int d = 0; d < ep_comm_->size(); ++d) {
+    if (d != me) ep_comm_->Send(d, 0, std::move(out[static_cast<size_t>(d)]));
+  }
+  in[static_cast<size_t>(me)] = std::move(out[static_cast<size_t>(me)]);
+  for (int s = 0; s < ep_comm_->size(); ++s) {
+    if (s != me) in[static_cast<size_t>(s)] = ep_comm_->Recv(s, 0);
+  }
+  return in;
+}
+
 }  // namespace memplan::runtime::exec

@@ -84,7 +84,6 @@ void Executor::MuonStep(Rank& r, ParamState& ps, const kernels::AdamConfig& cfg)
 // process; GatherWeights then all-gathers the weights.
 void Executor::MuonStepsSharded(Rank& r, const kernels::AdamConfig& cfg) {
   kernels::Ops& k = *r.ops;
-  const int64_t dp = model_.parallel.dp;
   if (std::none_of(r.params.begin(), r.params.end(), [](const ParamState& ps) { return ps.muon; })) return;
   auto planned = r.static_buffers.find("muon_gather");
   MEMPLAN_CHECK(planned != r.static_buffers.end(), "Muon with ZeRO-1 and no gather buffer in the plan");
@@ -97,7 +96,7 @@ void Executor::MuonStepsSharded(Rank& r, const kernels::AdamConfig& cfg) {
       int64_t index;  // within the parameter
       int64_t rows, cols;
       int64_t at = 0;  // allgather: offset in the buffer; p2p: in each half
-      int owner = 0;
+      int owner = 0;  // in the parameter's group (GroupOf)
     };
     std::vector<Matrix> mats;
     std::vector<ParamState*> params;
@@ -113,18 +112,17 @@ void Executor::MuonStepsSharded(Rank& r, const kernels::AdamConfig& cfg) {
     }
     // Nesterov on this replica's range, X's range in place of the gradient's.
     for (ParamState* ps : params) {
-      const int64_t lo = RangeStart(ps->elements);
-      float* g = OwnGrad(*ps, lo);
-      k.Axpby(ps->m.as<float>(), g, Owned(ps->elements), kMuonMomentum, 1.f, ps->m.as<float>());
-      k.Axpby(g, ps->m.as<float>(), Owned(ps->elements), 1.f, kMuonMomentum, g);
+      float* g = OwnGrad(*ps, RangeStart(*ps));
+      k.Axpby(ps->m.as<float>(), g, Owned(*ps), kMuonMomentum, 1.f, ps->m.as<float>());
+      k.Axpby(g, ps->m.as<float>(), Owned(*ps), 1.f, kMuonMomentum, g);
     }
     backend_->Finish(*r.dev);
     // The update of matrix `mt` (rows x cols at `u`, device) on this
     // replica's range of its weight.
     auto apply = [&](const Matrix& mt, const float* u) {
       ParamState& ps = *mt.ps;
-      const int64_t n = mt.rows * mt.cols, lo = RangeStart(ps.elements);
-      const int64_t from = std::max(lo, mt.index * n), to = std::min(lo + Owned(ps.elements), (mt.index + 1) * n);
+      const int64_t n = mt.rows * mt.cols, lo = RangeStart(ps);
+      const int64_t from = std::max(lo, mt.index * n), to = std::min(lo + Owned(ps), (mt.index + 1) * n);
       if (from >= to) return;
       float* w = ps.master.empty() ? ps.weight.as<float>() + from : ps.master.as<float>() + (from - lo);
       k.Axpby(w, u + (from - mt.index * n), to - from, 1.f - cfg.lr * cfg.weight_decay,
@@ -135,7 +133,7 @@ void Executor::MuonStepsSharded(Rank& r, const kernels::AdamConfig& cfg) {
       std::map<ParamState*, int64_t> where;
       for (ParamState* ps : params) {
         const int64_t n = ps->elements;
-        std::vector<std::byte> all = GatherRanges(r, OwnGrad(*ps, RangeStart(n)), n, 4);
+        std::vector<std::byte> all = GatherRanges(r, *ps, OwnGrad(*ps, RangeStart(*ps)), 4);
         MEMPLAN_CHECK((at + n) * 4 <= gather.bytes, "Muon's gather exceeds the plan's buffer");
         backend_->FromHost(*r.stat, gather.as<float>() + at, all.data(), n * 4);
         where[ps] = at;
@@ -160,10 +158,14 @@ void Executor::MuonStepsSharded(Rank& r, const kernels::AdamConfig& cfg) {
       }
       std::stable_sort(order.begin(), order.end(),
                        [](const Matrix* a, const Matrix* b) { return a->rows * a->cols > b->rows * b->cols; });
-      for (size_t j = 0; j < order.size(); ++j) order[j]->owner = static_cast<int>(j % static_cast<size_t>(dp));
+      for (size_t j = 0; j < order.size(); ++j) {
+        order[j]->owner = static_cast<int>(j % static_cast<size_t>(GroupOf(*order[j]->ps).size));
+      }
     }
+    // Whether this replica owns `mt`.
+    auto mine = [&](const Matrix& mt) { return mt.owner == GroupOf(*mt.ps).rank; };
     for (Matrix& mt : mats) {
-      if (mt.owner != dp_rank_) continue;
+      if (!mine(mt)) continue;
       mt.at = owned_elements;
       owned_elements += mt.rows * mt.cols;
     }
@@ -172,34 +174,36 @@ void Executor::MuonStepsSharded(Rank& r, const kernels::AdamConfig& cfg) {
     float* result = assembled + owned_elements;
     // This replica's part [from, to) of matrix `mt`, in the parameter's elements.
     auto part = [&](const Matrix& mt, int64_t replica) {
-      const int64_t n = mt.rows * mt.cols, kk = Shard(mt.ps->elements);
+      const int64_t n = mt.rows * mt.cols, kk = Shard(*mt.ps);
       const int64_t lo = kk * replica, hi = std::min(mt.ps->elements, lo + kk);
       return std::pair<int64_t, int64_t>{std::max(lo, mt.index * n), std::min(hi, (mt.index + 1) * n)};
     };
     // 1. Every part to its matrix's owner (sends never block).
     for (size_t j = 0; j < mats.size(); ++j) {
       const Matrix& mt = mats[j];
-      auto [from, to] = part(mt, dp_rank_);
+      const DpGroup& group = GroupOf(*mt.ps);
+      auto [from, to] = part(mt, group.rank);
       std::vector<std::byte> bytes(static_cast<size_t>(std::max<int64_t>(0, to - from) * 4));
       if (from < to) backend_->ToHost(*r.stat, bytes.data(), OwnGrad(*mt.ps, from), (to - from) * 4);
-      if (mt.owner == dp_rank_) {
+      if (mine(mt)) {
         if (from < to) {
           backend_->FromHost(*r.stat, assembled + mt.at + (from - mt.index * mt.rows * mt.cols), bytes.data(),
                              (to - from) * 4);
         }
       } else {
-        dp_comm_->Send(mt.owner, static_cast<int>(j), std::move(bytes));
+        group.comm->Send(mt.owner, static_cast<int>(j), std::move(bytes));
       }
     }
     // 2. The owner assembles, orthogonalizes and sends each part back.
     for (size_t j = 0; j < mats.size(); ++j) {
       const Matrix& mt = mats[j];
-      if (mt.owner != dp_rank_) continue;
+      if (!mine(mt)) continue;
+      const DpGroup& group = GroupOf(*mt.ps);
       const int64_t n = mt.rows * mt.cols;
-      for (int64_t q = 0; q < dp; ++q) {
-        if (q == dp_rank_) continue;
+      for (int64_t q = 0; q < group.size; ++q) {
+        if (q == group.rank) continue;
         auto [from, to] = part(mt, q);
-        std::vector<std::byte> bytes = dp_comm_->Recv(static_cast<int>(q), static_cast<int>(j));
+        std::vector<std::byte> bytes = group.comm->Recv(static_cast<int>(q), static_cast<int>(j));
         MEMPLAN_CHECK(static_cast<int64_t>(bytes.size()) == std::max<int64_t>(0, to - from) * 4, "a Muon part has the wrong size");
         if (from < to) backend_->FromHost(*r.stat, assembled + mt.at + (from - mt.index * n), bytes.data(), (to - from) * 4);
       }
@@ -207,21 +211,22 @@ void Executor::MuonStepsSharded(Rank& r, const kernels::AdamConfig& cfg) {
       Orthogonalize(r, mt.rows, mt.cols);
       k.Copy(reinterpret_cast<std::byte*>(result + mt.at), reinterpret_cast<const std::byte*>(x), n * 4);
       backend_->Finish(*r.dev);
-      for (int64_t q = 0; q < dp; ++q) {
-        if (q == dp_rank_) continue;
+      for (int64_t q = 0; q < group.size; ++q) {
+        if (q == group.rank) continue;
         auto [from, to] = part(mt, q);
         std::vector<std::byte> bytes(static_cast<size_t>(std::max<int64_t>(0, to - from) * 4));
         if (from < to) backend_->ToHost(*r.stat, bytes.data(), result + mt.at + (from - mt.index * n), (to - from) * 4);
-        dp_comm_->Send(static_cast<int>(q), static_cast<int>(mats.size() + j), std::move(bytes));
+        group.comm->Send(static_cast<int>(q), static_cast<int>(mats.size() + j), std::move(bytes));
       }
       apply(mt, result + mt.at);
     }
     // 3. The other matrices' updates, each from its owner.
     for (size_t j = 0; j < mats.size(); ++j) {
       const Matrix& mt = mats[j];
-      if (mt.owner == dp_rank_) continue;
-      auto [from, to] = part(mt, dp_rank_);
-      std::vector<std::byte> bytes = dp_comm_->Recv(mt.owner, static_cast<int>(mats.size() + j));
+      if (mine(mt)) continue;
+      const DpGroup& group = GroupOf(*mt.ps);
+      auto [from, to] = part(mt, group.rank);
+      std::vector<std::byte> bytes = group.comm->Recv(mt.owner, static_cast<int>(mats.size() + j));
       if (from >= to) continue;
       // Into the X scratch at the part's place in the matrix, then applied.
       const int64_t n = mt.rows * mt.cols;

@@ -69,7 +69,17 @@ class ExecOpContext final : public OpContext {
     }
     staged_.clear();
   }
-  std::vector<int64_t>& Routing() override { return r_.routing[{blk_.layer, mb_}]; }
+  exec::Routing& Routing() override { return r_.routing[{blk_.layer, mb_}]; }
+  int ep_size() const override { return static_cast<int>(e_.model_.parallel.ep); }
+  int ep_rank() const override { return static_cast<int>(e_.dp_rank_ % e_.model_.parallel.ep); }
+  std::vector<std::vector<std::byte>> ExchangeExperts(std::vector<std::vector<std::byte>> out) override {
+    return e_.ExchangeExperts(std::move(out));
+  }
+  void NoteDropped(int64_t rows) override { r_.dropped_rows += rows; }
+  void ToHost(void* dst, const void* src, int64_t bytes) override { e_.backend_->ToHost(*r_.dev, dst, src, bytes); }
+  void FromHost(void* dst, const void* src, int64_t bytes) override {
+    e_.backend_->FromHost(*r_.dev, dst, src, bytes);
+  }
   void AddLosses(const Buffer& losses, int64_t tokens) override {
     std::vector<float> host(static_cast<size_t>(tokens));
     e_.backend_->ToHost(*r_.dev, host.data(), losses.ptr, tokens * 4);

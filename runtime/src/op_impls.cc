@@ -1,5 +1,7 @@
 #include "op_impls.h"
 
+#include "experts.h"
+
 #include <array>
 #include <cmath>
 
@@ -329,10 +331,26 @@ void TopKBwd(OpContext& c) {
   c.FinishInputGrad(0);
 }
 
+// Expert parallelism (experts.h): the routed rows of the dispatch's output
+// and of the combine's input live on the expert side between the two.
+bool ExpertParallel(OpContext& c) { return c.ep_size() > 1; }
+int64_t LocalExperts(OpContext& c) { return A(c).moe->experts / c.ep_size(); }
+// Whether this grouped GEMM's output is the combine's input (the experts'
+// last GEMM): under EP its rows go back to the token side.
+bool FeedsCombine(OpContext& c) {
+  for (const auto& o : c.graph().ops) {
+    if (o.op == OpKind::kCombine && o.inputs[0] == c.op().outputs[0]) return true;
+  }
+  return false;
+}
+
 void DispatchFwd(OpContext& c) {
   Dims2 d = RowsCols(c.InSpec(0));
   const auto& moe = *A(c).moe;
-  auto& offsets = c.Routing();
+  Routing& rt = c.Routing();
+  // Under EP the plan's offsets are this rank's rows by global expert; the
+  // exchange makes the local experts' (experts.cc).
+  auto& offsets = ExpertParallel(c) ? rt.token_offsets : rt.offsets;
   offsets.assign(static_cast<size_t>(moe.experts + 1), 0);
   c.k().DispatchPlan(c.In(1).as<int32_t>(), d.rows, moe.top_k, moe.experts, c.Out(1).as<int32_t>(), offsets.data());
   Buffer xs = c.Out(0);
@@ -340,9 +358,11 @@ void DispatchFwd(OpContext& c) {
   // Rows past the routed ones (capacity the template reserves) are zero.
   const int64_t used = d.rows * moe.top_k * d.cols * 4;
   if (xs.bytes > used) c.k().Zero(xs.ptr + used, xs.bytes - used);
+  if (ExpertParallel(c)) DispatchToExperts(c, xs, d.cols);
 }
 void DispatchBwd(OpContext& c) {
   Dims2 d = RowsCols(c.InSpec(0));
+  if (ExpertParallel(c)) ToTokens(c, c.DOut(0), d.cols);
   c.k().DispatchBwd(c.DOut(0).as<float>(), c.Out(1).as<int32_t>(), d.rows, A(c).moe->top_k, d.cols,
                     c.InputGrad(0).as<float>());
   c.FinishInputGrad(0);
@@ -350,20 +370,22 @@ void DispatchBwd(OpContext& c) {
 
 // The expert offsets DispatchFwd wrote for this layer and microbatch.
 const std::vector<int64_t>& Offsets(OpContext& c) {
-  const auto& offsets = c.Routing();
+  const auto& offsets = c.Routing().offsets;
   MEMPLAN_CHECK(!offsets.empty(), "grouped GEMM before its layer's dispatch: no expert offsets");
   return offsets;
 }
 
 void GroupedGemmFwd(OpContext& c) {
   const ParamState& w = c.Param(0);
-  c.k().GroupedGemm(Offsets(c).data(), A(c).moe->experts, w.shape[1], w.shape[2], c.In(0).as<float>(),
+  c.k().GroupedGemm(Offsets(c).data(), LocalExperts(c), w.shape[1], w.shape[2], c.In(0).as<float>(),
                     w.weight.as<float>(), c.Out(0).as<float>(), nullptr);
+  if (ExpertParallel(c) && FeedsCombine(c)) ToTokens(c, c.Out(0), w.shape[2]);
 }
 void GroupedGemmBwd(OpContext& c) {
   const ParamState& w = c.Param(0);
   const auto& a = A(c);
-  c.k().GroupedGemmBwd(Offsets(c).data(), a.moe->experts, w.shape[1], w.shape[2], c.In(0).as<float>(),
+  if (ExpertParallel(c) && FeedsCombine(c)) ToExperts(c, c.DOut(0), w.shape[2]);
+  c.k().GroupedGemmBwd(Offsets(c).data(), LocalExperts(c), w.shape[1], w.shape[2], c.In(0).as<float>(),
                        w.weight.as<float>(), c.DOut(0).as<float>(), c.InputGrad(0).as<float>(), w.grad.as<float>(),
                        nullptr);
   c.FinishInputGrad(0);
@@ -377,6 +399,11 @@ void GroupedGemmBwd(OpContext& c) {
   const int32_t slot = c.Index(comb->inputs[2]);
   Dims2 o = RowsCols(c.Spec(comb->outputs[0]));
   Dims2 act = RowsCols(c.InSpec(0));
+  if (ExpertParallel(c)) {
+    RouterGradRewriteAcrossRanks(c, c.InputGrad(0), c.In(0), act.cols, c.Value(slot), c.Value(gates), o.rows,
+                                 c.Grad(gates));
+    return;
+  }
   c.k().RouterGradRewrite(c.InputGrad(0).as<float>(), c.In(0).as<float>(), c.Value(slot).as<int32_t>(),
                           c.Value(gates).as<float>(), o.rows, a.moe->top_k, act.cols, c.Grad(gates).as<float>());
 }

@@ -42,9 +42,20 @@ class OpContext {
   virtual Buffer Workspace() = 0;
   // The parameter bound to role `role` (OpSpec::params).
   virtual const ParamState& Param(size_t role) = 0;
-  // This layer and microbatch's expert offsets (dispatch writes them, the
-  // grouped GEMMs read them).
-  virtual std::vector<int64_t>& Routing() = 0;
+  // This layer and microbatch's routing (dispatch writes it, the grouped
+  // GEMMs and the combine read it).
+  virtual exec::Routing& Routing() = 0;
+  // Expert parallelism (experts.cc): the size of this rank's EP group (1:
+  // every routed expert is here) and its place in it; the all-to-all of
+  // the group (out[d] to rank d; returns what each rank sent this one, in
+  // rank order); routed rows dropped past this rank's capacity.
+  virtual int ep_size() const = 0;
+  virtual int ep_rank() const = 0;
+  virtual std::vector<std::vector<std::byte>> ExchangeExperts(std::vector<std::vector<std::byte>> out) = 0;
+  virtual void NoteDropped(int64_t rows) = 0;
+  // Device <-> host, in order with the ops (the exchange's staging).
+  virtual void ToHost(void* dst, const void* src, int64_t bytes) = 0;
+  virtual void FromHost(void* dst, const void* src, int64_t bytes) = 0;
   // Forward pass: per-token losses on the device, summed into the step loss.
   virtual void AddLosses(const Buffer& losses, int64_t tokens) = 0;
   // Whether this layer's AttnRes sources end with a running partial block.

@@ -37,18 +37,25 @@ Expected<std::monostate> Executor::Setup() {
   // each reason with its JSON path or op).
   std::vector<std::string> why;
   const auto& par = model_.parallel;
-  for (auto [name, v] : {std::pair<const char*, int64_t>{"tp", par.tp}, {"ep", par.ep}, {"cp", par.cp}}) {
+  for (auto [name, v] : {std::pair<const char*, int64_t>{"tp", par.tp}, {"cp", par.cp}}) {
     if (v > 1) {
       why.push_back("/model/parallel/" + std::string(name) + " is " + std::to_string(v) +
-                    ": the runtime executes pipeline and data-parallel ranks and cannot execute " + name +
-                    " > 1 yet");
+                    ": the runtime executes pipeline, data-parallel and expert-parallel ranks and cannot execute " +
+                    name + " > 1 yet");
     }
   }
-  // Data parallelism runs one process per rank: its reductions are real.
-  if (par.dp > 1 && !options_.comm) {
-    why.push_back("/model/parallel/dp is " + std::to_string(par.dp) +
-                  ": data-parallel replicas run one process per rank (mpirun -np " +
-                  std::to_string(par.pp * par.dp * par.ep * par.tp * par.cp) + " memplan run ...)");
+  // Data and expert parallelism run one process per rank: their
+  // reductions and exchanges are real.
+  for (auto [name, v] : {std::pair<const char*, int64_t>{"dp", par.dp}, {"ep", par.ep}}) {
+    if (v > 1 && !options_.comm) {
+      why.push_back("/model/parallel/" + std::string(name) + " is " + std::to_string(v) +
+                    ": data- and expert-parallel ranks run one process per rank (mpirun -np " +
+                    std::to_string(par.pp * par.dp * par.tp * par.cp) + " memplan run ...)");
+    }
+  }
+  if (model_.arch.moe && model_.arch.moe->capacity_factor < 1) {
+    why.push_back("/model/arch/moe/capacity_factor is below 1: the runtime drops routed tokens only past an "
+                  "expert rank's capacity, never a rank's own");
   }
   if (par.dp > 1 && par.zero >= 2 && !par.pipeline_zero2) {
     why.push_back("/model/parallel/zero: with dp > 1 the runtime executes ZeRO-0, ZeRO-1 and pipeline ZeRO-2 "

@@ -99,20 +99,21 @@ void Executor::InitParams(Rank& r) {
       ps.elements = n;
       ps.shape = spec.shape;
       ps.tied_head = spec.kind == planner::ParamKind::kHead && model_.arch.tied_embeddings;
+      ps.expert = spec.kind == planner::ParamKind::kExpert;
       if (ps.tied_head) ps.shape = {spec.shape[1], spec.shape[0]};
       int64_t bytes = n * 4;
       // ZeRO-1: the optimizer's state, and a bf16 parameter's fp32 master,
       // for this replica's shard alone.
-      const int64_t state = Zero1() ? Shard(n) * 4 : bytes;
+      const int64_t state = Zero1() ? Shard(ps) * 4 : bytes;
       if (!bf16) ps.weight = alloc(bytes);
       if (!PipelineZero2()) {
         ps.grad = alloc(n * planner::DTypeBytes(model_.train.grad_dtype));
       } else if (r.grad_host) {
-        auto h = r.grad_host->Allocate(Shard(n) * 4);
+        auto h = r.grad_host->Allocate(Shard(ps) * 4);
         if (!h.ok()) ThrowError(h.error().code, h.error().message);
         ps.part = *h;
       } else {
-        ps.part = alloc(Shard(n) * 4);
+        ps.part = alloc(Shard(ps) * 4);
       }
       int64_t opt = planner::OptimizerBytesPerParam(model_, spec);
       ps.muon = planner::UsesMuon(model_, spec);
@@ -135,10 +136,13 @@ void Executor::InitParams(Rank& r) {
         float a = 1.f / std::sqrt(static_cast<float>(fan_in));
         // A tied head starts as the embedding it shares.
         uint64_t id = Fnv1a(ps.tied_head ? G(0).params.front().name : name);
-        // Counter-based: any split over threads gives the same values.
+        // Counter-based: any split over threads gives the same values, and
+        // an EP rank's experts the values they have in the whole tensor.
+        const uint64_t base = static_cast<uint64_t>(ps.expert ? EpRank() * n : 0);
         auto fill = [&](int64_t lo, int64_t hi) {
           for (int64_t i = lo; i < hi; ++i) {
-            w[static_cast<size_t>(i)] = (2.f * kernels::Uniform01(options_.seed, id, static_cast<uint64_t>(i)) - 1.f) * a;
+            w[static_cast<size_t>(i)] =
+                (2.f * kernels::Uniform01(options_.seed, id, base + static_cast<uint64_t>(i)) - 1.f) * a;
           }
         };
         int64_t threads = n < (int64_t{1} << 20) ? 1 : std::max<int64_t>(1, std::thread::hardware_concurrency());
@@ -153,12 +157,12 @@ void Executor::InitParams(Rank& r) {
         backend_->FromHost(*r.stat, ps.weight.ptr, w.data(), bytes);
       } else {
         // The master holds this replica's shard (ZeRO-1) or all of it.
-        const int64_t from = Zero1() ? RangeStart(n) : 0, count = Zero1() ? Owned(n) : n;
+        const int64_t from = Zero1() ? RangeStart(ps) : 0, count = Zero1() ? Owned(ps) : n;
         backend_->FromHost(*r.stat, ps.master.ptr, zero.data(), state);
         backend_->FromHost(*r.stat, ps.master.ptr, w.data() + from, count * 4);
       }
       if (PipelineZero2()) {
-        backend_->FromHost(*r.stat, ps.part.ptr, zero.data(), Shard(n) * 4);
+        backend_->FromHost(*r.stat, ps.part.ptr, zero.data(), Shard(ps) * 4);
       } else {
         backend_->FromHost(*r.stat, ps.grad.ptr, zero.data(), bytes);
       }
@@ -207,8 +211,8 @@ void Executor::SyncTied() {
   }
   // The gradient, or under pipeline ZeRO-2 this replica's reduced range
   // (the embedding and the head have the same shape: the same range).
-  auto count = [&](const ParamState& ps) { return PipelineZero2() ? Owned(ps.elements) : ps.elements; };
-  auto at = [&](const ParamState& ps) { return OwnGrad(ps, PipelineZero2() ? RangeStart(ps.elements) : 0); };
+  auto count = [&](const ParamState& ps) { return PipelineZero2() ? Owned(ps) : ps.elements; };
+  auto at = [&](const ParamState& ps) { return OwnGrad(ps, PipelineZero2() ? RangeStart(ps) : 0); };
   auto grad_of = [&](Rank& r, ParamState& ps) {
     std::vector<std::byte> g(static_cast<size_t>(count(ps) * 4));
     backend_->ToHost(*r.stat, g.data(), at(ps), count(ps) * 4);
@@ -252,15 +256,16 @@ double Executor::SquaredNorm(Rank& r, const float* x, int64_t n) {
 void Executor::Optimize(double* grad_norm) {
   // Per rank, then over ranks in rank order: the same sum whether the
   // ranks share a process or not. Data-parallel replicas add their shard
-  // (ZeRO-1), or replica 0 the whole reduced gradient.
+  // (ZeRO-1), or the first replica of the parameter's group the whole
+  // reduced gradient (routed experts: one per EP rank).
   std::vector<double> partial;
   for (auto& r : ranks_) {
     double sum = 0;
     for (auto& ps : r->params) {
       if (ps.tied_head) continue;  // counted once, with the embedding
       if (Zero1()) {
-        sum += SquaredNorm(*r, OwnGrad(ps, RangeStart(ps.elements)), Owned(ps.elements));
-      } else if (dp_rank_ == 0) {
+        sum += SquaredNorm(*r, OwnGrad(ps, RangeStart(ps)), Owned(ps));
+      } else if (GroupOf(ps).rank == 0) {
         sum += SquaredNorm(*r, OwnGrad(ps, 0), ps.elements);
       }
     }
@@ -279,11 +284,10 @@ void Executor::Optimize(double* grad_norm) {
       } else if (Zero1()) {
         // This replica's shard: of the fp32 weight in place, or of the
         // bf16 parameter's shard-sized master.
-        const int64_t from = RangeStart(ps.elements);
+        const int64_t from = RangeStart(ps);
         float* master = ps.master.empty() ? ps.weight.as<float>() + from : ps.master.as<float>();
-        r->ops->AdamStep(master, OwnGrad(ps, from), ps.m.as<float>(), ps.v.as<float>(), Owned(ps.elements),
-                         cfg, 1);
-        if (!ps.master.empty()) r->ops->RoundToBf16(master, Owned(ps.elements), ps.weight.as<uint16_t>() + from);
+        r->ops->AdamStep(master, OwnGrad(ps, from), ps.m.as<float>(), ps.v.as<float>(), Owned(ps), cfg, 1);
+        if (!ps.master.empty()) r->ops->RoundToBf16(master, Owned(ps), ps.weight.as<uint16_t>() + from);
         continue;
       } else {
         r->ops->AdamStep(ps.Master(), OwnGrad(ps, 0), ps.m.as<float>(), ps.v.as<float>(), ps.elements, cfg, 1);
@@ -294,8 +298,7 @@ void Executor::Optimize(double* grad_norm) {
       MuonStepsSharded(*r, cfg);
       for (auto& ps : r->params) {
         if (!ps.muon || ps.master.empty()) continue;
-        const int64_t from = RangeStart(ps.elements);
-        r->ops->RoundToBf16(ps.master.as<float>(), Owned(ps.elements), ps.weight.as<uint16_t>() + from);
+        r->ops->RoundToBf16(ps.master.as<float>(), Owned(ps), ps.weight.as<uint16_t>() + RangeStart(ps));
       }
     }
     backend_->Finish(*r->dev);
@@ -332,8 +335,8 @@ void Executor::EndGradPass(Rank& r, int32_t chunk) {
   backend_->Finish(*r.dev);
   for (ParamState* ps : ChunkParams(r, chunk)) {
     // Reduced across the replicas, then added into this replica's partition.
-    const int64_t owned = Owned(ps->elements);
-    std::vector<float> mine = ReduceScatterRange(r, ps->grad.ptr, ps->elements), part(static_cast<size_t>(owned));
+    const int64_t owned = Owned(*ps);
+    std::vector<float> mine = ReduceScatterRange(r, *ps, ps->grad.ptr), part(static_cast<size_t>(owned));
     backend_->ToHost(*r.stat, part.data(), ps->part.ptr, owned * 4);
     for (int64_t i = 0; i < owned; ++i) part[static_cast<size_t>(i)] += mine[static_cast<size_t>(i)];
     backend_->FromHost(*r.stat, ps->part.ptr, part.data(), owned * 4);
@@ -342,21 +345,24 @@ void Executor::EndGradPass(Rank& r, int32_t chunk) {
   ++r.events["grad_passes_reduced"];
 }
 
-std::vector<float> Executor::ReduceScatterRange(Rank& r, const std::byte* grad, int64_t n) {
-  const int64_t dp = model_.parallel.dp, k = Shard(n);
-  std::vector<float> g(static_cast<size_t>(k * dp), 0.f);
-  backend_->ToHost(*r.stat, g.data(), grad, n * 4);
-  if (dp == 1) return g;
+std::vector<float> Executor::ReduceScatterRange(Rank& r, const ParamState& ps, const std::byte* grad) {
+  const DpGroup& group = GroupOf(ps);
+  const int64_t k = Shard(ps);
+  std::vector<float> g(static_cast<size_t>(k * group.size), 0.f);
+  backend_->ToHost(*r.stat, g.data(), grad, ps.elements * 4);
+  if (group.size == 1) return g;
   std::vector<float> mine(static_cast<size_t>(k));
-  dp_comm_->ReduceScatterSum(g.data(), mine.data(), k);
+  group.comm->ReduceScatterSum(g.data(), mine.data(), k);
   return mine;
 }
 
-std::vector<std::byte> Executor::GatherRanges(Rank& r, const void* mine, int64_t n, int64_t width) {
-  const int64_t k = Shard(n);
-  std::vector<std::byte> ours(static_cast<size_t>(k * width)), all(static_cast<size_t>(k * width * model_.parallel.dp));
-  backend_->ToHost(*r.stat, ours.data(), mine, Owned(n) * width);
-  dp_comm_->AllGatherBlocks(ours.data(), all.data(), k * width);
+std::vector<std::byte> Executor::GatherRanges(Rank& r, const ParamState& ps, const void* mine, int64_t width) {
+  const DpGroup& group = GroupOf(ps);
+  const int64_t k = Shard(ps);
+  std::vector<std::byte> ours(static_cast<size_t>(k * width)), all(static_cast<size_t>(k * width * group.size));
+  backend_->ToHost(*r.stat, ours.data(), mine, Owned(ps) * width);
+  if (group.size == 1) return ours;
+  group.comm->AllGatherBlocks(ours.data(), all.data(), k * width);
   return all;
 }
 
@@ -366,14 +372,15 @@ void Executor::ReduceGradients() {
   for (auto& ps : r.params) {
     const int64_t n = ps.elements;
     if (Zero1()) {
-      std::vector<float> mine = ReduceScatterRange(r, ps.grad.ptr, n);
-      backend_->FromHost(*r.stat, ps.grad.as<float>() + RangeStart(n), mine.data(), Owned(n) * 4);
+      std::vector<float> mine = ReduceScatterRange(r, ps, ps.grad.ptr);
+      backend_->FromHost(*r.stat, ps.grad.as<float>() + RangeStart(ps), mine.data(), Owned(ps) * 4);
       continue;
     }
+    if (GroupOf(ps).size == 1) continue;  // routed experts with ep == dp: no replica holds them twice
     // Staged through the host, as the pipeline's messages are.
     std::vector<float> g(static_cast<size_t>(n));
     backend_->ToHost(*r.stat, g.data(), ps.grad.ptr, n * 4);
-    dp_comm_->AllReduceSum(g.data(), n);
+    GroupOf(ps).comm->AllReduceSum(g.data(), n);
     backend_->FromHost(*r.stat, ps.grad.ptr, g.data(), n * 4);
   }
   ++r.events["dp_reductions"];
@@ -385,7 +392,7 @@ void Executor::GatherWeights() {
   for (auto& ps : r.params) {
     const int64_t n = ps.elements;
     const int64_t width = ps.master.empty() ? 4 : 2;  // the weight's bytes per element
-    std::vector<std::byte> all = GatherRanges(r, ps.weight.ptr + RangeStart(n) * width, n, width);
+    std::vector<std::byte> all = GatherRanges(r, ps, ps.weight.ptr + RangeStart(ps) * width, width);
     backend_->FromHost(*r.stat, ps.weight.ptr, all.data(), n * width);
   }
   ++r.events["dp_weight_gathers"];

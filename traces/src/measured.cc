@@ -156,6 +156,7 @@ MeasuredRank ParseRank(const Json& json, const JsonLocation& where) {
   MeasuredRank rank;
   rank.pp_rank = r.Int("pp_rank", 0, 1 << 20);
   if (r.Has("dp_rank")) rank.dp_rank = r.Int("dp_rank", 0, 1 << 20);
+  if (r.Has("ep_rank")) rank.ep_rank = r.Int("ep_rank", 0, 1 << 20);
   rank.allocated_peak = ByteCount(r, "allocated_peak");
   rank.peak = ByteCount(r, "peak");
   rank.static_bytes = ByteCount(r, "static");
@@ -253,6 +254,7 @@ OrderedJson MeasuredToJson(const Measured& m) {
     OrderedJson r;
     r["pp_rank"] = rank.pp_rank;
     r["dp_rank"] = rank.dp_rank;
+    if (rank.ep_rank > 0) r["ep_rank"] = rank.ep_rank;
     r["allocated_peak"] = rank.allocated_peak;
     r["peak"] = rank.peak;
     r["static"] = rank.static_bytes;

@@ -76,6 +76,7 @@ struct MeasuredRank {
   std::optional<CuptiRankBytes> cupti;    // when CUPTI was collected
   std::optional<PoolMarks> pool;          // allocator "pool" only
   int64_t dp_rank = 0;  // data-parallel replica (JSON: optional, 0 when absent)
+  int64_t ep_rank = 0;  // its place in its EP group, dp_rank % ep (JSON: optional, 0 when absent)
 };
 
 // Device bytes of the whole process (CUPTI and cudaMemGetInfo): everything
