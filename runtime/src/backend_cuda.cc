@@ -24,11 +24,13 @@ void Check(cudaError_t e, const char* what) {
 
 class CudaBackend final : public Backend {
  public:
-  explicit CudaBackend(bool arena) : arena_(arena) {}
+  // The process's GPU becomes its current device (NCCL and cudaMemGetInfo
+  // read the current one).
+  explicit CudaBackend(bool arena) : arena_(arena), device_(LocalCudaDevice()) { cudaSetDevice(device_); }
 
   std::string device_name() const override {
     cudaDeviceProp prop{};
-    if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) return "cuda";
+    if (cudaGetDeviceProperties(&prop, device_) != cudaSuccess) return "cuda";
     return std::string(prop.name);
   }
 
@@ -39,6 +41,7 @@ class CudaBackend final : public Backend {
     o.capacity_bytes = capacity_bytes;
     o.arena = arena_;
     o.alignment = alignment;
+    o.device = device_;
     auto d = CudaDevice::Create(o);
     if (!d.ok()) return d.error();
     return std::unique_ptr<Device>(std::move(*d));
@@ -108,6 +111,7 @@ class CudaBackend final : public Backend {
 
  private:
   bool arena_;  // one block per device placed by the planner's heap, or a pool
+  int device_;  // one GPU per local rank under mpirun (LocalCudaDevice)
 };
 
 }  // namespace

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <map>
 #include <optional>
 #include <mutex>
@@ -225,6 +226,18 @@ bool CudaRuntimeAvailable() {
     return false;
   }
   return count > 0;
+}
+
+int LocalCudaDevice() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count <= 0) {
+    cudaGetLastError();
+    return 0;
+  }
+  for (const char* v : {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"}) {
+    if (const char* s = std::getenv(v)) return std::max(0, std::atoi(s)) % count;
+  }
+  return 0;
 }
 
 Expected<std::unique_ptr<CudaDevice>> CudaDevice::Create(Options options) {

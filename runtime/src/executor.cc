@@ -248,6 +248,18 @@ Expected<RunResult> Executor::Run() {
   edp_comm_ = dp_comm_->Split(static_cast<int>(dp_rank_ % ep), static_cast<int>(dp_rank_ / ep));
   dense_group_ = {model_.parallel.dp, dp_rank_, dp_comm_.get()};
   expert_group_ = {model_.parallel.dp / ep, dp_rank_ / ep, edp_comm_.get()};
+  // cuda: the data-parallel gradients and ZeRO-1's weights move between
+  // GPUs by NCCL (docs/runtime.md, "NCCL"); a rank whose NCCL cannot start
+  // ends the job (every rank makes the same calls).
+  if (cuda_ != nullptr && model_.parallel.dp > 1) {
+    for (auto [group, nccl] : {std::pair{&dense_group_, &dense_nccl_}, std::pair{&expert_group_, &expert_nccl_}}) {
+      if (group->size == 1) continue;
+      auto made = cuda_->make_nccl(*group->comm);
+      if (!made.ok()) FailAlone(made.error());
+      *nccl = std::move(*made);
+      group->device = nccl->get();
+    }
+  }
   // From here a rank that fails fails alone: it says why and ends them all.
   try {
     auto result = RunHere();

@@ -247,7 +247,8 @@ class Executor {
   // out of DP: data-parallel rank d is EP rank d % ep of EP group d / ep.
   struct DpGroup {
     int64_t size = 1, rank = 0;
-    Communicator* comm = nullptr;  // null: one process
+    Communicator* comm = nullptr;          // null: one process
+    DeviceCommunicator* device = nullptr;  // cuda with dp > 1: NCCL over the same ranks
   };
   const DpGroup& GroupOf(const ParamState& ps) const { return ps.expert ? expert_group_ : dense_group_; }
   int64_t EpRank() const { return dp_rank_ % model_.parallel.ep; }
@@ -438,6 +439,12 @@ class Executor {
   int32_t pp_rank_ = -1;
   int64_t dp_rank_ = 0;
   std::unique_ptr<Communicator> dp_comm_, ep_comm_, edp_comm_;  // data-parallel, EP, expert data-parallel
+  std::unique_ptr<DeviceCommunicator> dense_nccl_, expert_nccl_;  // cuda: the groups' gradients on the device
+  // The stream the rank's ops run on (cuda: a cudaStream_t; host: null).
+  void* OpsStream(Rank& r) {
+    auto streams = backend_->Streams(*r.dev);
+    return streams.empty() ? nullptr : streams.front().second;
+  }
   DpGroup dense_group_, expert_group_;
   int64_t context_bytes_ = 0;
   double compute_s_ = 0;  // the forwards and backwards of the step

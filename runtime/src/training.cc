@@ -371,6 +371,15 @@ void Executor::ReduceGradients() {
   Rank& r = *ranks_.front();
   for (auto& ps : r.params) {
     const int64_t n = ps.elements;
+    if (DeviceCommunicator* nccl = GroupOf(ps).device) {
+      // On the device, in place: the whole sum, or (ZeRO-1) each replica's range.
+      if (Zero1()) {
+        nccl->ReduceRanges(ps.grad.as<float>(), n, OpsStream(r));
+      } else {
+        nccl->AllReduceSum(ps.grad.as<float>(), n, OpsStream(r));
+      }
+      continue;
+    }
     if (Zero1()) {
       std::vector<float> mine = ReduceScatterRange(r, ps, ps.grad.ptr);
       backend_->FromHost(*r.stat, ps.grad.as<float>() + RangeStart(ps), mine.data(), Owned(ps) * 4);
@@ -383,6 +392,9 @@ void Executor::ReduceGradients() {
     GroupOf(ps).comm->AllReduceSum(g.data(), n);
     backend_->FromHost(*r.stat, ps.grad.ptr, g.data(), n * 4);
   }
+  for (DeviceCommunicator* nccl : {dense_group_.device, expert_group_.device}) {
+    if (nccl) nccl->Synchronize(OpsStream(r));
+  }
   ++r.events["dp_reductions"];
 }
 
@@ -392,8 +404,15 @@ void Executor::GatherWeights() {
   for (auto& ps : r.params) {
     const int64_t n = ps.elements;
     const int64_t width = ps.master.empty() ? 4 : 2;  // the weight's bytes per element
+    if (DeviceCommunicator* nccl = GroupOf(ps).device) {
+      nccl->GatherRanges(ps.weight.ptr, n, width, OpsStream(r));
+      continue;
+    }
     std::vector<std::byte> all = GatherRanges(r, ps, ps.weight.ptr + RangeStart(ps) * width, width);
     backend_->FromHost(*r.stat, ps.weight.ptr, all.data(), n * width);
+  }
+  for (DeviceCommunicator* nccl : {dense_group_.device, expert_group_.device}) {
+    if (nccl) nccl->Synchronize(OpsStream(r));
   }
   ++r.events["dp_weight_gathers"];
 }

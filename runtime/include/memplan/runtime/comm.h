@@ -60,6 +60,36 @@ class Communicator {
   [[noreturn]] virtual void Abort(int code) = 0;
 };
 
+// Device memory between the processes of one run, for the cuda backend
+// (NCCL): the data-parallel gradient reduction and the gathering of ZeRO-1's
+// weights run on the device buffers themselves instead of staging through
+// the host. Calls are enqueued on `stream` (a cudaStream_t: the ops'
+// stream, so they follow the kernels that wrote the data) and every rank of
+// the communicator makes the same calls in the same order.
+class DeviceCommunicator {
+ public:
+  virtual ~DeviceCommunicator() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual std::string_view transport() const = 0;  // "nccl"
+  // The element-wise sum over the ranks, in place.
+  virtual void AllReduceSum(float* data, int64_t n, void* stream) = 0;
+  // ZeRO-1's ranges (k = ceil(n / size()): rank r's is [r k, min(n, (r+1) k))):
+  // each rank's range of the sum lands in place in its own copy (the rest
+  // of its copy is left as it was); each rank's range of `width`-byte
+  // elements copied into every other rank's copy.
+  virtual void ReduceRanges(float* data, int64_t n, void* stream) = 0;
+  virtual void GatherRanges(void* data, int64_t n, int64_t width, void* stream) = 0;
+  // Waits for what was enqueued on `stream`; a failed collective throws
+  // ErrorException (kRuntime).
+  virtual void Synchronize(void* stream) = 0;
+};
+
+// NCCL over the ranks of `bootstrap` (runtime/src/nccl_comm.cc, built into
+// the CUDA plugin with NCCL: the runtime reaches it through
+// CudaPlugin::make_nccl).
+Expected<std::unique_ptr<DeviceCommunicator>> MakeNcclCommunicator(Communicator& bootstrap);
+
 // Whether this process was started by an MPI launcher (mpirun, srun with
 // PMIx): OpenMPI's, PMIx's or PMI's rank variables are set.
 bool LaunchedByMpi();

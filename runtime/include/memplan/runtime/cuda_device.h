@@ -77,6 +77,11 @@ struct CudaDeviceState;
 // device is visible. Always false without CUDA support compiled in.
 bool CudaRuntimeAvailable();
 
+// This process's GPU: under an MPI launcher its rank on the node
+// (OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID or SLURM_LOCALID) modulo the
+// visible devices, one GPU per local rank; otherwise device 0.
+int LocalCudaDevice();
+
 class CudaDevice final : public Device {
  public:
   struct Options {

@@ -14,11 +14,12 @@
 
 #include "memplan/common/status.h"
 #include "memplan/runtime/backend.h"
+#include "memplan/runtime/comm.h"
 #include "memplan/traces/gpu_profiler.h"
 
 namespace memplan::runtime {
 
-inline constexpr int kCudaPluginAbi = 1;
+inline constexpr int kCudaPluginAbi = 2;
 
 struct CudaPlugin {
   int abi = 0;                   // kCudaPluginAbi of the plugin's build
@@ -27,6 +28,10 @@ struct CudaPlugin {
   std::unique_ptr<Backend> (*make_backend)(bool arena) = nullptr;
   // CUPTI (traces/cupti_source.h); an error when it cannot start.
   Expected<std::unique_ptr<traces::GpuProfiler>> (*start_profiler)(const traces::CuptiOptions&) = nullptr;
+  // NCCL over the ranks of `bootstrap` (a collective of it: rank 0's unique
+  // id travels by bootstrap's AllGather), on this process's GPU; an error
+  // when the plugin was built without NCCL or NCCL cannot start.
+  Expected<std::unique_ptr<DeviceCommunicator>> (*make_nccl)(Communicator& bootstrap) = nullptr;
 };
 
 // The plugin's entry point: extern "C" const CudaPlugin* memplan_cuda_plugin().
