@@ -174,8 +174,9 @@ assert coords == [(p, d, d % ep) for p in range(2) for d in range(replicas)], co
 for r in dp["ranks"]:
     p = plan["ranks"][r["pp_rank"]]
     assert r["static"] == p["static"]["total"] and r["peak"] == p["peak"], (r, p["static"])
-    # Reduced once after the step, or pass by pass (pipeline ZeRO-2).
-    assert r["events"].get("dp_reductions", 0) == 1 or r["events"].get("grad_passes_reduced", 0) > 0, r["events"]
+    # Reduced once after the step, or pass by pass ((pipeline) ZeRO-2).
+    e = r["events"]
+    assert e.get("dp_reductions", 0) == 1 or e.get("grad_passes_reduced", 0) > 0 or e.get("bucket_flushes", 0) > 0, e
 PY
   python3 "$tmp/npy.py" "$tmp/$name.one.d" "$tmp/$name.dp.d" 1e-4 && ok || bad "$name: dumps differ"
   "$memplan" check "$tmp/$name.dp.plan.json" "$tmp/$name.dp.m.json" --tolerance 0 >"$tmp/out" \
@@ -184,6 +185,18 @@ PY
 if want data-parallel; then
 data_parallel llama-zero0 "$root/examples/models/tiny-llama.json" 0
 data_parallel llama-zero1 "$root/examples/models/tiny-llama.json" 1
+# ZeRO-2: gradient partitions, each layer's gradients bound to the plan's
+# reduce bucket in backward and reduce-scattered into them pass by pass.
+data_parallel llama-zero2 "$root/examples/models/tiny-llama.json" 2
+python3 - "$tmp/llama-zero2.dp.m.json" "$tmp/llama-zero2.dp.plan.json" "$tmp/llama-zero1.dp.plan.json" <<'PY' \
+  && ok || bad "ZeRO-2 did not reduce through its bucket"
+import json, sys
+m, z2, z1 = (json.load(open(f)) for f in sys.argv[1:])
+for r in m["ranks"]:
+    assert r["events"]["bucket_flushes"] == 8, r["events"]  # a flush per chunk pass: 2 chunks x 4 microbatches
+for a, b in zip(z1["ranks"], z2["ranks"]):
+    assert b["static"]["grads"] * 2 == a["static"]["grads"] and b["static"]["buffer_detail"]["reduce_bucket"] > 0
+PY
 data_parallel gpt-tied-zero1 "$root/examples/models/tiny-gpt.json" 1
 data_parallel moe-bf16-zero1 "$root/examples/models/tiny-moe.json" 1 \
   "m['train']['act_dtype'] = m['train']['param_dtype'] = 'bf16'; m['policies'] = [{'match': '*.mlp.*', 'policy': 'recompute'}]"
@@ -263,6 +276,9 @@ PY
 # expert group of one replica (dp = ep).
 data_parallel moe-ep2-bf16 "$root/examples/models/tiny-moe.json" 0 \
   "$cap; m['policies'] = [{'match': '*.moe.fc1_out', 'policy': 'recompute'}, {'match': '*.moe.fc2_out', 'policy': 'fp8'}]" 2 2
+# ZeRO-2 with EP: the dense gradients partitioned over dp, the experts'
+# over their expert data-parallel group (one replica here: dp = ep).
+data_parallel moe-ep2-zero2 "$root/examples/models/tiny-moe.json" 2 "$cap" 2 2
 # Past capacity (capacity_factor 1): rows are dropped, said, and the memory
 # is still the plan's to the byte.
 model "$root/examples/models/tiny-moe.json" "$tmp/drop.json" "m['parallel'].update(pp=1, dp=2, ep=2)"

@@ -78,6 +78,7 @@ void Executor::Step(Rank& r) {
       }
     } else {
       if (!blk.prev_in_pass && PipelineZero2()) BeginGradPass(r, chunk);
+      if (Zero2Bucket()) BindToBucket(r, blk.layer);
       RestoreLayer(r, bi);
       ReceiveSharedGrads(r, bi);
       if (received) {
@@ -131,6 +132,7 @@ void Executor::Step(Rank& r) {
          StageMsgId(neighbour, blk.microbatch), std::move(msg));
   }
   if (!blk.forward && local == n - 1 && !blk.next_in_pass && PipelineZero2()) EndGradPass(r, chunk);
+  if (!blk.forward && local == n - 1 && !blk.next_in_pass && Zero2Bucket()) FlushGrads(r, std::exchange(bucket_, {}));
   // Routing offsets live on the host until the layer's backward is over.
   if (!blk.forward && local == n - 1) r.routing.erase({blk.layer, blk.microbatch});
   EndCross(r);

@@ -281,10 +281,17 @@ class Executor {
     return model_.parallel.dp > 1 && (model_.parallel.zero >= 1 || model_.parallel.pipeline_zero2);
   }
   bool PipelineZero2() const { return model_.parallel.pipeline_zero2; }
+  // ZeRO-2 with dp > 1 (without pipeline ZeRO-2): gradients partitioned,
+  // reduced through the plan's reduce bucket layer by layer.
+  bool Zero2Bucket() const {
+    return !PipelineZero2() && model_.parallel.zero >= 2 && model_.parallel.dp > 1;
+  }
+  // Whether the reduced gradients live in per-replica partitions (`part`).
+  bool GradPartitions() const { return PipelineZero2() || Zero2Bucket(); }
   // This replica's reduced gradient at element `from` of the parameter
   // (inside its range under ZeRO-1 / pipeline ZeRO-2).
   float* OwnGrad(const ParamState& ps, int64_t from) const {
-    return PipelineZero2() ? ps.part.as<float>() + (from - RangeStart(ps)) : ps.grad.as<float>() + from;
+    return GradPartitions() ? ps.part.as<float>() + (from - RangeStart(ps)) : ps.grad.as<float>() + from;
   }
   // Pipeline ZeRO-2 (training.cc): at the first backward step of a chunk's
   // pass its parameters' gradients are bound to one half of the double
@@ -293,6 +300,14 @@ class Executor {
   std::vector<ParamState*> ChunkParams(Rank& r, int32_t chunk);
   void BeginGradPass(Rank& r, int32_t chunk);
   void EndGradPass(Rank& r, int32_t chunk);
+  // ZeRO-2 (training.cc): at a layer's first backward step its parameters'
+  // gradients are bound to the next free room of the reduce bucket (zeroed),
+  // the bucket first flushed if they do not fit; at the end of each chunk's
+  // pass the bucket is flushed. A flush reduce-scatters each bound gradient
+  // and adds this replica's range into its partition.
+  void BindToBucket(Rank& r, int64_t layer);
+  void FlushGrads(Rank& r, const std::vector<ParamState*>& params);
+  std::vector<ParamState*> bucket_;  // the gradients bound to the reduce bucket, in order
   // The data-parallel gradient reduction: all-reduce, or (ZeRO-1) each
   // replica's shard reduce-scattered into its place in the gradient.
   void ReduceGradients();

@@ -57,9 +57,9 @@ Expected<std::monostate> Executor::Setup() {
     why.push_back("/model/arch/moe/capacity_factor is below 1: the runtime drops routed tokens only past an "
                   "expert rank's capacity, never a rank's own");
   }
-  if (par.dp > 1 && par.zero >= 2 && !par.pipeline_zero2) {
-    why.push_back("/model/parallel/zero: with dp > 1 the runtime executes ZeRO-0, ZeRO-1 and pipeline ZeRO-2 "
-                  "(ZeRO-2's reduce bucket is not executed yet)");
+  if (par.dp > 1 && par.zero >= 2 && !par.pipeline_zero2 && model_.train.grad_dtype != planner::DType::kFP32) {
+    why.push_back("/model/train/grad_dtype: ZeRO-2 with dp > 1 executes fp32 gradients (its partitions add fp32 "
+                  "ranges)");
   }
   if (par.pipeline_zero2 && par.pp == 1 && par.vp > 1 && model_.arch.tied_embeddings) {
     why.push_back("/model/parallel/pipeline_zero2: a tied head in another chunk than its embedding on one pipeline "

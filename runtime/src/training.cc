@@ -106,7 +106,7 @@ void Executor::InitParams(Rank& r) {
       // for this replica's shard alone.
       const int64_t state = Zero1() ? Shard(ps) * 4 : bytes;
       if (!bf16) ps.weight = alloc(bytes);
-      if (!PipelineZero2()) {
+      if (!GradPartitions()) {
         ps.grad = alloc(n * planner::DTypeBytes(model_.train.grad_dtype));
       } else if (r.grad_host) {
         auto h = r.grad_host->Allocate(Shard(ps) * 4);
@@ -161,7 +161,7 @@ void Executor::InitParams(Rank& r) {
         backend_->FromHost(*r.stat, ps.master.ptr, zero.data(), state);
         backend_->FromHost(*r.stat, ps.master.ptr, w.data() + from, count * 4);
       }
-      if (PipelineZero2()) {
+      if (GradPartitions()) {
         backend_->FromHost(*r.stat, ps.part.ptr, zero.data(), Shard(ps) * 4);
       } else {
         backend_->FromHost(*r.stat, ps.grad.ptr, zero.data(), bytes);
@@ -211,8 +211,8 @@ void Executor::SyncTied() {
   }
   // The gradient, or under pipeline ZeRO-2 this replica's reduced range
   // (the embedding and the head have the same shape: the same range).
-  auto count = [&](const ParamState& ps) { return PipelineZero2() ? Owned(ps) : ps.elements; };
-  auto at = [&](const ParamState& ps) { return OwnGrad(ps, PipelineZero2() ? RangeStart(ps) : 0); };
+  auto count = [&](const ParamState& ps) { return GradPartitions() ? Owned(ps) : ps.elements; };
+  auto at = [&](const ParamState& ps) { return OwnGrad(ps, GradPartitions() ? RangeStart(ps) : 0); };
   auto grad_of = [&](Rank& r, ParamState& ps) {
     std::vector<std::byte> g(static_cast<size_t>(count(ps) * 4));
     backend_->ToHost(*r.stat, g.data(), at(ps), count(ps) * 4);
@@ -332,8 +332,38 @@ void Executor::BeginGradPass(Rank& r, int32_t chunk) {
 }
 
 void Executor::EndGradPass(Rank& r, int32_t chunk) {
+  FlushGrads(r, ChunkParams(r, chunk));
+  ++r.events["grad_passes_reduced"];
+}
+
+void Executor::BindToBucket(Rank& r, int64_t layer) {
+  const Buffer& bucket = r.static_buffers.at("reduce_bucket");
+  std::vector<ParamState*> params;
+  int64_t bytes = 0;
+  for (const auto& spec : G(layer).params) {
+    auto it = r.param_index.find(spec.name);
+    if (it == r.param_index.end() || !r.params[it->second].grad.empty()) continue;  // bound at an earlier step
+    params.push_back(&r.params[it->second]);
+    bytes += params.back()->elements * 4;
+  }
+  if (params.empty()) return;
+  MEMPLAN_CHECK(bytes <= bucket.bytes, "a layer's gradients exceed the plan's reduce bucket");
+  int64_t at = bucket_.empty() ? 0 : bucket_.back()->grad.ptr + bucket_.back()->grad.bytes - bucket.ptr;
+  if (at + bytes > bucket.bytes) {
+    FlushGrads(r, std::exchange(bucket_, {}));
+    at = 0;
+  }
+  for (ParamState* ps : params) {
+    ps->grad = Buffer{bucket.ptr + at, bucket.offset + at, ps->elements * 4};
+    r.ops->Zero(ps->grad.ptr, ps->grad.bytes);
+    at += ps->grad.bytes;
+    bucket_.push_back(ps);
+  }
+}
+
+void Executor::FlushGrads(Rank& r, const std::vector<ParamState*>& params) {
   backend_->Finish(*r.dev);
-  for (ParamState* ps : ChunkParams(r, chunk)) {
+  for (ParamState* ps : params) {
     // Reduced across the replicas, then added into this replica's partition.
     const int64_t owned = Owned(*ps);
     std::vector<float> mine = ReduceScatterRange(r, *ps, ps->grad.ptr), part(static_cast<size_t>(owned));
@@ -342,7 +372,7 @@ void Executor::EndGradPass(Rank& r, int32_t chunk) {
     backend_->FromHost(*r.stat, ps->part.ptr, part.data(), owned * 4);
     ps->grad = Buffer{};
   }
-  ++r.events["grad_passes_reduced"];
+  if (Zero2Bucket() && !params.empty()) ++r.events["bucket_flushes"];
 }
 
 std::vector<float> Executor::ReduceScatterRange(Rank& r, const ParamState& ps, const std::byte* grad) {
@@ -367,7 +397,7 @@ std::vector<std::byte> Executor::GatherRanges(Rank& r, const ParamState& ps, con
 }
 
 void Executor::ReduceGradients() {
-  if (model_.parallel.dp == 1 || PipelineZero2()) return;  // pipeline ZeRO-2: reduced pass by pass
+  if (model_.parallel.dp == 1 || GradPartitions()) return;  // (pipeline) ZeRO-2: reduced pass by pass
   Rank& r = *ranks_.front();
   for (auto& ps : r.params) {
     const int64_t n = ps.elements;
