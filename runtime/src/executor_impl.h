@@ -38,6 +38,7 @@
 #include "memplan/planner/liveness.h"
 #include "memplan/planner/model.h"
 #include "memplan/planner/plan.h"
+#include "memplan/planner/replay.h"
 #include "memplan/planner/templates.h"
 #include "memplan/runtime/activation.h"
 #include "memplan/runtime/backend.h"

@@ -10,29 +10,9 @@ namespace memplan::runtime::exec {
 
 Expected<std::monostate> Executor::Setup() {
   const std::string& file = options_.plan_file;
-  if (!plan_json_.is_object() || !plan_json_.contains("model") || !plan_json_.contains("tensors")) {
-    return BadInput(file + ": not a memplan plan (expected an object with /model and /tensors)");
-  }
-  if (plan_json_.value("schema", Json()) != Json(std::string(planner::kPlanSchema))) {
-    return BadInput(file + ": /schema: expected \"" + std::string(planner::kPlanSchema) + "\"");
-  }
-  if (!plan_json_.contains("digest") || !plan_json_["digest"].is_string()) {
-    return BadInput(file + ": /digest: expected a string");
-  }
-  if (!plan_json_["tensors"].is_array()) return BadInput(file + ": /tensors: expected an array");
-  if (!plan_json_.contains("ranks") || !plan_json_["ranks"].is_array()) {
-    return BadInput(file + ": /ranks: expected an array");
-  }
-  // The whole plan against its schema before any field is used: a field
-  // this runtime rebuilds rather than reads (tensors, schedule) is still
-  // refused when malformed.
-  if (auto valid = ValidateSchema(plan_json_, SchemaKind::kPlan, file); !valid.ok()) return valid.error();
-  auto model = planner::ParseModel(plan_json_["model"], file + " /model");
+  auto model = planner::ReadPlanModel(plan_json_, file);
   if (!model.ok()) return model.error();
   model_ = std::move(*model);
-  if (plan_json_["digest"].get<std::string>() != planner::ModelDigest(model_)) {
-    return BadInput(file + ": /digest does not match the embedded model (the plan was edited or is corrupt)");
-  }
   // Everything that keeps this plan from executing, said at once (one line,
   // each reason with its JSON path or op).
   std::vector<std::string> why;
@@ -127,67 +107,9 @@ Expected<std::monostate> Executor::Setup() {
   } catch (const ErrorException& e) {
     return e.error();
   }
-  // Storage per tensor, as the plan decided: one of the legal compositions.
-  std::unordered_map<std::string, std::pair<Storage, int32_t>> decided;
-  const Json& ts = plan_json_["tensors"];
-  const std::map<std::vector<std::string>, Storage> kCompositions = {
-      {{"keep"}, Storage::kKeep},
-      {{"recompute"}, Storage::kRecompute},
-      {{"fp8"}, Storage::kFp8},
-      {{"offload_host"}, Storage::kOffloadHost},
-      {{"offload_remote"}, Storage::kOffloadRemote},
-      {{"fp8", "offload_host"}, Storage::kFp8OffloadHost},
-      {{"fp8", "offload_remote"}, Storage::kFp8OffloadRemote}};
-  for (size_t i = 0; i < ts.size(); ++i) {
-    const Json& t = ts[i];
-    std::string where = file + ": /tensors/" + std::to_string(i);
-    if (!t.is_object() || !t.contains("name") || !t["name"].is_string()) {
-      return BadInput(where + ": expected an object with a string \"name\"");
-    }
-    if (!t.contains("effective") || !t["effective"].is_array()) return BadInput(where + "/effective: expected an array");
-    std::vector<std::string> names;
-    for (const auto& n : t["effective"]) {
-      if (!n.is_string()) return BadInput(where + "/effective: expected policy names");
-      names.push_back(n.get<std::string>());
-    }
-    auto comp = kCompositions.find(names);
-    if (comp == kCompositions.end()) {
-      return BadInput(where + "/effective: expected keep, recompute, fp8, offload_host, offload_remote or "
-                              "[fp8, offload_host|offload_remote]");
-    }
-    int32_t target = -1;
-    if (t.contains("to_pp_rank")) {
-      if (!t["to_pp_rank"].is_number_integer()) return BadInput(where + "/to_pp_rank: expected an integer");
-      target = t["to_pp_rank"].get<int32_t>();
-    }
-    if (!decided.emplace(t["name"].get<std::string>(), std::pair{comp->second, target}).second) {
-      return BadInput(where + "/name: " + t["name"].get<std::string>() + " is listed twice");
-    }
-  }
-  assign_ = planner::Assignment::KeepAll(p_);
-  for (size_t r = 0; r < p_.tensors.size(); ++r) {
-    for (size_t t = 0; t < p_.tensors[r].size(); ++t) {
-      auto it = decided.find(p_.tensors[r][t].name);
-      if (it == decided.end()) {
-        return BadInput(file + ": /tensors has no entry for " + p_.tensors[r][t].name + " (a different planner made it)");
-      }
-      const SavedTensor& st = p_.tensors[r][t];
-      auto [storage, target] = it->second;
-      if (!planner::Legal(st, storage, model_.parallel.pp)) {
-        return BadInput(file + ": /tensors: " + st.name + " cannot be stored as " +
-                        std::string(planner::PolicyName(planner::StoragePolicies(storage).front())) +
-                        (planner::IsFp8(storage) && !st.can_fp8 ? " (fp8 needs a floating-point tensor)" : "") +
-                        (storage == Storage::kRecompute && !st.can_recompute ? " (no producer chain in its layer)" : ""));
-      }
-      if (planner::IsRemote(storage) &&
-          (target < 0 || target >= model_.parallel.pp || target == static_cast<int32_t>(r))) {
-        return BadInput(file + ": /tensors: " + st.name + ": to_pp_rank " + std::to_string(target) +
-                        " is not another pipeline rank (0.." + std::to_string(model_.parallel.pp - 1) + ")");
-      }
-      assign_.storage[r][t] = storage;
-      assign_.target[r][t] = target;
-    }
-  }
+  auto assigned = planner::ReadPlanAssignment(plan_json_, file, p_);
+  if (!assigned.ok()) return assigned.error();
+  assign_ = std::move(*assigned);
   eval_ = planner::Evaluate(p_, assign_, false);
   profiles_ = planner::Profiles(p_, eval_.intervals);
   SetupRemote();
