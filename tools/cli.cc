@@ -77,6 +77,15 @@ Expected<Command> ParseCommandLine(const std::vector<std::string>& args) {
                         "write HW.json (memplan.hardware/1; a model file names it with hardware.calibration)");
   calibrate->add_flag("-q,--quiet", calibrate_quiet, "no table, no progress");
 
+  std::string viz_plan, viz_measured, viz_trace, viz_out;
+  auto* viz = app.add_subcommand(
+      "viz", "Write REPORT.html: the plan, its bounds and the measurement side by side (one self-contained file)");
+  viz->add_option("plan", viz_plan, "plan file (memplan.plan/1)")->required();
+  viz->add_option("measured", viz_measured, "measurement of a run of the plan (memplan.measured/1)");
+  viz->add_option("trace", viz_trace, "TRACE.json of that run (memplan run --trace)");
+  viz->add_option("-o,--output", viz_out, "write REPORT.html")->required();
+  viz->add_flag("--force", c.force, "draw a measurement of another plan (digest mismatch) with a warning banner");
+
   // CLI11 takes arguments in reverse order, without the program name.
   std::vector<std::string> reversed(args.rbegin(), args.rend());
   try {
@@ -93,7 +102,7 @@ Expected<Command> ParseCommandLine(const std::vector<std::string>& args) {
   }
   // An empty path is a mistake (a shell variable that was not set), not
   // "no output".
-  for (const auto* app_part : {plan, expand, check, run, profile, calibrate}) {
+  for (const auto* app_part : {plan, expand, check, run, profile, calibrate, viz}) {
     for (const CLI::Option* opt : app_part->get_options()) {
       if (opt->count() == 0 || opt->get_type_size() == 0) continue;
       for (const std::string& v : opt->results()) {
@@ -123,6 +132,12 @@ Expected<Command> ParseCommandLine(const std::vector<std::string>& args) {
     c.measured = check_measured;
     if (tolerance_opt->count()) c.tolerance = tolerance;
     c.ranks_from_devices = ranks_from == "devices";
+  } else if (viz->parsed()) {
+    c.verb = Verb::kViz;
+    c.input = viz_plan;
+    c.measured = viz_measured;
+    c.trace = viz_trace;
+    c.output = viz_out;
   } else if (calibrate->parsed()) {
     c.verb = Verb::kCalibrate;
     c.output = calibrate_out;

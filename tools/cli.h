@@ -11,7 +11,7 @@
 
 namespace memplan::cli {
 
-enum class Verb { kPlan, kExpand, kRun, kCheck, kProfile, kCalibrate, kPrint };
+enum class Verb { kPlan, kExpand, kRun, kCheck, kProfile, kCalibrate, kViz, kPrint };
 
 struct Command {
   Verb verb = Verb::kPrint;
@@ -39,6 +39,9 @@ struct Command {
   // check
   std::optional<double> tolerance;
   bool ranks_from_devices = false;  // --ranks-from devices
+
+  // viz: MEASURED.json (measured) and TRACE.json (trace) are optional
+  bool force = false;  // draw a measurement of another plan, with a warning banner
 
   // profile: the program and its arguments (after --)
   std::vector<std::string> child;

@@ -25,6 +25,7 @@
 #include "memplan/runtime/calibrate.h"
 #include "memplan/runtime/comm.h"
 #include "memplan/runtime/executor.h"
+#include "memplan/viz/report.h"
 #include "memplan/traces/check.h"
 #include "memplan/traces/measured.h"
 
@@ -128,6 +129,34 @@ int RunExpand(const Command& c) {
   OutputFiles out;
   if (auto st = StageJson(out, c.output, *expanded, 1); !st) return Fail(st.error());
   if (auto st = out.Commit(); !st) return Fail(st.error());
+  return 0;
+}
+
+// REPORT.html (viz/report.h): written whole or not at all.
+int RunViz(const Command& c) {
+  if (auto ok = CheckOutputs({c.output}, c.input); !ok) return Fail(ok.error());
+  for (const auto& in : {c.measured, c.trace}) {
+    if (!in.empty() && SameFile(c.output, in)) {
+      return Fail({ErrorCode::kBadInput, c.output + ": is the command's input " + in + "; refusing to overwrite it"});
+    }
+  }
+  viz::ReportOptions options;
+  options.plan_file = c.input;
+  options.measured_file = c.measured;
+  options.trace_file = c.trace;
+  options.force = c.force;
+  std::vector<std::string> warnings;
+  auto data = viz::BuildReportData(options, &warnings);
+  if (!data) return Fail(data.error());
+  for (const auto& w : warnings) std::fprintf(stderr, "memplan: warning: %s\n", w.c_str());
+  OutputFiles out;
+  if (auto at = FindNonFinite(*data)) {
+    return Fail({ErrorCode::kRuntime, "internal error: " + c.output + ": " + *at + ": a non-finite number; no report written"});
+  }
+  if (auto st = out.Stage(c.output, viz::RenderReportHtml(*data)); !st) return Fail(st.error());
+  if (auto st = out.Commit(); !st) return Fail(st.error());
+  std::printf("wrote %s (%zu ranks, %zu tensors%s%s)\n", c.output.c_str(), (*data)["ranks"].size(),
+              (*data)["tensors"].size(), c.measured.empty() ? "" : ", measured", c.trace.empty() ? "" : ", trace");
   return 0;
 }
 
@@ -386,6 +415,7 @@ int RunCommand(const Command& c) {
       case Verb::kExpand: return RunExpand(c);
       case Verb::kRun: return RunExecute(c);
       case Verb::kCheck: return RunCheck(c);
+      case Verb::kViz: return RunViz(c);
       case Verb::kProfile: return RunProfile(c);
       case Verb::kCalibrate: return RunCalibrate(c);
     }
