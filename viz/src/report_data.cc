@@ -2,6 +2,7 @@
 // (its per-step live bytes, schedule and copies, which the plan file does
 // not store), the plan's own numbers, and the measurement and trace.
 #include <algorithm>
+#include <cmath>
 #include <map>
 #include <numeric>
 
@@ -19,6 +20,9 @@ namespace {
 using planner::IntervalPart;
 using planner::Storage;
 
+// Times to the nanosecond: shorter JSON, the same picture.
+double Ns(double s) { return std::round(s * 1e9) / 1e9; }
+
 std::string StorageName(Storage s) {
   std::string out;
   for (planner::Policy p : planner::StoragePolicies(s)) {
@@ -35,7 +39,7 @@ Json Downsample(const std::vector<double>& x, const std::vector<int64_t>& y, int
   Json xs = Json::array(), ys = Json::array();
   if (n <= buckets) {
     for (size_t i = 0; i < n; ++i) {
-      xs.push_back(x[i]);
+      xs.push_back(Ns(x[i]));
       ys.push_back(y[i]);
     }
     return Json{xs, ys};
@@ -44,7 +48,7 @@ Json Downsample(const std::vector<double>& x, const std::vector<int64_t>& y, int
   for (size_t b = 0; b < buckets; ++b) {
     const size_t lo = n * b / buckets, hi = n * (b + 1) / buckets;
     if (lo >= hi) continue;
-    xs.push_back(x[lo]);
+    xs.push_back(Ns(x[lo]));
     ys.push_back(*std::max_element(y.begin() + static_cast<std::ptrdiff_t>(lo), y.begin() + static_cast<std::ptrdiff_t>(hi)));
   }
   return Json{xs, ys};
@@ -144,10 +148,12 @@ void Replayed(const planner::PlanningProblem& p, const planner::Assignment& a, c
     Json passes = Json::array();
     for (size_t k = 0; k < sched.size() && static_cast<int64_t>(passes.size()) < o.max_spans; ++k) {
       if (hi[k] < lo[k]) continue;
-      passes.push_back({sched[k].forward ? "F" : "B", sched[k].microbatch, sched[k].chunk, lo[k], hi[k]});
+      passes.push_back({sched[k].forward ? "F" : "B", sched[k].microbatch, sched[k].chunk, Ns(lo[k]), Ns(hi[k])});
     }
-    // Copies the plan simulated: [queue, start_s, end_s, name].
-    Json copies = Json::array();
+    // Copies the plan simulated: [queue, start_s, end_s, tensor, microbatch]
+    // (tensor: an index into the rank's `tensors`).
+    Json copies = Json::array(), names = Json::array();
+    for (const auto& st : p.tensors[r]) names.push_back(st.name);
     for (const planner::Interval& iv : eval.intervals) {
       if (iv.owner_rank != static_cast<int32_t>(r) || static_cast<int64_t>(copies.size()) >= o.max_spans) continue;
       if (iv.part != IntervalPart::kMovedOut && iv.part != IntervalPart::kFetched) continue;
@@ -155,18 +161,18 @@ void Replayed(const planner::PlanningProblem& p, const planner::Assignment& a, c
       const planner::Instance& in = p.instances[r][static_cast<size_t>(iv.instance)];
       const Storage s = a.storage[r][static_cast<size_t>(in.tensor)];
       const bool remote = planner::IsRemote(s);
-      const std::string name = p.tensors[r][static_cast<size_t>(in.tensor)].name + " mb" + std::to_string(in.microbatch);
       const size_t first = static_cast<size_t>(iv.first), last = static_cast<size_t>(iv.last);
       if (first >= tl.start_s.size() || last >= tl.end_s.size()) continue;
       if (iv.part == IntervalPart::kMovedOut) {
-        copies.push_back({remote ? "link" : "d2h", tl.start_s[first], tl.end_s[last], name});
+        copies.push_back({remote ? "link" : "d2h", Ns(tl.start_s[first]), Ns(tl.end_s[last]), in.tensor, in.microbatch});
       } else {
         const double bw = remote ? hw.pp_link_bw : hw.h2d_bw;
         const double start = tl.start_s[first];
-        copies.push_back({remote ? "link" : "h2d", start, start + (bw > 0 ? static_cast<double>(iv.bytes) / bw : 0.0), name});
+        copies.push_back({remote ? "link" : "h2d", Ns(start), Ns(start + (bw > 0 ? static_cast<double>(iv.bytes) / bw : 0.0)),
+                          in.tensor, in.microbatch});
       }
     }
-    schedule->push_back({{"pp_rank", r}, {"passes", passes}, {"copies", copies}});
+    schedule->push_back({{"pp_rank", r}, {"passes", passes}, {"copies", copies}, {"tensors", names}});
   }
 }
 

@@ -54,7 +54,9 @@ MP.views.schedule = (section, data) => {
       bars.push([base, a, b, chunk % 2 ? (kind === "F" ? "#72a0cf" : "#f7a85a") : MP.queueColors[kind],
                  `${kind === "F" ? "forward" : "backward"} mb ${mb} chunk ${chunk}`]);
     }
-    for (const [q, a, b, name] of s.copies) bars.push([base + 1 + used.indexOf(q), a, b, MP.queueColors[q], `${q} ${name}`]);
+    for (const [q, a, b, t, mb] of s.copies) {
+      bars.push([base + 1 + used.indexOf(q), a, b, MP.queueColors[q], `${q} ${s.tensors[t]} mb ${mb}`]);
+    }
   }
   const legend = Object.entries({ forward: "F", backward: "B", d2h: "d2h", h2d: "h2d", link: "link" }).map(([n, k]) =>
     MP.el("span", {}, [MP.el("span", { class: "swatch", style: `background:${MP.queueColors[k]}` }), n + "  "]));

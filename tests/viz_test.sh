@@ -1,0 +1,157 @@
+#!/usr/bin/env bash
+# memplan viz (docs/viz.md): REPORT.html for every bundled example, and in a
+# real browser (headless Chromium, installed by scripts/setup) for a tiny
+# model (plan only; plan + MEASURED.json + TRACE.json) and for the K3-like
+# plan: no console error, no request (the page's policy forbids them and the
+# page counts them), every view rendered with ink in its charts, within a
+# time limit. Then bad input: exit codes, one line, no partial report.
+# The browser section skips (77) without Chromium.
+# Usage: viz_test.sh MEMPLAN [reports|browser] (default: both).
+set -u
+memplan="$1"
+section="${2:-all}"
+want() { [ "$section" = all ] || [ "$section" = "$1" ]; }
+root="${MEMPLAN_SOURCE_ROOT:?}"
+chromium=$(command -v chromium || command -v chromium-browser || true)
+if want browser && [ -z "$chromium" ]; then echo "viz: chromium not found (apt install chromium)"; exit 77; fi
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+pass=0
+fail=0
+ok() { pass=$((pass + 1)); }
+bad() { fail=$((fail + 1)); echo "FAIL: $*"; }
+
+# Opens REPORT.html headless; the DOM after the page's scripts ran, and what
+# the browser logged. Chromium logs every console message as CONSOLE.
+browse() {  # report.html name
+  timeout 90 "$chromium" --headless --no-sandbox --disable-gpu --no-first-run --user-data-dir="$tmp/profile" \
+    --host-resolver-rules="MAP * ~NOTFOUND" --enable-logging=stderr --v=0 --virtual-time-budget=30000 \
+    --window-size=1400,1000 --dump-dom "file://$1" >"$tmp/$2.dom" 2>"$tmp/$2.log"
+}
+
+# Every view rendered, charts drawn, tables filled; nothing requested,
+# nothing logged.
+rendered() {  # name [views that must have drawn charts ...]
+  local name=$1
+  shift
+  python3 - "$tmp/$name.dom" "$tmp/$name.log" "$@" <<'PY'
+import re, sys
+dom, log = open(sys.argv[1]).read(), open(sys.argv[2], errors="replace").read()
+charts = sys.argv[3:]
+body = re.search(r"<body([^>]*)>", dom).group(1)
+attrs = dict(re.findall(r'data-([a-z-]+)="([^"]*)"', body))
+assert attrs.get("done") == "1", ("the page did not finish", attrs)
+assert attrs["requests"] == "0" and attrs["blocked"] == "0", ("requests", attrs)
+assert attrs["errors"] == "0", ("errors", attrs.get("error-text"))
+consoles = [l for l in log.splitlines() if "CONSOLE" in l]
+assert not consoles, consoles[:3]
+views = {m.group(1): dict(re.findall(r'data-([a-z-]+)="([^"]*)"', m.group(2)))
+         for m in re.finditer(r'<section id="([a-z]+)" class="view"([^>]*)>', dom)}
+assert sorted(views) == ["memory", "ranks", "schedule", "tensors", "tradeoff"], sorted(views)
+checked = 0
+for name, v in views.items():
+    assert v.get("rendered") == "ok", (name, v)
+    checked += 1
+for name in charts:
+    assert int(views[name]["charts"]) > 0 and int(views[name]["ink"]) > 0, (name, views[name])
+    checked += 1
+assert int(views["tensors"]["rows"]) > 0 and int(views["ranks"]["rows"]) > 0
+# Nothing outside the file: no script, style, image or link to a URL.
+assert not re.search(r'(src|href)\s*=\s*"(https?:)?//', dom), "a reference to a URL"
+print(f"{checked} views checked")
+PY
+}
+
+# A plan (with --sweep and remote offloads), its MEASURED.json and TRACE.json.
+python3 - "$root/examples/models/tiny-llama.json" "$tmp/remote.json" <<'PY'
+import json, sys
+m = json.load(open(sys.argv[1]))
+m["policies"] = [{"match": "*.mlp.*", "policy": "offload_remote"}, {"match": "*.attn.q", "policy": ["fp8", "offload_host"]}]
+json.dump(m, open(sys.argv[2], "w"))
+PY
+"$memplan" plan "$tmp/remote.json" -o "$tmp/r.plan.json" -q --sweep &&
+  "$memplan" run "$tmp/r.plan.json" -q -o "$tmp/r.m.json" --trace "$tmp/r.trace.json" &&
+  "$memplan" viz "$tmp/r.plan.json" "$tmp/r.m.json" "$tmp/r.trace.json" -o "$tmp/r.html" >"$tmp/out" \
+  && grep -q "measured, trace" "$tmp/out" && ok || bad "viz with measurement and trace: $(cat "$tmp/out")"
+
+if want reports; then
+# 1. Every bundled example: the report is written.
+examples=0
+for f in "$root"/examples/models/*.json; do
+  n=$(basename "$f" .json)
+  if "$memplan" plan "$f" -o "$tmp/$n.plan.json" -q 2>/dev/null && "$memplan" viz "$tmp/$n.plan.json" -o "$tmp/$n.html" >/dev/null \
+     && [ -s "$tmp/$n.html" ]; then
+    examples=$((examples + 1))
+  else
+    bad "viz: $n"
+  fi
+done
+[ "$examples" -ge 15 ] && ok || bad "reports for $examples examples"
+
+fi
+
+if want browser; then
+# 3. A tiny model, plan only, in the browser.
+"$memplan" plan "$root/examples/models/tiny-llama.json" -o "$tmp/ll.plan.json" -q
+"$memplan" viz "$tmp/ll.plan.json" -o "$tmp/ll.html" >/dev/null && ok || bad "viz tiny-llama"
+browse "$tmp/ll.html" ll && ok || bad "chromium on the plan-only report"
+rendered ll ranks memory schedule && ok || bad "plan-only report: $(tail -3 "$tmp/ll.log")"
+
+# 4. The full report: plan + MEASURED.json + TRACE.json.
+browse "$tmp/r.html" r && ok || bad "chromium on the full report"
+rendered r ranks memory schedule tradeoff && ok || bad "full report: $(tail -3 "$tmp/r.log")"
+# The check's verdict per rank, the measured series, the trace's lanes, the
+# PP balance table.
+grep -q "check: pass" "$tmp/r.dom" && grep -q "measured dp0" "$tmp/r.dom" && grep -q "every rank within the plan" "$tmp/r.dom" \
+  && grep -q 'class="heat"' "$tmp/r.dom" && ok || bad "full report: verdicts, measured series or PP balance missing"
+
+# 5. The K3-like plan (16 ranks, down-sampled timelines) within the limit.
+"$memplan" plan "$root/examples/models/kimi-k3-like.json" -o "$tmp/k3.plan.json" -q
+"$memplan" viz "$tmp/k3.plan.json" -o "$tmp/k3.html" >/dev/null && ok || bad "viz kimi-k3-like"
+start=$(date +%s)
+browse "$tmp/k3.html" k3 && ok || bad "chromium on the K3-like report"
+rendered k3 ranks memory schedule && ok || bad "K3-like report: $(tail -3 "$tmp/k3.log")"
+grep -q "down-sampled to 4000 points" "$tmp/k3.dom" && ok || bad "the K3-like report does not say it down-samples"
+echo "K3-like report: $(( $(date +%s) - start )) s in the browser, $(stat -c %s "$tmp/k3.html") bytes"
+
+fi
+
+if want reports; then
+# 2. Bad input: one line, the exit code, nothing written.
+python3 - "$tmp/r.m.json" "$tmp/other.m.json" <<'PY'
+import json, sys
+m = json.load(open(sys.argv[1]))
+m["plan_digest"] = "sha256:" + "0" * 64
+json.dump(m, open(sys.argv[2], "w"))
+PY
+"$memplan" viz "$tmp/r.plan.json" "$tmp/other.m.json" -o "$tmp/mismatch.html" >"$tmp/out" 2>"$tmp/err"
+rc=$?
+[ "$rc" -eq 4 ] && [ "$(wc -l <"$tmp/err")" -eq 1 ] && [ ! -e "$tmp/mismatch.html" ] && ok \
+  || bad "digest mismatch: exit $rc: $(cat "$tmp/err")"
+"$memplan" viz "$tmp/r.plan.json" "$tmp/other.m.json" -o "$tmp/forced.html" --force >/dev/null 2>"$tmp/err"
+rc=$?
+# The banner's text is in the page's data (the browser tests draw banners).
+[ "$rc" -eq 0 ] && grep -q "warning: .*--force" "$tmp/err" && grep -q "drawn anyway: --force" "$tmp/forced.html" \
+  && ok || bad "--force: exit $rc, no warning: $(cat "$tmp/err")"
+echo '{"schema": "memplan.measured/1", "ranks": [' >"$tmp/broken.json"
+cp "$tmp/r.html" "$tmp/keep.html"
+"$memplan" viz "$tmp/r.plan.json" "$tmp/broken.json" -o "$tmp/keep.html" >"$tmp/out" 2>"$tmp/err"
+rc=$?
+[ "$rc" -eq 2 ] && grep -q "broken.json" "$tmp/err" && cmp -s "$tmp/r.html" "$tmp/keep.html" && ok \
+  || bad "malformed MEASURED.json: exit $rc: $(cat "$tmp/err"); or the old report was touched"
+python3 -c "import json, sys; t = json.load(open(sys.argv[1])); t['traceEvents'] = {}; json.dump(t, open(sys.argv[2], 'w'))" \
+  "$tmp/r.trace.json" "$tmp/bad-trace.json"
+"$memplan" viz "$tmp/r.plan.json" "$tmp/r.m.json" "$tmp/bad-trace.json" -o "$tmp/never.html" >/dev/null 2>"$tmp/err"
+rc=$?
+[ "$rc" -eq 2 ] && grep -q "bad-trace.json: /traceEvents: expected an array" "$tmp/err" && [ ! -e "$tmp/never.html" ] && ok \
+  || bad "malformed TRACE.json: exit $rc: $(cat "$tmp/err")"
+python3 -c "import json, sys; p = json.load(open(sys.argv[1])); p['ranks'] = 'x'; json.dump(p, open(sys.argv[2], 'w'))" \
+  "$tmp/r.plan.json" "$tmp/bad-plan.json"
+"$memplan" viz "$tmp/bad-plan.json" -o "$tmp/never.html" >/dev/null 2>"$tmp/err"
+rc=$?
+[ "$rc" -eq 2 ] && grep -q "/ranks" "$tmp/err" && [ ! -e "$tmp/never.html" ] && ok || bad "malformed plan: exit $rc: $(cat "$tmp/err")"
+
+fi
+
+echo "viz_$section: $pass passed, $fail failed"
+[ "$fail" -eq 0 ]
