@@ -315,7 +315,17 @@ Expected<Json> BuildReportData(const ReportOptions& o, std::vector<std::string>*
       Json rank = {{"pp_rank", mr.pp_rank}, {"dp_rank", mr.dp_rank}, {"peak", mr.peak},
                    {"allocated_peak", mr.allocated_peak}, {"static", mr.static_bytes},
                    {"allocated", Downsample(t, bytes, o.max_points, &reduced)}};
-      if (mr.cupti) rank["cupti_peak"] = mr.cupti->allocated_peak;
+      if (mr.cupti) {
+        // CUPTI's own view of the device's allocations (cuda), when collected.
+        std::vector<double> ct;
+        std::vector<int64_t> cb;
+        for (const auto& pt : mr.cupti->timeline) {
+          ct.push_back(pt.t_us * 1e-6);
+          cb.push_back(pt.allocated_bytes);
+        }
+        rank["cupti_peak"] = mr.cupti->allocated_peak;
+        rank["cupti"] = Downsample(ct, cb, o.max_points, &reduced);
+      }
       ranks.push_back(std::move(rank));
     }
     data["measured"] = {{"backend", measured->backend}, {"allocator", traces::AllocatorOf(*measured)},

@@ -21,7 +21,8 @@ MP.views.memory = (section, data) => {
   for (const m of data.memory) {
     const [t, live] = m.predicted;
     const stepEnd = m.step_s || (t.length ? t[t.length - 1] : 1);
-    const xs = t.slice(), series = [{ label: "t (s)" }], cols = [];
+    const xs = t.slice(), cols = [];
+    const series = [{ label: "t (ms)", value: (u, v) => (v == null ? "--" : (v * 1e3).toFixed(3)) }];
     const add = (label, color, ys, opts = {}) => { series.push(Object.assign({ label, stroke: color, width: 1.5,
       value: (u, v) => (v == null ? "-" : v.toFixed(3) + " " + unit.name) }, opts)); cols.push(ys); };
     add("predicted live", "#4c78a8", live.map((v) => v / unit.div), { fill: "rgba(76,120,168,0.12)", paths: uPlot.paths.stepped({ align: 1 }) });
@@ -36,7 +37,12 @@ MP.views.memory = (section, data) => {
       const [mt, mb] = r.allocated;
       if (!mt.length) continue;
       const t0 = mt[0], span = Math.max(1e-12, mt[mt.length - 1] - t0);
-      extra.push({ label: `measured dp${r.dp_rank}`, t: mt.map((v) => ((v - t0) / span) * stepEnd), y: mb.map((v) => v / unit.div) });
+      extra.push({ label: `measured dp${r.dp_rank}`, color: "#e45756", t: mt.map((v) => ((v - t0) / span) * stepEnd),
+                   y: mb.map((v) => v / unit.div) });
+      if (r.cupti && r.cupti[0].length) {  // CUPTI's records, on the same clock as the allocator's
+        extra.push({ label: `CUPTI dp${r.dp_rank}`, color: "#8c564b", t: r.cupti[0].map((v) => ((v - t0) / span) * stepEnd),
+                     y: r.cupti[1].map((v) => v / unit.div) });
+      }
     }
     let x = xs, ys = cols;
     if (extra.length) {
@@ -46,7 +52,7 @@ MP.views.memory = (section, data) => {
         tx.forEach((v, i) => { out[idx.get(v)] = ty[i]; }); return out; };
       ys = cols.map((c) => at(xs, c));
       for (const e of extra) {
-        series.push({ label: e.label, stroke: "#e45756", width: 1.2, spanGaps: true, paths: uPlot.paths.stepped({ align: 1 }),
+        series.push({ label: e.label, stroke: e.color, width: 1.2, spanGaps: true, paths: uPlot.paths.stepped({ align: 1 }),
           value: (u, v) => (v == null ? "-" : v.toFixed(3) + " " + unit.name) });
         ys.push(at(e.t, e.y));
       }
