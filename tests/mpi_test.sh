@@ -3,7 +3,7 @@
 # the single-process emulation of the same plan (docs/runtime.md, "One
 # process per rank"), and what happens when the launch is wrong or a rank is
 # lost. Skips (77) without mpirun or without MPI in memplan.
-# Usage: mpi_test.sh MEMPLAN [pipeline|data-parallel|optimizers|expert-parallel|faults] (default: all).
+# Usage: mpi_test.sh MEMPLAN [pipeline|data-parallel|zero2|optimizers|expert-parallel|faults] (default: all).
 set -u
 memplan="$1"
 section="${2:-all}"
@@ -185,10 +185,21 @@ PY
 if want data-parallel; then
 data_parallel llama-zero0 "$root/examples/models/tiny-llama.json" 0
 data_parallel llama-zero1 "$root/examples/models/tiny-llama.json" 1
+data_parallel gpt-tied-zero1 "$root/examples/models/tiny-gpt.json" 1
+data_parallel moe-bf16-zero1 "$root/examples/models/tiny-moe.json" 1 \
+  "m['train']['act_dtype'] = m['train']['param_dtype'] = 'bf16'; m['policies'] = [{'match': '*.mlp.*', 'policy': 'recompute'}]"
+data_parallel moe-remote-zero1 "$root/examples/models/tiny-moe.json" 1 \
+  "m['policies'] = [{'match': '*.mlp.*', 'policy': 'offload_remote'}, {'match': '*.attn.*', 'policy': ['fp8', 'offload_remote']}]"
+fi
+
+if want zero2; then
 # ZeRO-2: gradient partitions, each layer's gradients bound to the plan's
-# reduce bucket in backward and reduce-scattered into them pass by pass.
+# reduce bucket in backward and reduce-scattered into them pass by pass
+# (against ZeRO-1's plan: half the gradient bytes, and a bucket).
 data_parallel llama-zero2 "$root/examples/models/tiny-llama.json" 2
-python3 - "$tmp/llama-zero2.dp.m.json" "$tmp/llama-zero2.dp.plan.json" "$tmp/llama-zero1.dp.plan.json" <<'PY' \
+model "$root/examples/models/tiny-llama.json" "$tmp/z1.json" "m.pop('budget', None); m['parallel'].update(dp=2, zero=1)"
+"$memplan" plan "$tmp/z1.json" -o "$tmp/z1.plan.json" -q
+python3 - "$tmp/llama-zero2.dp.m.json" "$tmp/llama-zero2.dp.plan.json" "$tmp/z1.plan.json" <<'PY' \
   && ok || bad "ZeRO-2 did not reduce through its bucket"
 import json, sys
 m, z2, z1 = (json.load(open(f)) for f in sys.argv[1:])
@@ -197,11 +208,6 @@ for r in m["ranks"]:
 for a, b in zip(z1["ranks"], z2["ranks"]):
     assert b["static"]["grads"] * 2 == a["static"]["grads"] and b["static"]["buffer_detail"]["reduce_bucket"] > 0
 PY
-data_parallel gpt-tied-zero1 "$root/examples/models/tiny-gpt.json" 1
-data_parallel moe-bf16-zero1 "$root/examples/models/tiny-moe.json" 1 \
-  "m['train']['act_dtype'] = m['train']['param_dtype'] = 'bf16'; m['policies'] = [{'match': '*.mlp.*', 'policy': 'recompute'}]"
-data_parallel moe-remote-zero1 "$root/examples/models/tiny-moe.json" 1 \
-  "m['policies'] = [{'match': '*.mlp.*', 'policy': 'offload_remote'}, {'match': '*.attn.*', 'policy': ['fp8', 'offload_remote']}]"
 fi
 
 if want optimizers; then
