@@ -6,12 +6,14 @@
   const status = { errors: [], blocked: 0 };
   window.addEventListener("error", (e) => status.errors.push(String(e.message)));
   document.addEventListener("securitypolicyviolation", () => { status.blocked += 1; });
+  const t0 = performance.now();
   const data = JSON.parse(document.getElementById("memplan-data").textContent);
+  document.body.dataset.parseMs = String(Math.round(performance.now() - t0));
   document.getElementById("title").textContent = `memplan report: ${data.name}`;
   const par = data.parallel || {};
   document.getElementById("subtitle").textContent = `plan ${data.digest.slice(0, 19)}… by ${data.generator}, ` +
     `${data.solver} solver; pp ${par.pp} × vp ${par.vp} × dp ${par.dp} × ep ${par.ep} × tp ${par.tp} × cp ${par.cp}; ` +
-    `${data.ranks.length} ranks` + (data.measured ? `; measured on ${data.measured.backend}` : "") +
+    `${data.ranks.length} pipeline ranks` + (data.measured ? `; ${data.measured.ranks.length} ranks measured on ${data.measured.backend}` : "") +
     (data.trace ? "; with TRACE.json" : "");
   const banners = document.getElementById("banners");
   for (const w of data.warnings) banners.append(MP.el("div", { class: "banner", text: "Warning: " + w }));
@@ -27,8 +29,9 @@
   for (const [name, render] of Object.entries(MP.views)) {
     const section = document.getElementById(name);
     try {
-      const before = MP.charts.length;
+      const before = MP.charts.length, t0 = performance.now();
       render(section, data);
+      section.dataset.ms = String(Math.round(performance.now() - t0));
       section.dataset.charts = String(MP.charts.length - before);
       section.dataset.rendered = "ok";
     } catch (e) {
