@@ -262,13 +262,22 @@ for r in m["ranks"]:
     assert e["grad_passes_reduced"] == 8 and e["muon_p2p_gathers"] == 2 and e["expert_exchanges"] > 0, e
 assert sum(r["events"].get("remote_puts", 0) for r in m["ranks"]) > 0
 PY
-# bf16 with recomputed and FP8 routed tensors, ZeRO-0 (all-reduce) and an
-# expert group of one replica (dp = ep).
+# bf16, ZeRO-0 (all-reduce) and an expert group of one replica (dp = ep),
+# with the native router gradient and no dispatch recompute (the expert
+# output saved token side, the dispatched rows saved expert side) and every
+# storage on the routed tensors: fp8, fp8 + host, remote, and a recompute of
+# the last expert GEMM (its return to the token side again in backward).
+mix="[{'match': '*.moe.fc1_in', 'policy': 'fp8'}, {'match': '*.moe.fc1_out', 'policy': ['fp8', 'offload_host']},
+ {'match': '*.moe.fc2_in', 'policy': 'offload_remote'}, {'match': '*.moe.fc2_out', 'policy': 'recompute'},
+ {'match': '*.moe.x', 'policy': ['fp8', 'offload_remote']}]"
 data_parallel moe-ep2-bf16 "$root/examples/models/tiny-moe.json" 0 \
-  "$cap; m['policies'] = [{'match': '*.moe.fc1_out', 'policy': 'recompute'}, {'match': '*.moe.fc2_out', 'policy': 'fp8'}]" 2 2
+  "$cap; m['options'] = {'moe_grad_rewrite': False, 'moe_recompute_dispatch': False}; m['policies'] = $mix" 2 2
 # ZeRO-2 with EP: the dense gradients partitioned over dp, the experts'
 # over their expert data-parallel group (one replica here: dp = ep).
-data_parallel moe-ep2-zero2 "$root/examples/models/tiny-moe.json" 2 "$cap" 2 2
+# The defaults here: the gradient rewrite's scalars sent back to the token
+# side, the dispatch rebuilt in backward.
+data_parallel moe-ep2-zero2 "$root/examples/models/tiny-moe.json" 2 \
+  "$cap; m['policies'] = [{'match': '*.moe.fc1_out', 'policy': ['fp8', 'offload_host']}, {'match': '*.moe.x', 'policy': 'offload_remote'}]" 2 2
 # Past capacity (capacity_factor 1): rows are dropped, said, and the memory
 # is still the plan's to the byte.
 model "$root/examples/models/tiny-moe.json" "$tmp/drop.json" "m['parallel'].update(pp=1, dp=2, ep=2)"
