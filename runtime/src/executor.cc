@@ -131,8 +131,10 @@ void Executor::Step(Rank& r) {
     Post(r.index, RankOfStage(neighbour), blk.forward ? Msg::kActivation : Msg::kGradient,
          StageMsgId(neighbour, blk.microbatch), std::move(msg));
   }
-  if (!blk.forward && local == n - 1 && !blk.next_in_pass && PipelineZero2()) EndGradPass(r, chunk);
-  if (!blk.forward && local == n - 1 && !blk.next_in_pass && Zero2Bucket()) FlushGrads(r, std::exchange(bucket_, {}));
+  if (!blk.forward && local == n - 1 && !blk.next_in_pass) {  // the chunk's backward pass ends
+    if (PipelineZero2()) EndGradPass(r, chunk);
+    if (Zero2Bucket()) FlushGrads(r, std::exchange(bucket_, {}));
+  }
   // Routing offsets live on the host until the layer's backward is over.
   if (!blk.forward && local == n - 1) r.routing.erase({blk.layer, blk.microbatch});
   EndCross(r);
@@ -221,8 +223,7 @@ Expected<std::monostate> Executor::AgreeAcrossRanks(const Expected<std::monostat
     }
   }
   const auto& par = model_.parallel;
-  // EP is carved out of data parallelism (docs/design.md): it adds no ranks.
-  const int64_t grid = par.pp * par.dp * par.tp * par.cp;
+  const int64_t grid = par.Processes();
   if (comm.size() != grid) {
     return BadInput(options_.plan_file + ": launched as " + std::to_string(comm.size()) +
                     " processes, the plan's grid has " + std::to_string(grid) + " ranks (pp " + std::to_string(par.pp) +

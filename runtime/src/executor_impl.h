@@ -456,6 +456,12 @@ class Executor {
   int64_t dp_rank_ = 0;
   std::unique_ptr<Communicator> dp_comm_, ep_comm_, edp_comm_;  // data-parallel, EP, expert data-parallel
   std::unique_ptr<DeviceCommunicator> dense_nccl_, expert_nccl_;  // cuda: the groups' gradients on the device
+  // Waits for the NCCL work enqueued on the rank's ops stream (none: nothing).
+  void SynchronizeNccl(Rank& r) {
+    for (auto* nccl : {dense_nccl_.get(), expert_nccl_.get()}) {
+      if (nccl) nccl->Synchronize(OpsStream(r));
+    }
+  }
   // The stream the rank's ops run on (cuda: a cudaStream_t; host: null).
   void* OpsStream(Rank& r) {
     auto streams = backend_->Streams(*r.dev);

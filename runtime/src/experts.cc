@@ -26,10 +26,16 @@ std::pair<int64_t, int64_t> TokenRun(const Routing& rt, const Shape& s, int64_t 
   return {rt.token_offsets[static_cast<size_t>(d * s.local)], rt.token_offsets[static_cast<size_t>((d + 1) * s.local)]};
 }
 
-std::vector<std::byte> Bytes(const float* from, int64_t floats) {
-  std::vector<std::byte> b(static_cast<size_t>(floats) * 4);
-  if (floats > 0) std::memcpy(b.data(), from, b.size());
-  return b;
+// Token side -> the rows bound for each rank (its run of `mine`).
+std::vector<std::vector<std::byte>> ExpertMessages(const Routing& rt, const Shape& s, const std::vector<float>& mine,
+                                                   int64_t width) {
+  std::vector<std::vector<std::byte>> out(static_cast<size_t>(s.ranks));
+  for (int64_t d = 0; d < s.ranks; ++d) {
+    auto [lo, hi] = TokenRun(rt, s, d);
+    auto* from = reinterpret_cast<const std::byte*>(mine.data() + lo * width);
+    out[static_cast<size_t>(d)].assign(from, from + (hi - lo) * width * 4);
+  }
+  return out;
 }
 
 // Token side -> expert side on host rows: `in[s]` the rows rank s sent (by
@@ -105,12 +111,10 @@ void DispatchToExperts(OpContext& c, Buffer rows, int64_t width) {
   const int64_t capacity = rows.bytes / (width * 4);
   std::vector<float> mine = ToHostFloats(c, rows, rt.token_offsets.back() * width);
   // To each rank: its experts' row counts, then the rows.
-  std::vector<std::vector<std::byte>> out(static_cast<size_t>(s.ranks));
+  std::vector<std::vector<std::byte>> out = ExpertMessages(rt, s, mine, width);
   const size_t header = static_cast<size_t>(s.local) * sizeof(int64_t);
   for (int64_t d = 0; d < s.ranks; ++d) {
-    auto [lo, hi] = TokenRun(rt, s, d);
     std::vector<std::byte>& msg = out[static_cast<size_t>(d)];
-    msg = Bytes(mine.data() + lo * width, (hi - lo) * width);
     std::vector<int64_t> counts(static_cast<size_t>(s.local));
     for (int64_t e = 0; e < s.local; ++e) {
       counts[static_cast<size_t>(e)] = rt.token_offsets[static_cast<size_t>(d * s.local + e + 1)] -
@@ -153,12 +157,7 @@ void ToExperts(OpContext& c, Buffer rows, int64_t width) {
   const Shape s = ShapeOf(c);
   MEMPLAN_CHECK(!rt.kept.empty(), "an expert exchange before its layer's dispatch");
   std::vector<float> mine = ToHostFloats(c, rows, rt.token_offsets.back() * width);
-  std::vector<std::vector<std::byte>> out(static_cast<size_t>(s.ranks));
-  for (int64_t d = 0; d < s.ranks; ++d) {
-    auto [lo, hi] = TokenRun(rt, s, d);
-    out[static_cast<size_t>(d)] = Bytes(mine.data() + lo * width, (hi - lo) * width);
-  }
-  std::vector<std::vector<std::byte>> in = c.ExchangeExperts(std::move(out));
+  std::vector<std::vector<std::byte>> in = c.ExchangeExperts(ExpertMessages(rt, s, mine, width));
   const int64_t capacity = rows.bytes / (width * 4);
   std::vector<float> side = ExpertImage(rt, s, in, 0, capacity, width);
   c.FromHost(rows.ptr, side.data(), capacity * width * 4);

@@ -30,7 +30,7 @@ Expected<std::monostate> Executor::Setup() {
     if (v > 1 && !options_.comm) {
       why.push_back("/model/parallel/" + std::string(name) + " is " + std::to_string(v) +
                     ": data- and expert-parallel ranks run one process per rank (mpirun -np " +
-                    std::to_string(par.pp * par.dp * par.tp * par.cp) + " memplan run ...)");
+                    std::to_string(par.Processes()) + " memplan run ...)");
     }
   }
   if (model_.arch.moe && model_.arch.moe->capacity_factor < 1) {

@@ -422,9 +422,7 @@ void Executor::ReduceGradients() {
     GroupOf(ps).comm->AllReduceSum(g.data(), n);
     backend_->FromHost(*r.stat, ps.grad.ptr, g.data(), n * 4);
   }
-  for (DeviceCommunicator* nccl : {dense_group_.device, expert_group_.device}) {
-    if (nccl) nccl->Synchronize(OpsStream(r));
-  }
+  SynchronizeNccl(r);
   ++r.events["dp_reductions"];
 }
 
@@ -441,9 +439,7 @@ void Executor::GatherWeights() {
     std::vector<std::byte> all = GatherRanges(r, ps, ps.weight.ptr + RangeStart(ps) * width, width);
     backend_->FromHost(*r.stat, ps.weight.ptr, all.data(), n * width);
   }
-  for (DeviceCommunicator* nccl : {dense_group_.device, expert_group_.device}) {
-    if (nccl) nccl->Synchronize(OpsStream(r));
-  }
+  SynchronizeNccl(r);
   ++r.events["dp_weight_gathers"];
 }
 

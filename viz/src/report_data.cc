@@ -23,6 +23,13 @@ using planner::Storage;
 // Times to the nanosecond: shorter JSON, the same picture.
 double Ns(double s) { return std::round(s * 1e9) / 1e9; }
 
+// A plan tensor's effective storage, "fp8+offload_host" for compositions.
+std::string EffectivePolicy(const Json& tensor) {
+  std::string policy;
+  for (const auto& p : tensor["effective"]) policy += (policy.empty() ? "" : "+") + p.get<std::string>();
+  return policy;
+}
+
 std::string StorageName(Storage s) {
   std::string out;
   for (planner::Policy p : planner::StoragePolicies(s)) {
@@ -58,9 +65,7 @@ Json Downsample(const std::vector<double>& x, const std::vector<int64_t>& y, int
 Json RankSummaries(const Json& plan) {
   std::map<int64_t, std::map<std::string, int64_t>> by_policy;  // rank -> policy -> device bytes per microbatch
   for (const auto& t : plan["tensors"]) {
-    std::string policy;
-    for (const auto& p : t["effective"]) policy += (policy.empty() ? "" : "+") + p.get<std::string>();
-    by_policy[t.value("pp_rank", int64_t{0})][policy] += t.value("device_bytes", int64_t{0});
+    by_policy[t.value("pp_rank", int64_t{0})][EffectivePolicy(t)] += t.value("device_bytes", int64_t{0});
   }
   Json out = Json::array();
   const Json& any = plan.value("any_plan_lower_bound", Json::array());
@@ -187,8 +192,7 @@ Json TensorRows(const Json& plan, const planner::PlanningProblem& p, const plann
   }
   Json rows = Json::array();
   for (const auto& t : plan["tensors"]) {
-    std::string policy;
-    for (const auto& x : t["effective"]) policy += (policy.empty() ? "" : "+") + x.get<std::string>();
+    const std::string policy = EffectivePolicy(t);
     const std::string name = t.value("name", std::string());
     auto c = cost_ms.find(name);
     rows.push_back({name, t.value("module", std::string()), t.value("layer", int64_t{0}), t.value("pp_rank", int64_t{0}),

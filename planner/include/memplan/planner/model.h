@@ -120,6 +120,9 @@ struct Parallel {
   // Layers per pipeline rank (length pp). Always filled after parsing.
   std::vector<int64_t> pp_layout;
   bool pp_layout_given = false;
+  // The grid's ranks, one process (GPU) each: EP is carved out of dp
+  // (docs/design.md), so it adds none.
+  int64_t Processes() const { return pp * dp * tp * cp; }
 };
 
 struct Hardware {
