@@ -59,9 +59,11 @@ Expected<Command> ParseCommandLine(const std::vector<std::string>& args) {
   run->add_option("--backend", c.backend, "host (default: CPU reference kernels) or cuda")
       ->check(CLI::IsMember({"host", "cuda"}));
   run->add_option("--allocator", c.allocator,
-                  "cuda: arena (default; one block per rank, the planner's placement: exact bytes) or pool "
-                  "(stream-ordered pool, framework-like)")
-      ->check(CLI::IsMember({"arena", "pool"}));
+                  "arena (default; one block per rank, the planner's placement: a feasibility check, exact by "
+                  "construction), pool (cuda: a stream-ordered pool following the plan's program) or eager (each "
+                  "buffer allocated at its first use and freed after its last, from the system allocator or the "
+                  "CUDA pool: a measurement independent of the plan)")
+      ->check(CLI::IsMember({"arena", "pool", "eager"}));
   run->add_flag("--no-cupti", c.no_cupti, "cuda: do not collect CUPTI's memory records");
   run->add_option("-o,--output", run_out, "write MEASURED.json (memplan.measured/1)");
   run->add_option("--trace", c.trace, "write a Chrome trace (chrome://tracing, Perfetto)");

@@ -251,7 +251,8 @@ int RunExecute(const Command& c) {
   OutputFiles out;
   runtime::RunOptions options;
   options.backend = c.backend == "cuda" ? runtime::BackendKind::kCuda : runtime::BackendKind::kHost;
-  options.cuda_pool = c.allocator == "pool";
+  options.cuda_pool = c.allocator == "pool" || c.allocator == "eager";
+  options.eager = c.allocator == "eager";
   options.cupti = !c.no_cupti;
   options.plan_file = c.input;
   options.trace = !c.trace.empty();

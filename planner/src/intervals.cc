@@ -4,6 +4,7 @@
 // host-offload capacity and the per-instance added time. The timeline they
 // read is BuildProblem's (liveness.cc).
 #include "memplan/planner/liveness.h"
+#include "memplan/planner/program.h"
 
 #include <algorithm>
 #include <cmath>
@@ -93,8 +94,45 @@ void IntervalsOf(const PlanningProblem& p, int32_t rank, int32_t index, Storage 
   EmitInstance(p, rank, index, s, target, done_s, arrive_s, out);
 }
 
+namespace {
+// testing::PerturbLiveness (program.h): off unless a test sets it.
+struct Perturbation {
+  std::string tensor;
+  IntervalPart part = IntervalPart::kFull;
+  int64_t steps = 0;
+};
+Perturbation& TestPerturbation() {
+  static Perturbation p;
+  return p;
+}
+}  // namespace
+
+namespace testing {
+void PerturbLiveness(const std::string& tensor, IntervalPart part, int64_t steps) {
+  TestPerturbation() = {tensor, part, steps};
+}
+void ClearLivenessPerturbation() { TestPerturbation() = {}; }
+}  // namespace testing
+
 void InstanceIntervals(const PlanningProblem& p, const Assignment& a, int32_t rank, std::vector<Interval>* out,
                        TransferStats* stats) {
+  const size_t first_out = out->size();
+  struct Perturb {  // applied on the way out (tests only)
+    const PlanningProblem& p;
+    int32_t rank;
+    std::vector<Interval>* out;
+    size_t from;
+    ~Perturb() {
+      const Perturbation& t = TestPerturbation();
+      if (t.steps == 0) return;
+      for (size_t k = from; k < out->size(); ++k) {
+        Interval& iv = (*out)[k];
+        const Instance& in = p.instances[static_cast<size_t>(iv.owner_rank)][static_cast<size_t>(iv.instance)];
+        if (iv.part != t.part || p.tensors[static_cast<size_t>(iv.owner_rank)][static_cast<size_t>(in.tensor)].name != t.tensor) continue;
+        iv.last = std::clamp<int64_t>(iv.last + t.steps, iv.first, p.timelines[static_cast<size_t>(iv.rank)].steps - 1);
+      }
+    }
+  } perturb{p, rank, out, first_out};
   const auto& insts = p.instances[static_cast<size_t>(rank)];
   const auto& ts = p.tensors[static_cast<size_t>(rank)];
   const auto& st = a.storage[static_cast<size_t>(rank)];

@@ -1,4 +1,5 @@
 #include "memplan/runtime/activation.h"
+#include "activation_impl.h"
 
 #include <algorithm>
 #include <utility>
@@ -13,37 +14,11 @@ using planner::IntervalPart;
 using planner::ProgramBuffer;
 using planner::Storage;
 
-// Where an instance's bytes are at each moment.
-struct ActivationManager::Instance {
-  Buffer full, compact, moved, fetched, restored, extra;  // on the owner rank
-  Buffer landed;                                          // on the remote target
-  Buffer host;                                            // in the owner's host arena
-  Event out_event, in_event;
-  std::vector<std::byte> wire;  // a remote payload between the ranks' buffers
-  bool on_wire = false;
-  bool landed_valid = false;
-  bool fetch_issued = false;
-  uint8_t parts = 0;  // bit per IntervalPart the owner holds
-  bool Has(IntervalPart p) const { return (parts >> static_cast<int>(p)) & 1; }
-};
-
-struct ActivationManager::Rank {
-  int32_t index = 0;
-  RankMemory mem;
-  std::vector<Instance> instances;
-  std::unique_ptr<planner::ProgramWalker> walker;
-  std::vector<ProgramBuffer> allocations;  // of the current step
-  std::unordered_map<int64_t, Buffer> interval_buf;              // interval -> buffer
-  std::unordered_map<int64_t, std::vector<Buffer>> block_bufs;  // block -> per list entry
-  std::unordered_map<int32_t, Buffer> cross_bufs;                // cross buffer index -> buffer
-  std::map<std::string, int64_t> events;
-  std::vector<CopyRecord> copies;
-};
-
 ActivationManager::ActivationManager(const planner::PlanningProblem& problem, const planner::Assignment& assignment,
                                      const std::vector<planner::Interval>& intervals, std::vector<RankMemory> ranks,
-                                     Backend& backend)
-    : p_(problem), a_(assignment), ivs_(intervals), backend_(backend) {
+                                     Backend& backend, MemoryMode mode)
+    : p_(problem), a_(assignment), ivs_(intervals), backend_(backend), mode_(mode) {
+  log_.resize(ranks.size());
   MEMPLAN_CHECK(ranks.size() == p_.instances.size(), "one RankMemory per pipeline rank");
   std::vector<std::vector<size_t>> mine(ranks.size());
   for (size_t r = 0; r < ranks.size(); ++r) {
@@ -62,6 +37,8 @@ ActivationManager::ActivationManager(const planner::PlanningProblem& problem, co
   }
   for (auto& r : ranks_) {
     r->walker = std::make_unique<planner::ProgramWalker>(p_, r->index, ivs_, std::move(mine[static_cast<size_t>(r->index)]));
+    if (mode_.last_access == nullptr || static_cast<size_t>(r->index) >= mode_.last_access->size()) continue;
+    for (const auto& [key, last] : (*mode_.last_access)[static_cast<size_t>(r->index)]) r->frees_at[last].push_back(key);
   }
 }
 
@@ -84,6 +61,7 @@ void ActivationManager::BeginStep(int32_t rank) {
 void ActivationManager::EndStep(int32_t rank) {
   Rank& r = *ranks_[static_cast<size_t>(rank)];
   for (const auto& b : r.walker->Frees()) Free(r, b);
+  if (mode_.eager) EagerEndStep(r);
 }
 
 int64_t ActivationManager::step(int32_t rank) const { return ranks_[static_cast<size_t>(rank)]->walker->step(); }
@@ -93,9 +71,32 @@ const std::vector<ProgramBuffer>& ActivationManager::allocations(int32_t rank) c
 }
 
 void ActivationManager::Allocate(Rank& r, const ProgramBuffer& b) {
-  auto buf = r.mem.device->Allocate(b.bytes);
-  if (!buf.ok()) ThrowError(buf.error().code, buf.error().message);
-  ++r.events["allocations"];
+  // Eager: the plan decides only where copies start: a prefetch's
+  // destination (kept until its last use, as every eager buffer) and a
+  // remote payload's landing buffer on its target (until it goes back).
+  // Every other buffer is allocated at its first use (Access).
+  if (mode_.eager) {
+    if (b.interval < 0) return;
+    const Interval& iv = ivs_[static_cast<size_t>(b.interval)];
+    if (iv.part == IntervalPart::kFetched) {
+      Inst(iv.owner_rank, iv.instance).fetched = InstancePart(iv.owner_rank, iv.instance, IntervalPart::kFetched);
+    } else if (iv.part != IntervalPart::kLanded) {
+      return;
+    }
+  }
+  Expected<Buffer> buf = Buffer{};
+  if (!mode_.eager || ivs_[static_cast<size_t>(b.interval)].part == IntervalPart::kLanded) {
+    buf = r.mem.device->Allocate(b.bytes);
+    if (!buf.ok()) ThrowError(buf.error().code, buf.error().message);
+    ++r.events["allocations"];
+  } else {
+    buf = Inst(ivs_[static_cast<size_t>(b.interval)].owner_rank, ivs_[static_cast<size_t>(b.interval)].instance).fetched;
+  }
+  if (mode_.eager && ivs_[static_cast<size_t>(b.interval)].part == IntervalPart::kLanded) {
+    const Interval& iv = ivs_[static_cast<size_t>(b.interval)];
+    planner::BufferLabel label = planner::InstancePartLabel(p_, iv.owner_rank, iv.instance, iv.part);
+    r.allocation_events.push_back({r.walker->step(), b.bytes, label.name, label.part});
+  }
   if (b.cross >= 0) {
     r.cross_bufs[b.cross] = *buf;
     return;
@@ -155,6 +156,7 @@ void ActivationManager::Allocate(Rank& r, const ProgramBuffer& b) {
 }
 
 void ActivationManager::Free(Rank& r, const ProgramBuffer& b) {
+  if (mode_.eager && (b.interval < 0 || ivs_[static_cast<size_t>(b.interval)].part != IntervalPart::kLanded)) return;
   ++r.events["frees"];
   if (b.cross >= 0) {
     auto it = r.cross_bufs.find(b.cross);
@@ -195,16 +197,30 @@ void ActivationManager::Free(Rank& r, const ProgramBuffer& b) {
       }
       s.landed = Buffer{};
       s.landed_valid = false;
+      if (mode_.eager) {  // after the owner's fetch out of it, if it ran
+        s.in_event.Wait();
+        planner::BufferLabel label = planner::InstancePartLabel(p_, iv.owner_rank, iv.instance, iv.part);
+        r.allocation_events.push_back({r.walker->step(), -b.bytes, label.name, label.part});
+      }
       break;
   }
   r.mem.device->Free(buf);
 }
 
 Buffer ActivationManager::BlockBuffer(int32_t rank, int64_t block, planner::BlockBuffer::Role role, int32_t tensor,
-                                      int32_t op) const {
+                                      int32_t op) {
   const planner::Block& blk = p_.timelines[static_cast<size_t>(rank)].blocks[static_cast<size_t>(block)];
   const planner::LayerBuffers& lb = p_.layer_buffers[static_cast<size_t>(blk.layer)];
   const auto& list = blk.forward ? lb.forward : lb.backward;
+  if (mode_.eager) {
+    // The size of the tensor (or the op's workspace); when it lives is the
+    // executed program's business.
+    for (const planner::BlockBuffer& b : list) {
+      if (b.role != role || b.tensor != tensor || (op >= 0 && b.op != op)) continue;
+      return Access(*ranks_[static_cast<size_t>(rank)],
+                    {1, static_cast<int32_t>(block), static_cast<int32_t>(role), tensor, op}, b.bytes);
+    }
+  }
   for (size_t k = 0; k < list.size(); ++k) {
     const planner::BlockBuffer& b = list[k];
     if (b.role != role || b.tensor != tensor || (op >= 0 && b.op != op)) continue;
@@ -228,26 +244,45 @@ Buffer ActivationManager::BlockBufferAt(int32_t rank, int64_t block, int32_t ind
   return it->second[static_cast<size_t>(index)];
 }
 
-Buffer ActivationManager::Cross(int32_t rank, int32_t index) const {
-  const Rank& r = *ranks_[static_cast<size_t>(rank)];
+Buffer ActivationManager::Cross(int32_t rank, int32_t index, bool* fresh) {
+  Rank& r = *ranks_[static_cast<size_t>(rank)];
+  if (mode_.eager) {
+    const EagerKey key{2, index, 0, 0, 0};
+    if (fresh) *fresh = !r.eager.contains(key);
+    return Access(r, key, p_.cross[static_cast<size_t>(rank)][static_cast<size_t>(index)].bytes);
+  }
+  if (fresh) *fresh = false;
   auto it = r.cross_bufs.find(index);
   MEMPLAN_CHECK(it != r.cross_bufs.end(), "cross buffer used outside its steps");
   return it->second;
 }
 
-Buffer ActivationManager::Forward(int32_t rank, int32_t instance) const {
+Buffer ActivationManager::Forward(int32_t rank, int32_t instance) {
   const Instance& s = Inst(rank, instance);
+  if (mode_.eager) {
+    const planner::Instance& in = p_.instances[static_cast<size_t>(rank)][static_cast<size_t>(instance)];
+    const bool fp8 = planner::IsFp8(a_.storage[static_cast<size_t>(rank)][static_cast<size_t>(in.tensor)]);
+    return InstancePart(rank, instance, s.Has(IntervalPart::kMovedOut) && !fp8 ? IntervalPart::kMovedOut : IntervalPart::kFull);
+  }
   Buffer b = s.full.empty() ? s.moved : s.full;
   MEMPLAN_CHECK(!b.empty(), "instance read outside its forward interval");
   return b;
 }
 
-Buffer ActivationManager::Backward(int32_t rank, int32_t instance) const {
+Buffer ActivationManager::Backward(int32_t rank, int32_t instance) {
   const Instance& s = Inst(rank, instance);
   // Restored (recomputed, dequantized), else the prefetched full payload
   // (an FP8 payload is never read directly), else the kept tensor.
   const planner::Instance& in = p_.instances[static_cast<size_t>(rank)][static_cast<size_t>(instance)];
   bool fp8 = planner::IsFp8(a_.storage[static_cast<size_t>(rank)][static_cast<size_t>(in.tensor)]);
+  if (mode_.eager) {
+    if (s.Has(IntervalPart::kRestored)) return InstancePart(rank, instance, IntervalPart::kRestored);
+    if (s.Has(IntervalPart::kFetched) && !fp8) {
+      MEMPLAN_CHECK(!s.fetched.empty(), "a prefetched instance read before its prefetch");
+      return InstancePart(rank, instance, IntervalPart::kFetched);
+    }
+    return Forward(rank, instance);
+  }
   Buffer b = s.full;
   if (!s.restored.empty()) {
     b = s.restored;
@@ -258,7 +293,10 @@ Buffer ActivationManager::Backward(int32_t rank, int32_t instance) const {
   return b;
 }
 
-Buffer ActivationManager::Scratch(int32_t rank, int32_t instance) const { return Inst(rank, instance).extra; }
+Buffer ActivationManager::Scratch(int32_t rank, int32_t instance) {
+  if (mode_.eager) return InstancePart(rank, instance, IntervalPart::kExtra);
+  return Inst(rank, instance).extra;
+}
 
 void ActivationManager::Save(int32_t rank, int32_t i) {
   Rank& r = *ranks_[static_cast<size_t>(rank)];
@@ -267,6 +305,15 @@ void ActivationManager::Save(int32_t rank, int32_t i) {
   const planner::SavedTensor& st = p_.tensors[static_cast<size_t>(rank)][static_cast<size_t>(in.tensor)];
   Storage storage = a_.storage[static_cast<size_t>(rank)][static_cast<size_t>(in.tensor)];
   const planner::TensorSpec& spec = p_.layers[static_cast<size_t>(st.layer)].tensors[static_cast<size_t>(st.graph_index)];
+  if (mode_.eager) {  // the buffers Save reads and writes, at their first use
+    if (planner::IsFp8(storage)) {
+      s.full = InstancePart(rank, i, IntervalPart::kFull);
+      (s.Has(IntervalPart::kCompact) ? s.compact : s.moved) =
+          InstancePart(rank, i, s.Has(IntervalPart::kCompact) ? IntervalPart::kCompact : IntervalPart::kMovedOut);
+    } else if (s.Has(IntervalPart::kMovedOut)) {
+      s.moved = InstancePart(rank, i, IntervalPart::kMovedOut);
+    }
+  }
   if (planner::IsFp8(storage)) {
     // Values, then the fp32 scales (planner::Fp8Bytes: no padding); a bf16
     // tensor is quantized from its bf16 values.
@@ -290,6 +337,7 @@ void ActivationManager::Save(int32_t rank, int32_t i) {
     if (!h.ok()) ThrowError(h.error().code, h.error().message);
     s.host = *h;
     s.out_event = r.mem.device->CopyAsync(s.host.ptr, s.moved.ptr, bytes, Queue::kD2H);
+    if (mode_.eager) Fence(r, s.moved, s.out_event);
     ++r.events["d2h_copies"];
     r.copies.push_back({Queue::kD2H, std::move(what), s.out_event});
     return;
@@ -297,6 +345,7 @@ void ActivationManager::Save(int32_t rank, int32_t i) {
   ++r.events["link_copies"];
   if (!s.landed.empty()) {
     s.out_event = r.mem.device->CopyAsync(s.landed.ptr, s.moved.ptr, bytes, Queue::kLink);
+    if (mode_.eager) Fence(r, s.moved, s.out_event);
     s.landed_valid = true;
     r.copies.push_back({Queue::kLink, std::move(what), s.out_event});
   } else {
@@ -320,6 +369,14 @@ void ActivationManager::Restore(int32_t rank, int32_t i) {
     }
   }
   if (planner::IsFp8(storage) && s.Has(IntervalPart::kRestored)) {
+    if (mode_.eager) {
+      s.restored = InstancePart(rank, i, IntervalPart::kRestored);
+      if (s.Has(IntervalPart::kFetched)) {
+        s.fetched = InstancePart(rank, i, IntervalPart::kFetched);
+      } else {
+        s.compact = InstancePart(rank, i, IntervalPart::kCompact);
+      }
+    }
     Buffer src = s.Has(IntervalPart::kFetched) ? s.fetched : s.compact;
     const planner::TensorSpec& spec = p_.layers[static_cast<size_t>(st.layer)].tensors[static_cast<size_t>(st.graph_index)];
     int64_t cols = spec.shape.empty() ? 1 : spec.shape.back();
@@ -357,6 +414,10 @@ Buffer ActivationManager::Landed(int32_t owner, int32_t instance) const {
 
 std::vector<CopyRecord> ActivationManager::TakeCopies(int32_t rank) {
   return std::exchange(ranks_[static_cast<size_t>(rank)]->copies, {});
+}
+
+const std::vector<AllocationEvent>& ActivationManager::allocation_events(int32_t rank) const {
+  return ranks_[static_cast<size_t>(rank)]->allocation_events;
 }
 
 const std::map<std::string, int64_t>& ActivationManager::events(int32_t rank) const {

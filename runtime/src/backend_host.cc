@@ -28,6 +28,14 @@ class HostBackend final : public Backend {
     return std::unique_ptr<Device>(std::make_unique<HostDevice>(o));
   }
 
+  Expected<std::unique_ptr<Device>> MakeEagerDevice(const std::string& name, int64_t) override {
+    HostDevice::Options o;
+    o.name = name;
+    o.copy_jitter_us = jitter_us_;
+    o.system_allocator = true;
+    return std::unique_ptr<Device>(std::make_unique<HostDevice>(o));
+  }
+
   Expected<std::unique_ptr<HostArena>> MakeHostArena(const std::string& name, int64_t capacity_bytes) override {
     HostArena::Options o;
     o.capacity_bytes = capacity_bytes;

@@ -98,10 +98,29 @@ void Executor::Step(Rank& r) {
     // (Value() finds rebuilt buffers; an op with several rebuilt outputs runs once.)
     // Producers re-run in topological order (a rebuilt value may feed another).
     std::set<int32_t> rerun;
-    for (const auto& b : acts_->allocations(r.index)) {
-      if (b.interval >= 0 || b.block != static_cast<int32_t>(bi)) continue;
-      const BlockBuffer& bb = lb.backward[static_cast<size_t>(b.buffer)];
-      if (bb.role == BlockBuffer::Role::kRebuilt) rerun.insert(bb.op);
+    if (acts_->eager()) {
+      // Eager: what this op reads that is neither saved nor already
+      // re-made, and what those values' producers read in turn.
+      std::vector<int32_t> need = planner::BackwardReads(g, op);
+      while (!need.empty()) {
+        const int32_t t = need.back();
+        need.pop_back();
+        const size_t ts = static_cast<size_t>(t);
+        if (g.tensors[ts].saved || lb.prod[ts] < 0 || lb.share_layer[ts] >= 0) continue;
+        if (rerun.contains(lb.prod[ts]) ||
+            acts_->HasBlockBuffer(r.index, static_cast<int64_t>(bi), BlockBuffer::Role::kRebuilt, t)) {
+          continue;
+        }
+        rerun.insert(lb.prod[ts]);
+        const OpSpec& producer = g.ops[g.TopologicalOrder()[static_cast<size_t>(lb.prod[ts])]];
+        for (const auto& in : producer.inputs) need.push_back(static_cast<int32_t>(g.FindTensor(in) - g.tensors.data()));
+      }
+    } else {
+      for (const auto& b : acts_->allocations(r.index)) {
+        if (b.interval >= 0 || b.block != static_cast<int32_t>(bi)) continue;
+        const BlockBuffer& bb = lb.backward[static_cast<size_t>(b.buffer)];
+        if (bb.role == BlockBuffer::Role::kRebuilt) rerun.insert(bb.op);
+      }
     }
     for (int32_t op_pos : rerun) {
       Forward(r, bi, op_pos, [&](int32_t t) { return Value(r, bi, t); }, blk.microbatch);
@@ -330,6 +349,11 @@ Expected<RunResult> Executor::RunHere() {
         next_report = steps_done_ + std::max<int64_t>(1, steps_total_ / 10);
       }
     }
+    if (options_.eager_record_only) {  // eager's record pass: its log is all it gives
+      acts_->FinishEager();
+      return RunResult{};
+    }
+    acts_->FinishEager();
     for (auto& r : ranks_) {
       r->dev->Synchronize();
       backend_->Finish(*r->dev);
@@ -358,7 +382,29 @@ Expected<RunResult> Executor::RunHere() {
 }  // namespace exec
 
 Expected<RunResult> RunPlan(const Json& plan, const RunOptions& options) {
-  exec::Executor e(plan, options);
+  if (!options.eager || options.eager_last_access != nullptr || options.eager_record_only) {
+    exec::Executor e(plan, options);
+    return e.Run();
+  }
+  // Eager execution (docs/runtime.md, "Eager execution"): a record pass
+  // logs when each buffer is last used, then the measured pass frees each
+  // at the end of that step.
+  EagerAccessLog log;
+  {
+    RunOptions record = options;
+    record.eager_record_only = true;
+    record.trace = false;
+    record.dump_dir.clear();
+    record.cupti = false;
+    record.progress = nullptr;
+    exec::Executor e(plan, record);
+    auto r = e.Run();
+    if (!r.ok()) return r.error();
+    log = e.access_log();
+  }
+  RunOptions measured = options;
+  measured.eager_last_access = &log;
+  exec::Executor e(plan, measured);
   return e.Run();
 }
 

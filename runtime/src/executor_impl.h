@@ -191,6 +191,8 @@ class Executor {
   Executor(const Json& plan, const RunOptions& options) : plan_json_(plan), options_(options) {}
 
   Expected<RunResult> Run();
+  // Eager execution's record pass: when each buffer was last used.
+  const EagerAccessLog& access_log() const { return acts_->access_log(); }
   // The backend (cuda: from the plugin, with a device), or why not.
   Expected<std::monostate> MakeBackend();
   // Run's work in this process (Run adds the ranks' agreement around it).
@@ -379,6 +381,10 @@ class Executor {
   // After BeginStep: zero the new gradient buffers, fill the new caches.
   // Before EndStep: send the cache gradients whose last reader ran.
   void BeginCross(Rank& r);
+  // Cross buffer `index` of `r`, and what a new one starts with (zeroed
+  // gradients, the cached block from its owner).
+  Buffer CrossBuf(Rank& r, int32_t index);
+  void InitCross(Rank& r, int32_t index, Buffer buf);
   void EndCross(Rank& r);
   // At a layer's first backward step: the other ranks' gradients of its
   // shared tensors, added into their sums.

@@ -1,5 +1,7 @@
 #include "memplan/runtime/host_device.h"
 
+#include <cstdlib>
+
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
@@ -297,7 +299,9 @@ HostArena::Options ArenaOptions(const HostDevice::Options& options) {
 }
 }  // namespace
 
-HostDevice::HostDevice(Options options) : arena_(ArenaOptions(options)) {
+HostDevice::HostDevice(Options options)
+    : arena_(ArenaOptions(options.system_allocator ? Options{4096, 256, options.name, 0, true} : options)),
+      system_(options.system_allocator) {
   for (int q = 0; q < kQueueCount; ++q) {
     engines_[q] = std::make_unique<internal::CopyEngine>(options.copy_jitter_us, static_cast<uint64_t>(q) + 1);
   }
@@ -305,6 +309,32 @@ HostDevice::HostDevice(Options options) : arena_(ArenaOptions(options)) {
 
 HostDevice::~HostDevice() {
   for (auto& e : engines_) e.reset();  // drains: a running copy never outlives the arena
+  for (auto& [ptr, bytes] : heap_) std::free(const_cast<std::byte*>(ptr));
+}
+
+Expected<Buffer> HostDevice::Allocate(int64_t bytes) {
+  if (!system_) return arena_.Allocate(bytes);
+  MEMPLAN_CHECK(bytes >= 0, "negative allocation size");
+  if (bytes == 0) return Buffer{};
+  auto* p = static_cast<std::byte*>(std::malloc(static_cast<size_t>(bytes)));
+  if (p == nullptr) {
+    return Error{ErrorCode::kRuntime, arena_.name() + ": the system allocator is exhausted (" +
+                                          std::to_string(bytes) + " bytes asked)"};
+  }
+  heap_[p] = bytes;
+  heap_bytes_ += bytes;
+  heap_peak_ = std::max(heap_peak_, heap_bytes_);
+  return Buffer{p, 0, bytes};
+}
+
+void HostDevice::Free(Buffer buffer) {
+  if (!system_) return arena_.Free(buffer);
+  if (buffer.empty()) return;
+  auto it = heap_.find(buffer.ptr);
+  MEMPLAN_CHECK(it != heap_.end(), "freeing a buffer that is not live");
+  heap_bytes_ -= it->second;
+  heap_.erase(it);
+  std::free(buffer.ptr);
 }
 
 Event HostDevice::CopyAsync(void* dst, const void* src, int64_t bytes, Queue queue) {

@@ -60,7 +60,7 @@ Expected<RunResult> Executor::Finish(double grad_norm, double step_s) {
   traces::Measured& m = out.measured;
   m.backend = std::string(BackendName(options_.backend));
   // Arenas follow the planner's placement; a pool is the driver's.
-  m.allocator = options_.backend == BackendKind::kCuda && options_.cuda_pool ? "pool" : "arena";
+  m.allocator = options_.eager ? "eager" : options_.backend == BackendKind::kCuda && options_.cuda_pool ? "pool" : "arena";
   m.device = backend_->device_name();
   m.plan_digest = plan_json_.value("digest", std::string());
   m.step_s = step_s;
@@ -75,12 +75,15 @@ Expected<RunResult> Executor::Finish(double grad_norm, double step_s) {
     mr.static_bytes = r->static_bytes;
     mr.allocated_peak = r->static_bytes + r->dev->allocated_peak();
     mr.peak = r->static_bytes + r->dev->high_water();
-    if (m.allocator == "pool") {
+    if (options_.backend == BackendKind::kCuda && m.allocator != "arena") {
       // Both pools' own marks: the driver rounds the statics' pool too.
       mr.pool = traces::PoolMarks{r->stat->high_water() + r->dev->high_water(),
                                   r->stat->used_high_water() + r->dev->used_high_water()};
     }
     mr.timeline = std::move(r->timeline);
+    for (const auto& e : acts_->allocation_events(r->index)) {
+      mr.allocation_timeline.push_back({e.step, e.bytes, e.name, e.part});
+    }
     mr.events = r->events;
     for (const auto& [k, v] : acts_->events(r->index)) mr.events[k] += v;
     m.ranks.push_back(std::move(mr));

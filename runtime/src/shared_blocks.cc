@@ -43,7 +43,7 @@ Buffer Executor::SharedValue(Rank& r, size_t bi, int32_t t) {
   const int32_t owner = static_cast<int32_t>(p_.layout.rank_of_layer[static_cast<size_t>(layer)]);
   const int32_t inst = InstIndex(layer, tensor, blk.microbatch);
   if (owner == r.index) return blk.forward ? acts_->Forward(owner, inst) : acts_->Backward(owner, inst);
-  return acts_->Cross(r.index, cross_index_.at({r.index, owner, inst, Role::kCache}));
+  return CrossBuf(r, cross_index_.at({r.index, owner, inst, Role::kCache}));
 }
 
 Buffer Executor::SharedGrad(Rank& r, size_t bi, int32_t t) {
@@ -52,23 +52,33 @@ Buffer Executor::SharedGrad(Rank& r, size_t bi, int32_t t) {
   const int32_t owner = static_cast<int32_t>(p_.layout.rank_of_layer[static_cast<size_t>(layer)]);
   const int32_t inst = InstIndex(layer, tensor, blk.microbatch);
   const Role role = owner == r.index ? Role::kSharedGrad : Role::kCacheGrad;
-  return acts_->Cross(r.index, cross_index_.at({r.index, owner, inst, role}));
+  return CrossBuf(r, cross_index_.at({r.index, owner, inst, role}));
+}
+
+Buffer Executor::CrossBuf(Rank& r, int32_t index) {
+  bool fresh = false;
+  Buffer buf = acts_->Cross(r.index, index, &fresh);
+  if (fresh) InitCross(r, index, buf);  // eager: at its first use
+  return buf;
+}
+
+void Executor::InitCross(Rank& r, int32_t index, Buffer buf) {
+  const planner::CrossBuffer& c = p_.cross[static_cast<size_t>(r.index)][static_cast<size_t>(index)];
+  if (c.role == Role::kSharedGrad || c.role == Role::kCacheGrad) {
+    r.ops->Zero(buf.ptr, buf.bytes);
+  } else if (c.role == Role::kCache) {
+    // Only the new block travels, once per rank and microbatch.
+    std::vector<std::byte> wire = Take(c.owner_rank, r.index, Msg::kBlockCache, c.instance);
+    MEMPLAN_CHECK(static_cast<int64_t>(wire.size()) == c.bytes, "a cached block has the wrong size");
+    backend_->FromHost(*r.dev, buf.ptr, wire.data(), c.bytes);
+    ++r.events["block_cache_copies"];
+  }
 }
 
 void Executor::BeginCross(Rank& r) {
+  if (acts_->eager()) return;  // eager: each at its first use (CrossBuf)
   for (const auto& b : acts_->allocations(r.index)) {
-    if (b.cross < 0) continue;
-    const planner::CrossBuffer& c = p_.cross[static_cast<size_t>(r.index)][static_cast<size_t>(b.cross)];
-    Buffer buf = acts_->Cross(r.index, b.cross);
-    if (c.role == Role::kSharedGrad || c.role == Role::kCacheGrad) {
-      r.ops->Zero(buf.ptr, buf.bytes);
-    } else if (c.role == Role::kCache) {
-      // Only the new block travels, once per rank and microbatch.
-      std::vector<std::byte> wire = Take(c.owner_rank, r.index, Msg::kBlockCache, c.instance);
-      MEMPLAN_CHECK(static_cast<int64_t>(wire.size()) == c.bytes, "a cached block has the wrong size");
-      backend_->FromHost(*r.dev, buf.ptr, wire.data(), c.bytes);
-      ++r.events["block_cache_copies"];
-    }
+    if (b.cross >= 0) InitCross(r, b.cross, acts_->Cross(r.index, b.cross));
   }
 }
 
@@ -89,7 +99,7 @@ void Executor::EndCross(Rank& r) {
     const planner::CrossBuffer& c = p_.cross[static_cast<size_t>(r.index)][static_cast<size_t>(i)];
     if (c.role != Role::kCacheGrad) continue;
     std::vector<std::byte> wire(static_cast<size_t>(c.bytes));
-    backend_->ToHost(*r.dev, wire.data(), acts_->Cross(r.index, i).ptr, c.bytes);
+    backend_->ToHost(*r.dev, wire.data(), CrossBuf(r, i).ptr, c.bytes);
     Post(r.index, c.owner_rank, Msg::kBlockGrad, c.instance, std::move(wire));
     ++r.events["block_grad_sends"];
   }
@@ -106,7 +116,7 @@ void Executor::ReceiveSharedGrads(Rank& r, size_t bi) {
     if (inbox == cross_index_.end()) continue;  // read on this rank only
     auto senders = grad_senders_.find({r.index, inst});
     MEMPLAN_CHECK(senders != grad_senders_.end(), "a shared block's gradient has no sender");
-    Buffer in = acts_->Cross(r.index, inbox->second);
+    Buffer in = CrossBuf(r, inbox->second);
     Buffer sum = SharedGrad(r, bi, static_cast<int32_t>(t));
     const bool bf16 = g.tensors[t].dtype == planner::DType::kBF16;
     // In the senders' rank order, whatever order they ran in.

@@ -20,7 +20,9 @@ Expected<std::monostate> Executor::MakeRanks() {
     // hence its headroom.
     const bool exact = options_.backend == BackendKind::kHost || !options_.cuda_pool;
     const int64_t statics = p_.statics[static_cast<size_t>(r)].total;
-    auto dev = backend_->MakeDevice(name, exact ? std::max<int64_t>(act, 1) : 2 * act + 64 * kMiB, kActivationAlignment);
+    auto dev = options_.eager ? backend_->MakeEagerDevice(name, 4 * std::max<int64_t>(act, 1) + 64 * kMiB)
+                              : backend_->MakeDevice(name, exact ? std::max<int64_t>(act, 1) : 2 * act + 64 * kMiB,
+                                                     kActivationAlignment);
     if (!dev.ok()) return dev.error();
     rank->dev = std::move(*dev);
     auto stat = backend_->MakeDevice(name + ".static", exact ? std::max<int64_t>(statics, 1) : statics + 64 * kMiB,
@@ -65,7 +67,10 @@ Expected<std::monostate> Executor::MakeRanks() {
   }
   std::vector<RankMemory> mem(static_cast<size_t>(pp));  // another process's rank: none here
   for (auto& r : ranks_) mem[static_cast<size_t>(r->index)] = {r->dev.get(), r->host.get()};
-  acts_ = std::make_unique<ActivationManager>(p_, assign_, eval_.intervals, std::move(mem), *backend_);
+  MemoryMode mode;
+  mode.eager = options_.eager;
+  mode.last_access = options_.eager_last_access;
+  acts_ = std::make_unique<ActivationManager>(p_, assign_, eval_.intervals, std::move(mem), *backend_, mode);
   for (auto& r : ranks_) {
     steps_total_ += p_.timelines[static_cast<size_t>(r->index)].steps;
     InitParams(*r);

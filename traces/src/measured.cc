@@ -173,6 +173,27 @@ MeasuredRank ParseRank(const Json& json, const JsonLocation& where) {
   }
   if (const Json* c = r.Get("cupti")) rank.cupti = ParseCupti(*c, r.At("cupti"));
   if (const Json* p = r.Get("pool")) rank.pool = ParsePool(*p, r.At("pool"));
+  if (const Json* a = r.Get("allocation_timeline")) {
+    const JsonLocation at = r.At("allocation_timeline");
+    const Json& list = ExpectArray(*a, at);
+    int64_t live = 0;
+    for (size_t i = 0; i < list.size(); ++i) {
+      const Json& e = list[i];
+      const JsonLocation ei = at.Child(i);
+      if (!e.is_array() || e.size() != 4 || !e[2].is_string() || !e[3].is_string()) {
+        ThrowAt(ei, "expected [step, bytes, \"name\", \"part\"], got " + Brief(e));
+      }
+      StepAllocation s{ExpectInt(e[0], ei.Child(size_t{0}), 0, kMaxBytes),
+                       ExpectInt(e[1], ei.Child(size_t{1}), -kMaxBytes, kMaxBytes), e[2].get<std::string>(),
+                       e[3].get<std::string>()};
+      if (!rank.allocation_timeline.empty() && s.step < rank.allocation_timeline.back().step) {
+        ThrowAt(ei.Child(size_t{0}), "the allocation timeline goes back in steps");
+      }
+      live += s.bytes;
+      if (live < 0) ThrowAt(ei.Child(size_t{1}), "frees more bytes than were allocated");
+      rank.allocation_timeline.push_back(std::move(s));
+    }
+  }
   r.Finish();
   return rank;
 }
@@ -189,7 +210,13 @@ Expected<Measured> ParseMeasured(const Json& json, const std::string& file) {
     Measured m;
     m.backend = r.Enum("backend", {"host", "cuda"});
     m.source = r.Enum("source", {"runtime", "cupti-injection"}, "runtime");
-    m.allocator = r.Enum("allocator", {"arena", "pool"}, "");
+    m.allocator = r.Enum("allocator", {"arena", "pool", "eager"}, "");
+    if (r.Has("measurement")) {
+      const std::string kind = r.Enum("measurement", {"feasibility", "independent"});
+      if (kind != (m.allocator == "eager" ? "independent" : "feasibility")) {
+        ThrowAt(r.At("measurement"), "\"" + kind + "\" does not match the allocator \"" + AllocatorOf(m) + "\"");
+      }
+    }
     m.device = r.String("device");
     m.plan_digest = r.String("plan_digest");
     // A profile of another program (memplan profile) executed no plan.
@@ -212,7 +239,7 @@ Expected<Measured> ParseMeasured(const Json& json, const std::string& file) {
       }
     }
     for (size_t i = 0; i < m.ranks.size(); ++i) {
-      if (m.ranks[i].pool && AllocatorOf(m) != "pool") {
+      if (m.ranks[i].pool && AllocatorOf(m) == "arena") {
         ThrowAt(r.At("ranks").Child(i).Child("pool"), "pool marks in a measurement whose allocator is \"" +
                                                           AllocatorOf(m) + "\"");
       }
@@ -242,7 +269,10 @@ OrderedJson MeasuredToJson(const Measured& m) {
   j["schema"] = kMeasuredSchema;
   j["backend"] = m.backend;
   j["source"] = m.source;
-  if (!m.allocator.empty()) j["allocator"] = m.allocator;
+  if (!m.allocator.empty()) {
+    j["allocator"] = m.allocator;
+    j["measurement"] = m.allocator == "eager" ? "independent" : "feasibility";
+  }
   j["device"] = m.device;
   j["plan_digest"] = m.plan_digest;
   j["step_s"] = m.step_s;
@@ -293,6 +323,11 @@ OrderedJson MeasuredToJson(const Measured& m) {
       r["cupti"] = std::move(c);
     }
     if (rank.pool) r["pool"] = {{"reserved_peak", rank.pool->reserved_peak}, {"used_peak", rank.pool->used_peak}};
+    if (!rank.allocation_timeline.empty()) {
+      OrderedJson list = OrderedJson::array();
+      for (const auto& e : rank.allocation_timeline) list.push_back({e.step, e.bytes, e.name, e.part});
+      r["allocation_timeline"] = std::move(list);
+    }
     j["ranks"].push_back(std::move(r));
   }
   if (m.process) {

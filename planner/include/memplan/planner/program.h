@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -81,5 +82,43 @@ class ProgramWalker {
   std::vector<int32_t> free_slots_;
   std::vector<ProgramBuffer> allocs_, frees_;
 };
+
+}  // namespace memplan::planner
+
+namespace memplan::planner {
+
+// A buffer in model terms, as `check`, eager execution and viz name it
+// (docs/runtime.md, "Eager execution"): `name` is the tensor (or, for a
+// workspace, the op) and its microbatch, "layer3.mlp.fc1_out@mb1"; `part`
+// what the buffer holds of it: "full", "fp8", "staging" (the payload until
+// its copy-out is over), "fetched", "restored", "recompute", "landed",
+// "value", "rebuilt", "grad", "grad_temp <op>", "workspace", "cache",
+// "shared_grad", "cache_grad", "grad_inbox".
+struct BufferLabel {
+  std::string name, part;
+};
+BufferLabel InstancePartLabel(const PlanningProblem& p, int32_t owner_rank, int32_t instance, IntervalPart part);
+BufferLabel BlockBufferLabel(const PlanningProblem& p, int32_t rank, int64_t block, BlockBuffer::Role role,
+                             int32_t tensor, int32_t op);
+BufferLabel CrossBufferLabel(const PlanningProblem& p, int32_t rank, int32_t index);
+
+// One buffer of a rank's predicted memory program, in model terms.
+struct PredictedBuffer {
+  int64_t first = 0, last = 0, bytes = 0;  // the rank's steps, inclusive
+  BufferLabel label;
+  bool copy_timed = false;  // its end is a copy-out's completion (the time model's)
+};
+// Every buffer of `rank`'s memory program under the plan's intervals, in
+// allocation order.
+std::vector<PredictedBuffer> PredictedBuffers(const PlanningProblem& p, int32_t rank,
+                                              const std::vector<Interval>& intervals);
+
+namespace testing {
+// Test-only: while set, InstanceIntervals extends the `part` interval of
+// every instance of the saved tensor named `tensor` by `steps` (its last
+// step), as a planner with a liveness bug would. Not a user setting.
+void PerturbLiveness(const std::string& tensor, IntervalPart part, int64_t steps);
+void ClearLivenessPerturbation();
+}  // namespace testing
 
 }  // namespace memplan::planner

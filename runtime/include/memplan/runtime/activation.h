@@ -61,6 +61,36 @@ struct RankMemory {
   HostArena* host = nullptr; // receives host offloads
 };
 
+// Eager execution (docs/runtime.md, "Eager execution"): a buffer of the
+// executed program by identity, independent of the planner's intervals: a
+// part of a saved instance, a block buffer by (block, role, tensor, op), or
+// a cross buffer.
+struct EagerKey {
+  int8_t kind = 0;  // 0 instance part, 1 block buffer, 2 cross buffer
+  int32_t a = 0, b = 0, c = 0, d = 0;
+  auto operator<=>(const EagerKey&) const = default;
+};
+// The record pass's log: per rank, each buffer's last access (rank step).
+using EagerAccessLog = std::vector<std::map<EagerKey, int64_t>>;
+
+// One allocation or free of eager execution, in model terms.
+struct AllocationEvent {
+  int64_t step = 0;   // the rank's step (op) at which it happened
+  int64_t bytes = 0;  // > 0 allocated, < 0 freed
+  std::string name;   // planner::BufferName's
+  std::string part;   // planner::BufferName's
+};
+
+// How the manager allocates: the plan's memory program (arena, pool), or
+// eagerly (each buffer at its first use, freed after its last, from the
+// device's own allocator). Eager runs twice: the record pass frees nothing
+// and logs every buffer's last access; the measured pass frees each buffer
+// at the end of its last-access step, once the copies reading it are done.
+struct MemoryMode {
+  bool eager = false;
+  const EagerAccessLog* last_access = nullptr;  // the measured pass; null: record
+};
+
 // A copy the manager started, for traces.
 struct CopyRecord {
   Queue queue = Queue::kD2H;
@@ -73,7 +103,8 @@ class ActivationManager {
   // All references must outlive the manager. `intervals` are the plan's
   // (planner::Evaluate), `ranks` one per pipeline rank.
   ActivationManager(const planner::PlanningProblem& problem, const planner::Assignment& assignment,
-                    const std::vector<planner::Interval>& intervals, std::vector<RankMemory> ranks, Backend& backend);
+                    const std::vector<planner::Interval>& intervals, std::vector<RankMemory> ranks, Backend& backend,
+                    MemoryMode mode = {});
   ~ActivationManager();
   ActivationManager(const ActivationManager&) = delete;
   ActivationManager& operator=(const ActivationManager&) = delete;
@@ -92,22 +123,26 @@ class ActivationManager {
   // its layer's forward/backward list with this role, tensor (and op, for
   // kGradTemp/kWorkspace) whose condition holds in that block. Aborts when
   // it is not live (a bug in the caller or the planner).
+  // Eager: the buffer of (block, role, tensor, op), allocated at its first
+  // use.
   Buffer BlockBuffer(int32_t rank, int64_t block, planner::BlockBuffer::Role role, int32_t tensor,
-                     int32_t op = -1) const;
-  // Entry `index` of the block's list (live).
-  Buffer BlockBufferAt(int32_t rank, int64_t block, int32_t index) const;
+                     int32_t op = -1);
+  // Eager: whether that buffer is live (a rebuilt value already re-made).
+  bool HasBlockBuffer(int32_t rank, int64_t block, planner::BlockBuffer::Role role, int32_t tensor,
+                      int32_t op = -1) const;
   // Cross buffer `index` of `rank` (problem.cross[rank][index]), live. The
   // manager only binds them; the executor fills, zeroes and sends them.
-  Buffer Cross(int32_t rank, int32_t index) const;
+  // Eager: allocated at its first use, which sets *fresh.
+  Buffer Cross(int32_t rank, int32_t index, bool* fresh = nullptr);
 
   // Saved instances (index into problem.instances[rank]).
   // The full tensor from its producer to its last forward reader.
-  Buffer Forward(int32_t rank, int32_t instance) const;
+  Buffer Forward(int32_t rank, int32_t instance);
   // The full tensor through its layer's backward (after Restore).
-  Buffer Backward(int32_t rank, int32_t instance) const;
+  Buffer Backward(int32_t rank, int32_t instance);
   // A recomputed instance's chain scratch (recompute_extra_bytes), at its
   // layer's first backward step.
-  Buffer Scratch(int32_t rank, int32_t instance) const;
+  Buffer Scratch(int32_t rank, int32_t instance);
   void Save(int32_t rank, int32_t instance);
   void Restore(int32_t rank, int32_t instance);
 
@@ -125,6 +160,14 @@ class ActivationManager {
   // Counts: allocations, frees, d2h/h2d/link copies, quantizes, dequantizes.
   const std::map<std::string, int64_t>& events(int32_t rank) const;
 
+  // Eager: after the last step, frees what is left (waiting for copies);
+  // the record pass's log (every rank's, others' empty); each rank's
+  // allocations and frees in order.
+  void FinishEager();
+  const EagerAccessLog& access_log() const { return log_; }
+  const std::vector<AllocationEvent>& allocation_events(int32_t rank) const;
+  bool eager() const { return mode_.eager; }
+
  private:
   struct Instance;
   struct Rank;
@@ -132,12 +175,23 @@ class ActivationManager {
   const Instance& Inst(int32_t rank, int32_t instance) const;
   void Allocate(Rank& r, const planner::ProgramBuffer& b);
   void Free(Rank& r, const planner::ProgramBuffer& b);
+  Buffer BlockBufferAt(int32_t rank, int64_t block, int32_t index) const;
+  // Eager (activation_eager.cc).
+  struct EagerBuffer;
+  Buffer Access(Rank& r, const EagerKey& key, int64_t bytes);
+  Buffer InstancePart(int32_t rank, int32_t instance, planner::IntervalPart part);
+  void Fence(Rank& r, const Buffer& b, const Event& e);
+  void EagerEndStep(Rank& r);
+  void EagerFree(Rank& r, const EagerKey& key);
+  std::pair<std::string, std::string> EagerName(const Rank& r, const EagerKey& key) const;
 
   const planner::PlanningProblem& p_;
   const planner::Assignment& a_;
   const std::vector<planner::Interval>& ivs_;
   Backend& backend_;
   std::vector<std::unique_ptr<Rank>> ranks_;
+  MemoryMode mode_;
+  EagerAccessLog log_;
 };
 
 }  // namespace memplan::runtime

@@ -42,6 +42,13 @@ class Backend {
   // exactly the plan's static bytes.
   virtual Expected<std::unique_ptr<Device>> MakeDevice(const std::string& name, int64_t capacity_bytes,
                                                        int64_t alignment) = 0;
+  // Eager execution's device (docs/runtime.md, "Eager execution"): a
+  // general-purpose allocator, one allocation per buffer: the system
+  // allocator on the host, the stream-ordered pool on CUDA (the backend made
+  // without arenas).
+  virtual Expected<std::unique_ptr<Device>> MakeEagerDevice(const std::string& name, int64_t capacity_bytes) {
+    return MakeDevice(name, capacity_bytes, 256);
+  }
   // Host memory that receives host offloads (pinned on CUDA).
   virtual Expected<std::unique_ptr<HostArena>> MakeHostArena(const std::string& name, int64_t capacity_bytes) = 0;
   // Kernels running in order with `device`'s allocations and frees, using

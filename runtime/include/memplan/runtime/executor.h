@@ -36,6 +36,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -47,6 +48,7 @@
 namespace memplan::runtime {
 
 class Communicator;  // comm.h
+struct EagerKey;     // activation.h
 
 enum class BackendKind { kHost, kCuda };
 std::string_view BackendName(BackendKind kind);  // "host", "cuda"
@@ -57,6 +59,17 @@ struct RunOptions {
   // buffers at the planner's offsets (arena, exact), or a stream-ordered
   // pool (framework-like). The host backend is always an arena.
   bool cuda_pool = false;
+  // Eager execution (docs/runtime.md, "Eager execution"): every buffer
+  // allocated at its first use and freed after its last, by the runtime's
+  // own record of the step, from a general-purpose allocator (host: the
+  // system allocator; cuda: the stream-ordered pool). The plan supplies
+  // decisions only; MEASURED.json gets the allocation timeline, which
+  // `check` compares with the plan step by step.
+  bool eager = false;
+  // Internal to eager execution: the record pass's log (RunPlan runs the
+  // record pass first when eager is set and this is null).
+  const std::vector<std::map<EagerKey, int64_t>>* eager_last_access = nullptr;
+  bool eager_record_only = false;
   // cuda: collect CUPTI's memory records (MEASURED.json's per-rank `cupti`
   // and `process`); a CUPTI that cannot start is a warning.
   bool cupti = true;

@@ -108,6 +108,12 @@ class HostDevice final : public Device {
     // Testing aid: each copy first sleeps a pseudo-random 0..N microseconds
     // (a fixed sequence per queue), to shake the copy engines' timing.
     int64_t copy_jitter_us = 0;
+    // Eager execution (docs/runtime.md, "Eager execution"): every buffer is
+    // its own allocation from the system allocator (malloc of exactly its
+    // bytes, so AddressSanitizer checks each tensor's bounds), not a place
+    // in the arena; capacity and alignment are then unused. The caller
+    // waits for a buffer's copies before freeing it.
+    bool system_allocator = false;
   };
 
   explicit HostDevice(Options options);
@@ -115,12 +121,12 @@ class HostDevice final : public Device {
   ~HostDevice() override;
 
   std::string_view name() const override { return arena_.name(); }
-  Expected<Buffer> Allocate(int64_t bytes) override { return arena_.Allocate(bytes); }
-  void Free(Buffer buffer) override { arena_.Free(buffer); }
+  Expected<Buffer> Allocate(int64_t bytes) override;
+  void Free(Buffer buffer) override;
   int64_t capacity_bytes() const override { return arena_.capacity_bytes(); }
-  int64_t high_water() const override { return arena_.high_water(); }
-  int64_t allocated_bytes() const override { return arena_.allocated_bytes(); }
-  int64_t allocated_peak() const override { return arena_.allocated_peak(); }
+  int64_t high_water() const override { return system_ ? heap_peak_ : arena_.high_water(); }
+  int64_t allocated_bytes() const override { return system_ ? heap_bytes_ : arena_.allocated_bytes(); }
+  int64_t allocated_peak() const override { return system_ ? heap_peak_ : arena_.allocated_peak(); }
 
   // Fences the source and destination on whichever host arenas hold them
   // (this device's, a HostArena, another HostDevice's), then enqueues.
@@ -140,6 +146,10 @@ class HostDevice final : public Device {
 
  private:
   HostArena arena_;
+  // system_allocator: the live buffers (pointer -> bytes) and their bytes.
+  bool system_ = false;
+  std::map<const std::byte*, int64_t> heap_;
+  int64_t heap_bytes_ = 0, heap_peak_ = 0;
   // Declared after the arena: destroyed (drained, joined) before it.
   std::unique_ptr<internal::CopyEngine> engines_[kQueueCount];
 };

@@ -61,6 +61,16 @@ struct CuptiRankBytes {
 // A stream-ordered pool's own marks (allocator "pool"): what it reserved
 // from the driver and what its allocations used; the difference at the
 // peak is the fragmentation the driver added.
+// Eager execution (docs/runtime.md, "Eager execution"): one allocation or
+// free of a rank's activation memory, at the rank's step (op) where it
+// happened, in model terms (planner::BufferLabel). JSON: [step, bytes,
+// "name", "part"], bytes < 0 for a free.
+struct StepAllocation {
+  int64_t step = 0;
+  int64_t bytes = 0;
+  std::string name, part;
+};
+
 struct PoolMarks {
   int64_t reserved_peak = 0;  // bytes
   int64_t used_peak = 0;      // bytes
@@ -74,9 +84,12 @@ struct MeasuredRank {
   std::vector<TimelinePoint> timeline;  // t_us non-decreasing
   std::map<std::string, int64_t> events;  // name -> count
   std::optional<CuptiRankBytes> cupti;    // when CUPTI was collected
-  std::optional<PoolMarks> pool;          // allocator "pool" only
+  std::optional<PoolMarks> pool;          // allocator "pool" (and eager on cuda)
   int64_t dp_rank = 0;  // data-parallel replica (JSON: optional, 0 when absent)
   int64_t ep_rank = 0;  // its place in its EP group, dp_rank % ep (JSON: optional, 0 when absent)
+  // Allocator "eager": every allocation and free in order (JSON
+  // "allocation_timeline"; omitted when empty).
+  std::vector<StepAllocation> allocation_timeline;
 };
 
 // Device bytes of the whole process (CUPTI and cudaMemGetInfo): everything
@@ -92,9 +105,14 @@ struct Measured {
   // Where the numbers come from: "runtime" (memplan run) or
   // "cupti-injection" (memplan profile of another program).
   std::string source = "runtime";
-  // "arena" (one block per rank at the planner's offsets: exact) or "pool"
-  // (a stream-ordered pool); empty in files written before the field
-  // existed, which means what those runs used: see AllocatorOf.
+  // "arena" (one block per rank at the planner's offsets: a feasibility
+  // check, exact by construction), "pool" (a stream-ordered pool following
+  // the planner's program) or "eager" (each buffer allocated at its first
+  // use and freed after its last, from a general-purpose allocator: a
+  // measurement independent of the planner's liveness); empty in files
+  // written before the field existed, which means what those runs used:
+  // see AllocatorOf. JSON also says "measurement": "feasibility" (arena,
+  // pool: the plan's own program replayed) or "independent" (eager).
   std::string allocator;
   std::string device;
   std::string plan_digest;  // "sha256:<64 hex>"
