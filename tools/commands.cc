@@ -26,7 +26,9 @@
 #include "memplan/runtime/comm.h"
 #include "memplan/runtime/executor.h"
 #include "memplan/viz/report.h"
+#include "memplan/planner/replay.h"
 #include "memplan/traces/check.h"
+#include "memplan/traces/timeline_compare.h"
 #include "memplan/traces/measured.h"
 
 namespace memplan::cli {
@@ -160,6 +162,53 @@ int RunViz(const Command& c) {
   return 0;
 }
 
+// Eager runs (docs/runtime.md, "Eager execution"): each rank's allocation
+// timeline against the plan's memory program, step by step; prints a table
+// and every failing rank's first divergence. Whether all pass.
+Expected<bool> CheckEagerTimelines(const Json& plan_json, const std::string& plan_file, const traces::Measured& m) {
+  auto programs = planner::ReplayPrograms(plan_json, plan_file);
+  if (!programs) return programs.error();
+  Table t({"pp_rank", "dp_rank", "steps", "buffers", "divergent", "moved copies", "pred_alloc(MiB)", "meas_alloc(MiB)",
+           "timeline"});
+  bool all = true;
+  std::vector<std::string> failures;
+  for (const auto& mr : m.ranks) {
+    if (mr.pp_rank < 0 || static_cast<size_t>(mr.pp_rank) >= programs->size()) {
+      return Error{ErrorCode::kBadInput, "pp_rank " + std::to_string(mr.pp_rank) + " is not a rank of " + plan_file};
+    }
+    const planner::RankProgram& prog = (*programs)[static_cast<size_t>(mr.pp_rank)];
+    std::vector<traces::PredictedLife> lives;
+    lives.reserve(prog.buffers.size());
+    for (const auto& b : prog.buffers) lives.push_back({b.first, b.last, b.bytes, b.label.name, b.label.part, b.copy_timed});
+    const int64_t steps = static_cast<int64_t>(prog.steps.size());
+    auto describe = [&](int64_t s) {
+      return s >= 0 && s < steps ? prog.steps[static_cast<size_t>(s)] : std::string("after the last step");
+    };
+    traces::TimelineComparison cmp = traces::CompareTimelines(lives, mr.allocation_timeline, steps, describe);
+    all = all && cmp.pass;
+    auto mib = [](int64_t b) { return FormatFixed(static_cast<double>(b) / (1 << 20), 3); };
+    t.AddRow({std::to_string(mr.pp_rank), std::to_string(mr.dp_rank), std::to_string(cmp.steps),
+              std::to_string(cmp.buffers), std::to_string(cmp.divergent_steps), std::to_string(cmp.moved.size()),
+              mib(cmp.predicted_peak), mib(cmp.measured_peak), cmp.pass ? "pass" : "FAIL"});
+    if (!cmp.pass) failures.push_back("pp rank " + std::to_string(mr.pp_rank) + " dp rank " + std::to_string(mr.dp_rank) + ": " + cmp.verdict);
+    if (!cmp.moved.empty()) {
+      int64_t earlier = 0, most = 0;
+      for (const auto& mv : cmp.moved) {
+        earlier += mv.measured_last < mv.predicted_last;
+        most = std::max<int64_t>(most, std::llabs(mv.measured_last - mv.predicted_last));
+      }
+      failures.push_back("pp rank " + std::to_string(mr.pp_rank) + " dp rank " + std::to_string(mr.dp_rank) + ": " +
+                         std::to_string(cmp.moved.size()) + " copy-timed lifetimes moved (" + std::to_string(earlier) +
+                         " copies finished earlier than the time model predicts, " +
+                         std::to_string(cmp.moved.size() - static_cast<size_t>(earlier)) + " later; at most " +
+                         std::to_string(most) + " steps)");
+    }
+  }
+  std::printf("\neager timeline against the plan, step by step (allocated activation bytes):\n%s", t.Render().c_str());
+  for (const auto& f : failures) std::printf("  %s\n", f.c_str());
+  return all;
+}
+
 // Exit 0 when every rank passes, 1 with the offending ranks otherwise.
 int RunCheck(const Command& c) {
   auto plan_json = ReadJsonFile(c.input);
@@ -176,6 +225,15 @@ int RunCheck(const Command& c) {
   auto result = traces::Check(*bounds, *measured, options);
   if (!result) return Fail(result.error());
   std::fputs(traces::RenderCheckTable(*result, !result->pass).c_str(), stdout);
+  if (measured->allocator == "eager") {
+    // An independent measurement: its timeline against the plan's program.
+    auto eager = CheckEagerTimelines(*plan_json, c.input, *measured);
+    if (!eager) return Fail(eager.error());
+    if (!*eager) {
+      return Fail({ErrorCode::kCheckFailed, "check failed: the eager run's allocation timeline diverges from the plan "
+                                            "(first divergence above)"});
+    }
+  }
   const std::string tol = FormatFixed(100 * result->tolerance, 2) + " %";
   if (!result->pass) {
     size_t failed = 0;

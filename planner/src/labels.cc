@@ -4,7 +4,10 @@
 #include <string>
 #include <vector>
 
+#include "memplan/planner/bounds.h"
 #include "memplan/planner/program.h"
+#include "memplan/planner/replay.h"
+#include "memplan/planner/templates.h"
 
 namespace memplan::planner {
 
@@ -89,6 +92,42 @@ std::vector<PredictedBuffer> PredictedBuffers(const PlanningProblem& p, int32_t 
       out.push_back(std::move(pb));
     }
     walk.Frees();
+  }
+  return out;
+}
+
+Expected<std::vector<RankProgram>> ReplayPrograms(const Json& plan, const std::string& file) {
+  auto model = ReadPlanModel(plan, file);
+  if (!model) return model.error();
+  auto layers = ExpandModel(*model);
+  if (!layers) return layers.error();
+  PlanningProblem p;
+  try {
+    p = BuildProblem(*model, std::move(*layers));
+  } catch (const ErrorException& e) {
+    return e.error();
+  }
+  auto assigned = ReadPlanAssignment(plan, file, p);
+  if (!assigned) return assigned.error();
+  const Evaluation eval = Evaluate(p, *assigned, false);
+  std::vector<RankProgram> out(p.timelines.size());
+  for (size_t r = 0; r < out.size(); ++r) {
+    out[r].buffers = PredictedBuffers(p, static_cast<int32_t>(r), eval.intervals);
+    const RankTimeline& tl = p.timelines[r];
+    out[r].steps.reserve(static_cast<size_t>(tl.steps));
+    size_t bi = 0;
+    for (int64_t s = 0; s < tl.steps; ++s) {
+      while (bi + 1 < tl.blocks.size() && tl.blocks[bi + 1].first <= s) ++bi;
+      const Block& blk = tl.blocks[bi];
+      const LayerGraph& g = p.layers[static_cast<size_t>(blk.layer)];
+      const int32_t n = p.layer_buffers[static_cast<size_t>(blk.layer)].ops;
+      const int64_t local = s - blk.first;
+      const int64_t pos = blk.forward ? local : n - 1 - local;
+      const int32_t chunk = p.schedules[r][static_cast<size_t>(tl.step_pass[static_cast<size_t>(s)])].chunk;
+      out[r].steps.push_back(g.ops[g.TopologicalOrder()[static_cast<size_t>(pos)]].name +
+                             (blk.forward ? ".fwd" : ".bwd") + "@mb" + std::to_string(blk.microbatch) +
+                             (p.model->parallel.vp > 1 ? " chunk " + std::to_string(chunk) : std::string()));
+    }
   }
   return out;
 }

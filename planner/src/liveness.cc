@@ -354,6 +354,20 @@ LayerBuffers MakeLayerBuffers(const LayerGraph& g, const std::vector<LayerInfo>&
     push(&lb.backward, B::Role::kRebuilt, B::When::kAlways, static_cast<int32_t>(t), li.prod[t], need_first[t],
          need_last[t], g.tensors[t].bytes);
   }
+  // Saved tensors: their last reader in backward.
+  lb.bwd_last.assign(g.tensors.size(), 0);
+  for (int32_t pos = 0; pos < n; ++pos) {
+    for (int32_t t : BackwardReads(g, g.ops[order[static_cast<size_t>(pos)]])) {
+      lb.bwd_last[static_cast<size_t>(t)] = std::max(lb.bwd_last[static_cast<size_t>(t)], bstep(pos));
+    }
+  }
+  for (size_t u = 0; u < g.tensors.size(); ++u) {
+    if (need_first[u] < 0) continue;  // a rebuilt value: its producer reads its inputs then
+    for (const auto& in : g.ops[order[static_cast<size_t>(li.prod[u])]].inputs) {
+      size_t t = static_cast<size_t>(li.tensor_idx.at(in));
+      lb.bwd_last[t] = std::max(lb.bwd_last[t], need_first[u]);
+    }
+  }
   auto by_first = [](const B& a, const B& b) { return a.first < b.first; };
   std::stable_sort(lb.forward.begin(), lb.forward.end(), by_first);
   std::stable_sort(lb.backward.begin(), lb.backward.end(), by_first);
@@ -621,7 +635,9 @@ PlanningProblem BuildProblem(const Model& model, std::vector<LayerGraph> layers)
             }
           } else {
             in.b_first = block_first;
-            in.b_last = tl.steps - 1;
+            // Shared tensors (read in place by later layers) stay to the end.
+            const LayerBuffers& lbuf = p.layer_buffers[static_cast<size_t>(layer)];
+            in.b_last = li.shared_out[gi] ? tl.steps - 1 : block_first + lbuf.bwd_last[gi];
             in.pf_start = prev_block_first;
           }
         }

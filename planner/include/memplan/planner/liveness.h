@@ -149,6 +149,11 @@ struct LayerBuffers {
   // over every reader, not a block buffer).
   std::vector<int32_t> share_layer, share_index;
   std::vector<uint8_t> shared_out;
+  // Per saved tensor: the local backward step of its last reader (an op's
+  // backward, a producer re-run for a rebuilt value, or the recompute
+  // chains at step 0). Its backward copy lives until then, not until the
+  // layer's backward ends (found by eager execution, docs/runtime.md).
+  std::vector<int32_t> bwd_last;
 };
 
 // Ops whose backward adds into its input gradients without a temporary

@@ -4,11 +4,13 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "memplan/common/json_util.h"
 #include "memplan/common/status.h"
 #include "memplan/planner/liveness.h"
 #include "memplan/planner/model.h"
+#include "memplan/planner/program.h"
 
 namespace memplan::planner {
 
@@ -20,5 +22,15 @@ Expected<Model> ReadPlanModel(const Json& plan, const std::string& file);
 // `p` (the problem rebuilt from the plan's model): one of the legal
 // compositions each, every tensor listed once.
 Expected<Assignment> ReadPlanAssignment(const Json& plan, const std::string& file, const PlanningProblem& p);
+
+// Every pipeline rank's predicted memory program under a plan (its model
+// and storage decisions re-planned by this planner), in model terms: the
+// buffers with their steps, and each step's name ("layer3.mlp.fc1.bwd@mb1",
+// the op, its pass and microbatch). `check` compares eager runs with it.
+struct RankProgram {
+  std::vector<PredictedBuffer> buffers;
+  std::vector<std::string> steps;
+};
+Expected<std::vector<RankProgram>> ReplayPrograms(const Json& plan, const std::string& file);
 
 }  // namespace memplan::planner
