@@ -274,7 +274,16 @@ LayerBuffers MakeLayerBuffers(const LayerGraph& g, const std::vector<LayerInfo>&
         // within the pass, that block's buffer spills into this one.
         push(&lb.backward, B::Role::kGrad, B::When::kPrevNotInPass, ti, prod, 0, bstep(prod), ts.bytes);
       } else if (use >= 0) {
-        push(&lb.backward, B::Role::kGrad, B::When::kAlways, ti, prod, bstep(use), bstep(prod), ts.bytes);
+        // Under the MoE gradient rewrite (the combine's routed input not
+        // saved) the combine's backward writes no gate gradient: the last
+        // expert GEMM's backward does, later (found by eager execution).
+        int32_t writer = use;
+        const OpSpec& last = g.ops[g.TopologicalOrder()[static_cast<size_t>(use)]];
+        if (last.op == OpKind::kCombine && last.inputs.size() > 2 && last.inputs[1] == ts.name) {
+          const size_t routed = static_cast<size_t>(li.tensor_idx.at(last.inputs[0]));
+          if (!g.tensors[routed].saved && li.prod[routed] >= 0) writer = li.prod[routed];
+        }
+        push(&lb.backward, B::Role::kGrad, B::When::kAlways, ti, prod, bstep(writer), bstep(prod), ts.bytes);
       }
     } else if (use >= 0 && li.import_from[t] >= 0) {
       const LayerInfo& pi = info[l - 1];
@@ -355,10 +364,22 @@ LayerBuffers MakeLayerBuffers(const LayerGraph& g, const std::vector<LayerInfo>&
          need_last[t], g.tensors[t].bytes);
   }
   // Saved tensors: their last reader in backward.
-  lb.bwd_last.assign(g.tensors.size(), 0);
+  lb.bwd_last.assign(g.tensors.size(), -1);
   for (int32_t pos = 0; pos < n; ++pos) {
     for (int32_t t : BackwardReads(g, g.ops[order[static_cast<size_t>(pos)]])) {
       lb.bwd_last[static_cast<size_t>(t)] = std::max(lb.bwd_last[static_cast<size_t>(t)], bstep(pos));
+    }
+  }
+  for (int32_t pos = 0; pos < n; ++pos) {
+    // The MoE gradient rewrite: the last expert GEMM's backward reads the
+    // combine's gates and slots (op_impls.cc, ExpertsFc2 backward).
+    const OpSpec& op = g.ops[order[static_cast<size_t>(pos)]];
+    if (op.op != OpKind::kCombine || op.inputs.size() < 3) continue;
+    const size_t routed = static_cast<size_t>(li.tensor_idx.at(op.inputs[0]));
+    if (g.tensors[routed].saved || li.prod[routed] < 0) continue;
+    for (size_t k : {size_t{1}, size_t{2}}) {
+      size_t t = static_cast<size_t>(li.tensor_idx.at(op.inputs[k]));
+      lb.bwd_last[t] = std::max(lb.bwd_last[t], bstep(li.prod[routed]));
     }
   }
   for (size_t u = 0; u < g.tensors.size(); ++u) {
@@ -637,13 +658,38 @@ PlanningProblem BuildProblem(const Model& model, std::vector<LayerGraph> layers)
             in.b_first = block_first;
             // Shared tensors (read in place by later layers) stay to the end.
             const LayerBuffers& lbuf = p.layer_buffers[static_cast<size_t>(layer)];
-            in.b_last = li.shared_out[gi] ? tl.steps - 1 : block_first + lbuf.bwd_last[gi];
+            // A shared tensor (read in place by later layers) lives until its
+            // last reader on this rank (raised below); the others until their
+            // last backward reader, at least the layer's restore step.
+            const int32_t own = lbuf.bwd_last[gi];
+            in.b_last = li.shared_out[gi] ? (own >= 0 ? block_first + own : in.f_last)
+                                          : block_first + std::max(0, own);
             in.pf_start = prev_block_first;
           }
         }
         prev_block_first = block_first;
       };
       for (size_t j = 0; j < chunk.size(); ++j) visit(j);
+    }
+    // Shared tensors: their in-place readers on this rank, forward and
+    // backward (found by eager execution: a block read only through other
+    // ranks' caches is not needed here after its producer).
+    for (const Block& blk : tl.blocks) {
+      const LayerBuffers& lbuf = p.layer_buffers[static_cast<size_t>(blk.layer)];
+      const LayerInfo& li = info[static_cast<size_t>(blk.layer)];
+      for (size_t t = 0; t < lbuf.share_layer.size(); ++t) {
+        const int32_t owner_layer = lbuf.share_layer[t];
+        if (owner_layer < 0 || p.layout.rank_of_layer[static_cast<size_t>(owner_layer)] != r) continue;
+        const int32_t local = blk.forward ? li.last_use[t] : lbuf.bwd_last[t];
+        if (local < 0) continue;
+        const LayerInfo& oi = info[static_cast<size_t>(owner_layer)];
+        const auto k = std::find(oi.saved.begin(), oi.saved.end(), lbuf.share_index[t]) - oi.saved.begin();
+        const auto& bases = tensor_base[static_cast<size_t>(owner_layer)];
+        if (bases.empty() || static_cast<size_t>(k) >= oi.saved.size()) continue;
+        Instance& in = insts[(static_cast<size_t>(bases.front()) + static_cast<size_t>(k)) * static_cast<size_t>(mbs) +
+                             static_cast<size_t>(blk.microbatch)];
+        in.b_last = std::max(in.b_last, blk.first + local);
+      }
     }
     // Block buffers per step.
     std::vector<int64_t> diff(static_cast<size_t>(tl.steps) + 1, 0);

@@ -38,7 +38,7 @@ std::vector<OpDef> MakeTable() {
       {K::kFlashAttention, "flash_attention", {In(0), In(1), In(2), Out(0), Out(1)}, false, {},
        ParamNaming::kByName, kRuns, ""},
       {K::kTopK, "topk", {In(0), Out(0), Out(1)}, false, {}, ParamNaming::kByName, kRuns, ""},
-      {K::kDispatch, "dispatch", {In(1)}, false, {}, ParamNaming::kByName, kRuns, ""},
+      {K::kDispatch, "dispatch", {Out(1)}, false, {}, ParamNaming::kByName, kRuns, ""},
       {K::kCombine, "combine", {InIfSaved(0), In(1), In(2)}, false, {}, ParamNaming::kByName, kRuns, ""},
       {K::kCrossEntropy, "cross_entropy", {Out(0), In(1)}, false, {}, ParamNaming::kByName, kRuns, ""},
       // q, k, v, g, beta and the per-chunk states (its second output).

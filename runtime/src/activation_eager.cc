@@ -60,8 +60,10 @@ Buffer ActivationManager::Access(Rank& r, const EagerKey& key, int64_t bytes) {
   Expected<Buffer> buf = r.mem.device->Allocate(bytes);
   if (!buf.ok()) ThrowError(buf.error().code, buf.error().message);
   ++r.events["allocations"];
-  auto [name, part] = EagerName(r, key);
-  r.allocation_events.push_back({step, bytes, std::move(name), std::move(part)});
+  if (bytes > 0) {  // an empty buffer takes no memory (the plan has none either)
+    auto [name, part] = EagerName(r, key);
+    r.allocation_events.push_back({step, bytes, std::move(name), std::move(part)});
+  }
   r.eager[key].buf = *buf;
   return *buf;
 }
@@ -79,8 +81,10 @@ void ActivationManager::EagerFree(Rank& r, const EagerKey& key) {
   auto it = r.eager.find(key);
   if (it == r.eager.end()) return;
   for (const Event& e : it->second.fences) e.Wait();
-  auto [name, part] = EagerName(r, key);
-  r.allocation_events.push_back({r.walker->step(), -it->second.buf.bytes, std::move(name), std::move(part)});
+  if (it->second.buf.bytes > 0) {
+    auto [name, part] = EagerName(r, key);
+    r.allocation_events.push_back({r.walker->step(), -it->second.buf.bytes, std::move(name), std::move(part)});
+  }
   r.mem.device->Free(it->second.buf);
   ++r.events["frees"];
   r.eager.erase(it);
