@@ -128,6 +128,19 @@ void Executor::MuonStepsSharded(Rank& r, const kernels::AdamConfig& cfg) {
       k.Axpby(w, u + (from - mt.index * n), to - from, 1.f - cfg.lr * cfg.weight_decay,
               -AdjustedLr(cfg, mt.rows, mt.cols), w);
     };
+    // A parameter whose group is this replica alone (routed experts when
+    // dp == ep) is not partitioned: its matrices are orthogonalized where
+    // they are, with no gather (the accounting gives them no room in the
+    // buffer, docs/accounting.md §6b).
+    std::erase_if(mats, [&](const Matrix& mt) {
+      if (GroupOf(*mt.ps).size > 1) return false;
+      const int64_t n = mt.rows * mt.cols;
+      k.Copy(reinterpret_cast<std::byte*>(x), reinterpret_cast<const std::byte*>(OwnGrad(*mt.ps, mt.index * n)), n * 4);
+      Orthogonalize(r, mt.rows, mt.cols);
+      apply(mt, x);
+      return true;
+    });
+    std::erase_if(params, [&](const ParamState* ps) { return GroupOf(*ps).size <= 1; });
     if (!p2p) {
       int64_t at = 0;
       std::map<ParamState*, int64_t> where;
