@@ -114,9 +114,11 @@ TEST_CASE("the seed's claim: a layer saves what a plain-residual layer saves; th
     CHECK(over % block == 0);
     CHECK(over > 0);
     CHECK(over <= blocks);
-    // tiny-attnres: three blocks on each rank (docs/design.md states them);
-    // the travelling blocks cost more, and more on the later rank.
-    CHECK(over == 3 * block);
+    // tiny-attnres: one block on rank 0 and two on rank 1 (docs/design.md;
+    // three on each before eager execution showed that a block read only
+    // through other ranks' caches need not stay on its owner, 2026-12-02);
+    // the travelling blocks cost more.
+    CHECK(over == (r == 0 ? 1 : 2) * block);
     CHECK(et.ranks[r].activations_peak - measured_plain > over);
   }
 }

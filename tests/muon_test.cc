@@ -78,7 +78,7 @@ Json MuonModel(const char* file) {
 
 }  // namespace
 
-TEST_CASE("Muon: the Newton-Schulz scratch is planned, allocated and measured exactly") {
+TEST_CASE("Muon: the Newton-Schulz scratch is planned and allocated as planned (feasibility)") {
   for (const char* file : {"examples/models/tiny-llama.json", "examples/models/tiny-deepseek.json"}) {
     CAPTURE(file);
     Json plan = PlanOf(MuonModel(file));
