@@ -15,7 +15,10 @@ while read -r want file; do
   got=$(sha256sum "$tmp/p.json" | cut -d' ' -f1)
   if [ "$got" = "$want" ]; then pass=$((pass + 1)); else fail=$((fail + 1)); echo "FAIL: $file: plan changed (sha256 $got, recorded $want)"; fi
   case "$file" in examples/*)
-    if "$memplan" viz "$tmp/p.json" -o "$tmp/r.html" >/dev/null 2>"$tmp/err" && [ -s "$tmp/r.html" ]; then
+    # The report carries this plan: its digest and every rank's tensors table.
+    digest=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["digest"])' "$tmp/p.json")
+    if "$memplan" viz "$tmp/p.json" -o "$tmp/r.html" >/dev/null 2>"$tmp/err" && grep -q "$digest" "$tmp/r.html" \
+        && grep -q '"tensors":\["' "$tmp/r.html" && grep -q '"memory":\[{' "$tmp/r.html"; then
       pass=$((pass + 1)); reports=$((reports + 1))
     else
       fail=$((fail + 1)); echo "FAIL: $file: memplan viz: $(cat "$tmp/err")"

@@ -1,6 +1,9 @@
 // Schedule, liveness, solver, rebalancing, bounds and verification.
 #include <doctest/doctest.h>
 
+#include <cstdio>
+#include <cstdlib>
+
 #include <random>
 
 #include <cmath>
@@ -220,8 +223,9 @@ const char* kSolverCorpus[] = {"tests/data/solver/gpt-pp2.json",   "tests/data/s
 
 TEST_CASE("exact is optimal for its objective: never worse than the heuristic; the heuristic's gap is bounded") {
   if (!ExactSolverAvailable()) {
-    MESSAGE("SKIPPED: built without CBC, no exact solver to compare with");
-    return;
+    // A skip, not a pass: Meson counts exit 77 as skipped.
+    std::fprintf(stderr, "SKIPPED: built without CBC, no exact solver to compare with\n");
+    std::exit(77);
   }
   int compared = 0, nonzero = 0, heuristic_misses = 0;
   double worst_gap = 0, sum_h = 0, sum_x = 0;

@@ -601,3 +601,42 @@ TEST_CASE("a profile has one entry per device; check maps devices to ranks only 
   auto runtime_with_flag = Check(Bounds(1000, 600), OneRank("host", 1000, 600), o);
   REQUIRE_FALSE(runtime_with_flag.ok());
 }
+
+TEST_CASE("a cuda run whose CUPTI did not start fails check, unless it was run with --no-cupti") {
+  const PlanBounds plan = Bounds(1'000'000, 500'000);
+  Measured m = OneRank("cuda", 1'000'000, 500'000);
+  m.allocator = "arena";
+  m.cupti_status = "collected";
+  CHECK(Passes(plan, m));
+  m.cupti_status = "off";
+  CHECK(Passes(plan, m));
+  m.cupti_status = "unavailable";
+  auto r = Check(plan, m, {});
+  REQUIRE(r.ok());
+  CHECK_FALSE(r->pass);
+  CHECK(r->cupti_missing);
+  CHECK(RenderCheckTable(*r, true).find("--no-cupti") != std::string::npos);
+  // The field survives MEASURED.json and is refused with another value.
+  Json j = Json::parse(MeasuredToJson(m).dump());
+  auto back = ParseMeasured(j, "m.json");
+  REQUIRE(back.ok());
+  CHECK(back->cupti_status == "unavailable");
+  j["cupti_status"] = "maybe";
+  CHECK_FALSE(ParseMeasured(j, "m.json").ok());
+}
+
+TEST_CASE("an eager allocation timeline round-trips; a free of more than was allocated is refused") {
+  Measured m = OneRank("host", 1'000'000, 500'000);
+  m.allocator = "eager";
+  m.ranks[0].allocation_timeline = {{0, 256, "layer0.x@mb0", "full"}, {3, -256, "layer0.x@mb0", "full"}};
+  Json j = Json::parse(MeasuredToJson(m).dump());
+  CHECK(j["measurement"] == "independent");
+  auto back = ParseMeasured(j, "m.json");
+  REQUIRE_MESSAGE(back.ok(), back.error().message);
+  REQUIRE(back->ranks[0].allocation_timeline.size() == 2);
+  CHECK(back->ranks[0].allocation_timeline[1].bytes == -256);
+  j["ranks"][0]["allocation_timeline"][1][1] = -512;
+  auto bad = ParseMeasured(j, "m.json");
+  REQUIRE_FALSE(bad.ok());
+  CHECK(bad.error().message.find("/ranks/0/allocation_timeline/1/1") != std::string::npos);
+}

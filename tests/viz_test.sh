@@ -69,7 +69,7 @@ m["policies"] = [{"match": "*.mlp.*", "policy": "offload_remote"}, {"match": "*.
 json.dump(m, open(sys.argv[2], "w"))
 PY
 "$memplan" plan "$tmp/remote.json" -o "$tmp/r.plan.json" -q --sweep &&
-  "$memplan" run "$tmp/r.plan.json" -q -o "$tmp/r.m.json" --trace "$tmp/r.trace.json" &&
+  "$memplan" run "$tmp/r.plan.json" --allocator eager -q -o "$tmp/r.m.json" --trace "$tmp/r.trace.json" &&
   "$memplan" viz "$tmp/r.plan.json" "$tmp/r.m.json" "$tmp/r.trace.json" -o "$tmp/r.html" >"$tmp/out" \
   && grep -q "measured, trace" "$tmp/out" && ok || bad "viz with measurement and trace: $(cat "$tmp/out")"
 
@@ -84,9 +84,10 @@ rendered ll ranks memory schedule && ok || bad "plan-only report: $(tail -3 "$tm
 # 3. The full report: plan + MEASURED.json + TRACE.json.
 browse "$tmp/r.html" r && ok || bad "chromium on the full report"
 rendered r ranks memory schedule tradeoff && ok || bad "full report: $(tail -3 "$tmp/r.log")"
-# The check's verdict per rank, the measured series, the trace's lanes, the
-# PP balance table.
-grep -q "check: pass" "$tmp/r.dom" && grep -q "measured dp0" "$tmp/r.dom" && grep -q "every rank within the plan" "$tmp/r.dom" \
+# The check's verdict per rank, the eager run's series and its step-by-step
+# verdict, the trace's lanes, the PP balance table.
+grep -q "check: pass" "$tmp/r.dom" && grep -q "eager dp0" "$tmp/r.dom" && grep -q "eager timeline dp0: pass" "$tmp/r.dom" \
+  && grep -q "every rank within the plan" "$tmp/r.dom" \
   && grep -q 'class="heat"' "$tmp/r.dom" && ok || bad "full report: verdicts, measured series or PP balance missing"
 
 # 4. The K3-like plan (16 ranks, down-sampled timelines) within the limit.

@@ -327,7 +327,7 @@ Expected<RunResult> Executor::RunHere() {
     if (auto s = cuda->start_profiler(co); s.ok()) {
       cupti_ = std::move(*s);
     } else {
-      warnings_.push_back(s.error().message + "; measured without CUPTI");
+      warnings_.push_back(s.error().message + "; measured without CUPTI (memplan check fails this run: rerun, or pass --no-cupti)");
     }
   }
   try {

@@ -88,6 +88,9 @@ Expected<RunResult> Executor::Finish(double grad_norm, double step_s) {
     for (const auto& [k, v] : acts_->events(r->index)) mr.events[k] += v;
     m.ranks.push_back(std::move(mr));
   }
+  if (options_.backend == BackendKind::kCuda) {
+    m.cupti_status = !options_.cupti ? "off" : cupti_ ? "collected" : "unavailable";
+  }
   if (cupti_) {
     CuptiMeasureInput in;
     in.context_bytes = context_bytes_;
@@ -104,6 +107,7 @@ Expected<RunResult> Executor::Finish(double grad_norm, double step_s) {
     if (int64_t dropped = cupti_->dropped_records(); dropped > 0) {
       // A partial record set would fail the check for the wrong reason.
       warnings_.push_back("CUPTI dropped " + std::to_string(dropped) + " records; no CUPTI bytes reported");
+      m.cupti_status = "unavailable";
     } else {
       AttachCupti(*cupti_, in, m);
       if (options_.trace) {

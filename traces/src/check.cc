@@ -89,6 +89,9 @@ Expected<CheckResult> Check(const PlanBounds& plan, const Measured& measured, co
     return Error{ErrorCode::kBadInput,
                  "--tolerance: expected a fraction in [0, 1], got " + FormatFixed(result.tolerance, 4)};
   }
+  // A cuda run asked for CUPTI and did not get it: its measurement lacks
+  // the witness it was meant to have (pass --no-cupti to measure without).
+  result.cupti_missing = measured.backend == "cuda" && measured.cupti_status == "unavailable";
   const bool profile = measured.source == "cupti-injection";
   if (profile != options.ranks_from_devices) {
     return Error{ErrorCode::kBadInput,
@@ -193,6 +196,7 @@ Expected<CheckResult> Check(const PlanBounds& plan, const Measured& measured, co
     result.pass = result.pass && pc.pass;
     result.process = pc;
   }
+  if (result.cupti_missing) result.pass = false;
   return result;
 }
 
@@ -234,6 +238,10 @@ std::string RenderCheckTable(const CheckResult& result, bool failures_only) {
            cell(pc.expected_bytes) + u.substr(1, 3) + " (context " + cell(pc.context_bytes) + u.substr(1, 3) +
            " and profiler " + cell(pc.profiler_bytes) + u.substr(1, 3) + " reported, not counted): " + pc.verdict +
            "\n";
+  }
+  if (result.cupti_missing) {
+    out += "FAIL: CUPTI did not start or dropped records during this cuda run: no witness of its device bytes "
+           "(rerun it, or run with --no-cupti to measure without CUPTI)\n";
   }
   if (result.time && !failures_only) {
     const TimeCheck& tc = *result.time;

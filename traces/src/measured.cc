@@ -245,6 +245,7 @@ Expected<Measured> ParseMeasured(const Json& json, const std::string& file) {
       }
     }
     if (const Json* p = r.Get("process")) m.process = ParseProcess(*p, r.At("process"));
+    m.cupti_status = r.Enum("cupti_status", {"collected", "off", "unavailable"}, "");
     r.Finish();
     // The reader above gives the specific messages; the schema is the net
     // for anything it does not look at.
@@ -330,6 +331,7 @@ OrderedJson MeasuredToJson(const Measured& m) {
     }
     j["ranks"].push_back(std::move(r));
   }
+  if (!m.cupti_status.empty()) j["cupti_status"] = m.cupti_status;
   if (m.process) {
     j["process"] = {{"device_bytes_peak", m.process->device_bytes_peak},
                     {"context_bytes", m.process->context_bytes},

@@ -12,6 +12,8 @@
 #include "memplan/planner/templates.h"
 #include "memplan/traces/check.h"
 #include "memplan/traces/measured.h"
+#include "memplan/traces/timeline_compare.h"
+#include "memplan/planner/program.h"
 #include "memplan/viz/report.h"
 
 namespace memplan::viz {
@@ -319,6 +321,33 @@ Expected<Json> BuildReportData(const ReportOptions& o, std::vector<std::string>*
       Json rank = {{"pp_rank", mr.pp_rank}, {"dp_rank", mr.dp_rank}, {"peak", mr.peak},
                    {"allocated_peak", mr.allocated_peak}, {"static", mr.static_bytes},
                    {"allocated", Downsample(t, bytes, o.max_points, &reduced)}};
+      if (!mr.allocation_timeline.empty() && mr.pp_rank >= 0 && static_cast<size_t>(mr.pp_rank) < p.timelines.size()) {
+        // Eager: the measured live bytes step by step on the plan's clock,
+        // and the first step where they diverge from the plan's program.
+        const planner::RankTimeline& tl = p.timelines[static_cast<size_t>(mr.pp_rank)];
+        std::vector<int64_t> d(static_cast<size_t>(tl.steps) + 2, 0), live(static_cast<size_t>(tl.steps));
+        for (const auto& e : mr.allocation_timeline) {
+          const size_t at = static_cast<size_t>(std::min<int64_t>(e.step + (e.bytes < 0 ? 1 : 0), tl.steps));
+          d[at] += e.bytes;  // a free takes effect after its step
+        }
+        int64_t run = mr.static_bytes;
+        for (size_t s = 0; s < live.size(); ++s) live[s] = run += d[s];
+        std::vector<double> st(tl.start_s.begin(), tl.start_s.end());
+        rank["eager"] = Downsample(st, live, o.max_points, &reduced);
+        std::vector<traces::PredictedLife> lives;
+        for (const auto& b : planner::PredictedBuffers(p, static_cast<int32_t>(mr.pp_rank), eval.intervals)) {
+          lives.push_back({b.first, b.last, b.bytes, b.label.name, b.label.part, b.copy_timed});
+        }
+        auto cmp = traces::CompareTimelines(lives, mr.allocation_timeline, tl.steps,
+                                            [](int64_t s) { return "step " + std::to_string(s); });
+        Json c = {{"pass", cmp.pass}, {"verdict", cmp.verdict}, {"moved", cmp.moved.size()}};
+        if (cmp.first_step && *cmp.first_step < tl.steps) {
+          c["step"] = *cmp.first_step;
+          c["t"] = st[static_cast<size_t>(*cmp.first_step)];
+          c["bytes"] = live[static_cast<size_t>(*cmp.first_step)];
+        }
+        rank["eager_check"] = std::move(c);
+      }
       if (mr.cupti) {
         // CUPTI's own view of the device's allocations (cuda), when collected.
         std::vector<double> ct;

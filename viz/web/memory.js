@@ -14,7 +14,9 @@ MP.views.memory = (section, data) => {
   }
   if (data.measured) {
     plots.append(MP.el("div", { class: "note", text: `Measured: ${data.measured.backend} backend, ` +
-      `${data.measured.allocator} allocator; its clock is scaled so that its timeline spans the predicted step.` }));
+      `${data.measured.allocator} allocator; ` + (data.measured.allocator === "eager"
+        ? "the eager run's live bytes are drawn step by step on the plan's clock, its first divergence from the plan marked."
+        : "its clock is scaled so that its timeline spans the predicted step.") }));
   }
   const verdicts = new Map();
   for (const c of (data.check ? data.check.ranks : [])) verdicts.set(`${c.pp_rank}/${c.dp_rank ?? 0}`, c);
@@ -34,6 +36,15 @@ MP.views.memory = (section, data) => {
     const mine = measured.filter((r) => r.pp_rank === m.pp_rank);
     const extra = [];
     for (const r of mine) {
+      if (r.eager) {  // eager: step by step on the plan's clock, no scaling
+        extra.push({ label: `eager dp${r.dp_rank}`, color: "#f58518", t: r.eager[0], y: r.eager[1].map((v) => v / unit.div) });
+        const c = r.eager_check;
+        if (c && c.t != null) {
+          extra.push({ label: `first divergence dp${r.dp_rank} (step ${c.step})`, color: "#d62728", t: [c.t],
+                       y: [c.bytes / unit.div], points: { show: true, size: 9 } });
+        }
+        continue;
+      }
       const [mt, mb] = r.allocated;
       if (!mt.length) continue;
       const t0 = mt[0], span = Math.max(1e-12, mt[mt.length - 1] - t0);
@@ -52,8 +63,8 @@ MP.views.memory = (section, data) => {
         tx.forEach((v, i) => { out[idx.get(v)] = ty[i]; }); return out; };
       ys = cols.map((c) => at(xs, c));
       for (const e of extra) {
-        series.push({ label: e.label, stroke: e.color, width: 1.2, spanGaps: true, paths: uPlot.paths.stepped({ align: 1 }),
-          value: (u, v) => (v == null ? "-" : v.toFixed(3) + " " + unit.name) });
+        series.push(Object.assign({ label: e.label, stroke: e.color, width: 1.2, spanGaps: true, paths: uPlot.paths.stepped({ align: 1 }),
+          value: (u, v) => (v == null ? "-" : v.toFixed(3) + " " + unit.name) }, e.points ? { points: e.points, paths: () => null } : {}));
         ys.push(at(e.t, e.y));
       }
       for (let i = 1; i < series.length; ++i) series[i].spanGaps = true;
@@ -67,6 +78,12 @@ MP.views.memory = (section, data) => {
       series,
     }, [x, ...ys]).root.parentElement;
     const checks = mine.map((r) => verdicts.get(`${r.pp_rank}/${r.dp_rank}`) || verdicts.get(`${r.pp_rank}/0`)).filter(Boolean);
+    for (const r of mine.filter((x) => x.eager_check)) {
+      const c = r.eager_check;
+      box.append(MP.el("div", {}, [MP.el("span", { class: "verdict " + (c.pass ? "pass" : "fail"),
+        text: `eager timeline dp${r.dp_rank}: ${c.pass ? "pass" : "FAIL"}` }),
+        ` — step by step against the plan's program${c.moved ? `, ${c.moved} copy-timed lifetimes moved` : ""}: ${c.verdict}`]));
+    }
     for (const c of checks) {
       box.append(MP.el("div", {}, [MP.el("span", { class: "verdict " + (c.pass ? "pass" : "fail"),
         text: `check${c.dp_rank != null ? " dp" + c.dp_rank : ""}: ${c.pass ? "pass" : "FAIL"}` }),

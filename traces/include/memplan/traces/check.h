@@ -110,6 +110,8 @@ struct CheckResult {
   bool pass = false;             // every rank (and the process) passes
   std::vector<RankCheck> ranks;  // in the plan's rank order
   std::optional<ProcessCheck> process;
+  // A cuda run whose CUPTI did not start or dropped records (fails).
+  bool cupti_missing = false;
 };
 
 // Compares plan and measurement rank by rank. Errors: kDigestMismatch when

@@ -124,6 +124,10 @@ struct Measured {
   double grad_norm = 0;
   std::vector<MeasuredRank> ranks;  // (pp_rank, dp_rank) unique
   std::optional<MeasuredProcess> process;
+  // cuda runs: "collected", "off" (--no-cupti) or "unavailable" (CUPTI did
+  // not start, or dropped records); empty on the host and in older files.
+  // `check` fails an "unavailable" run: the measurement lacks its witness.
+  std::string cupti_status;
 };
 
 // The measurement's allocator: `allocator`, or where it is empty "arena"
