@@ -4,8 +4,8 @@
 # gradient offload, AdamW or Muon with either gather, storage mixes and
 # budgets — planned, run under mpirun in eager mode (one process per rank)
 # and checked step by step against the plan. Seeded (MEMPLAN_PROPERTY_SEED,
-# default fixed), bounded in time (MEMPLAN_PROPERTY_SECONDS, default 25) and
-# in count (MEMPLAN_PROPERTY_CASES, default 7); a failure prints its seed,
+# default fixed), bounded in time (MEMPLAN_PROPERTY_SECONDS, default 20) and
+# in count (MEMPLAN_PROPERTY_CASES, default 6); a failure prints its seed,
 # its configuration and how to rerun it. Skips (77) without mpirun or MPI.
 # Usage: eager_property_test.sh MEMPLAN
 set -u
@@ -24,9 +24,9 @@ python3 - "$memplan" "$root" "$tmp" <<'PY'
 import json, os, random, subprocess, sys, time
 
 memplan, root, tmp = sys.argv[1:4]
-seed0 = int(os.environ.get("MEMPLAN_PROPERTY_SEED", "20261202"))
-budget_s = float(os.environ.get("MEMPLAN_PROPERTY_SECONDS", "25"))
-cases = int(os.environ.get("MEMPLAN_PROPERTY_CASES", "7"))
+seed0 = int(os.environ.get("MEMPLAN_PROPERTY_SEED", "20261208"))
+budget_s = float(os.environ.get("MEMPLAN_PROPERTY_SECONDS", "20"))
+cases = int(os.environ.get("MEMPLAN_PROPERTY_CASES", "6"))
 only = os.environ.get("MEMPLAN_PROPERTY_ONLY")  # rerun one case: its seed
 
 MODELS = ["tiny-gpt", "tiny-llama", "tiny-deepseek", "tiny-moe", "tiny-k3-fp32"]

@@ -90,9 +90,12 @@ inline int64_t Elements(const std::vector<int64_t>& shape) {
 inline Error BadInput(const std::string& msg) { return Error{ErrorCode::kBadInput, msg}; }
 
 // Arena alignments (Backend::MakeDevice): the planner's placement granule
-// for activations; fp32 words for the packed static arena.
+// for activations; 256 B for the static arena too (what cudaMalloc gives and
+// vectorized kernels and cuBLAS expect of every weight, gradient and
+// workspace), with the padding as headroom: the static bytes counted are the
+// requested ones, the plan's exactly.
 inline constexpr int64_t kActivationAlignment = 256;
-inline constexpr int64_t kStaticAlignment = 4;
+inline constexpr int64_t kStaticAlignment = 256;
 
 // --- Static state -------------------------------------------------------------
 

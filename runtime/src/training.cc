@@ -25,8 +25,12 @@ Expected<std::monostate> Executor::MakeRanks() {
                                                      kActivationAlignment);
     if (!dev.ok()) return dev.error();
     rank->dev = std::move(*dev);
-    auto stat = backend_->MakeDevice(name + ".static", exact ? std::max<int64_t>(statics, 1) : statics + 64 * kMiB,
-                                     kStaticAlignment);
+    // Each static buffer is padded to the alignment: the plan's buffers and
+    // up to six per parameter (weight, gradient, m, v, master, partition).
+    int64_t static_buffers = static_cast<int64_t>(p_.statics[static_cast<size_t>(r)].buffer_detail.size()) + 1;
+    for (int64_t l : p_.layout.LayersOfRank(r)) static_buffers += 6 * static_cast<int64_t>(G(l).params.size());
+    const int64_t padded = statics + kStaticAlignment * static_buffers;
+    auto stat = backend_->MakeDevice(name + ".static", exact ? padded : padded + 64 * kMiB, kStaticAlignment);
     if (!stat.ok()) return stat.error();
     rank->stat = std::move(*stat);
     // Host memory for host offloads: at most every payload at once.
