@@ -480,6 +480,14 @@ PlanningProblem BuildProblem(const Model& model, std::vector<LayerGraph> layers)
   LinkShared(p.layers, &info, model.file);
   LinkLayers(p.layers, &info);
   for (size_t l = 0; l < p.layers.size(); ++l) p.layer_buffers.push_back(MakeLayerBuffers(p.layers[l], info, l));
+  // Per layer: its tensors that are earlier layers' shared blocks, read in place.
+  std::vector<std::vector<int32_t>> shared_reads(p.layers.size());
+  for (size_t l = 0; l < p.layers.size(); ++l) {
+    const auto& share = p.layer_buffers[l].share_layer;
+    for (size_t t = 0; t < share.size(); ++t) {
+      if (share[t] >= 0) shared_reads[l].push_back(static_cast<int32_t>(t));
+    }
+  }
 
   // --- Saved tensors per rank ------------------------------------------------
   p.tensors.resize(static_cast<size_t>(pp));
@@ -677,9 +685,10 @@ PlanningProblem BuildProblem(const Model& model, std::vector<LayerGraph> layers)
     for (const Block& blk : tl.blocks) {
       const LayerBuffers& lbuf = p.layer_buffers[static_cast<size_t>(blk.layer)];
       const LayerInfo& li = info[static_cast<size_t>(blk.layer)];
-      for (size_t t = 0; t < lbuf.share_layer.size(); ++t) {
+      for (const int32_t ti : shared_reads[static_cast<size_t>(blk.layer)]) {
+        const size_t t = static_cast<size_t>(ti);
         const int32_t owner_layer = lbuf.share_layer[t];
-        if (owner_layer < 0 || p.layout.rank_of_layer[static_cast<size_t>(owner_layer)] != r) continue;
+        if (p.layout.rank_of_layer[static_cast<size_t>(owner_layer)] != r) continue;
         const int32_t local = blk.forward ? li.last_use[t] : lbuf.bwd_last[t];
         if (local < 0) continue;
         const LayerInfo& oi = info[static_cast<size_t>(owner_layer)];
