@@ -131,5 +131,6 @@ print(f"eager property: {passed} configurations planned, run under mpirun and ch
       f"{failed} failed, {refused} refused as invalid ({time.time() - start:.1f} s, seed {seed0})")
 if failed:
     print("rerun one: MEMPLAN_PROPERTY_ONLY=<seed> tests/eager_property_test.sh build/tools/memplan")
+print(f"eager property: {passed} passed, {failed} failed")  # scripts/count-tests reads this line
 sys.exit(1 if failed or passed < 3 else 0)
 PY
