@@ -75,27 +75,27 @@ void ActivationManager::Allocate(Rank& r, const ProgramBuffer& b) {
   // destination (kept until its last use, as every eager buffer) and a
   // remote payload's landing buffer on its target (until it goes back).
   // Every other buffer is allocated at its first use (Access).
-  if (mode_.eager) {
+  auto allocate = [&] {
+    auto made = r.mem.device->Allocate(b.bytes);
+    if (!made.ok()) ThrowError(made.error().code, made.error().message);
+    ++r.events["allocations"];
+    return *made;
+  };
+  Expected<Buffer> buf = Buffer{};
+  if (!mode_.eager) {
+    buf = allocate();
+  } else {
     if (b.interval < 0) return;
     const Interval& iv = ivs_[static_cast<size_t>(b.interval)];
     if (iv.part == IntervalPart::kFetched) {
-      Inst(iv.owner_rank, iv.instance).fetched = InstancePart(iv.owner_rank, iv.instance, IntervalPart::kFetched);
-    } else if (iv.part != IntervalPart::kLanded) {
+      buf = Inst(iv.owner_rank, iv.instance).fetched = InstancePart(iv.owner_rank, iv.instance, IntervalPart::kFetched);
+    } else if (iv.part == IntervalPart::kLanded) {
+      buf = allocate();
+      planner::BufferLabel label = planner::InstancePartLabel(p_, iv.owner_rank, iv.instance, iv.part);
+      r.allocation_events.push_back({r.walker->step(), b.bytes, label.name, label.part});
+    } else {
       return;
     }
-  }
-  Expected<Buffer> buf = Buffer{};
-  if (!mode_.eager || ivs_[static_cast<size_t>(b.interval)].part == IntervalPart::kLanded) {
-    buf = r.mem.device->Allocate(b.bytes);
-    if (!buf.ok()) ThrowError(buf.error().code, buf.error().message);
-    ++r.events["allocations"];
-  } else {
-    buf = Inst(ivs_[static_cast<size_t>(b.interval)].owner_rank, ivs_[static_cast<size_t>(b.interval)].instance).fetched;
-  }
-  if (mode_.eager && ivs_[static_cast<size_t>(b.interval)].part == IntervalPart::kLanded) {
-    const Interval& iv = ivs_[static_cast<size_t>(b.interval)];
-    planner::BufferLabel label = planner::InstancePartLabel(p_, iv.owner_rank, iv.instance, iv.part);
-    r.allocation_events.push_back({r.walker->step(), b.bytes, label.name, label.part});
   }
   if (b.cross >= 0) {
     r.cross_bufs[b.cross] = *buf;
@@ -337,7 +337,7 @@ void ActivationManager::Save(int32_t rank, int32_t i) {
     if (!h.ok()) ThrowError(h.error().code, h.error().message);
     s.host = *h;
     s.out_event = r.mem.device->CopyAsync(s.host.ptr, s.moved.ptr, bytes, Queue::kD2H);
-    if (mode_.eager) Fence(r, s.moved, s.out_event);
+    if (mode_.eager) Fence(r, {0, rank, i, static_cast<int32_t>(IntervalPart::kMovedOut), 0}, s.out_event);
     ++r.events["d2h_copies"];
     r.copies.push_back({Queue::kD2H, std::move(what), s.out_event});
     return;
@@ -345,7 +345,7 @@ void ActivationManager::Save(int32_t rank, int32_t i) {
   ++r.events["link_copies"];
   if (!s.landed.empty()) {
     s.out_event = r.mem.device->CopyAsync(s.landed.ptr, s.moved.ptr, bytes, Queue::kLink);
-    if (mode_.eager) Fence(r, s.moved, s.out_event);
+    if (mode_.eager) Fence(r, {0, rank, i, static_cast<int32_t>(IntervalPart::kMovedOut), 0}, s.out_event);
     s.landed_valid = true;
     r.copies.push_back({Queue::kLink, std::move(what), s.out_event});
   } else {

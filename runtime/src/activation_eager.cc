@@ -68,13 +68,9 @@ Buffer ActivationManager::Access(Rank& r, const EagerKey& key, int64_t bytes) {
   return *buf;
 }
 
-void ActivationManager::Fence(Rank& r, const Buffer& b, const Event& e) {
-  for (auto& [key, eb] : r.eager) {
-    if (eb.buf.ptr == b.ptr && !b.empty()) {
-      eb.fences.push_back(e);
-      return;
-    }
-  }
+void ActivationManager::Fence(Rank& r, const EagerKey& key, const Event& e) {
+  auto it = r.eager.find(key);
+  if (it != r.eager.end()) it->second.fences.push_back(e);
 }
 
 void ActivationManager::EagerFree(Rank& r, const EagerKey& key) {

@@ -180,7 +180,7 @@ class ActivationManager {
   struct EagerBuffer;
   Buffer Access(Rank& r, const EagerKey& key, int64_t bytes);
   Buffer InstancePart(int32_t rank, int32_t instance, planner::IntervalPart part);
-  void Fence(Rank& r, const Buffer& b, const Event& e);
+  void Fence(Rank& r, const EagerKey& key, const Event& e);  // a copy reading or writing it
   void EagerEndStep(Rank& r);
   void EagerFree(Rank& r, const EagerKey& key);
   std::pair<std::string, std::string> EagerName(const Rank& r, const EagerKey& key) const;
