@@ -99,6 +99,40 @@ rendered k3 ranks memory schedule && ok || bad "K3-like report: $(tail -3 "$tmp/
 grep -q "down-sampled to 4000 points" "$tmp/k3.dom" && ok || bad "the K3-like report does not say it down-samples"
 echo "K3-like report: $(( $(date +%s) - start )) s in the browser, $(stat -c %s "$tmp/k3.html") bytes"
 
+# 5. Hostile strings (issue 23, class 1): a model name and trace events
+# whose names open an HTML comment and a script, close the data element, or
+# carry an entity. The page's data is JSON inside a <script> element; these
+# strings must neither end it nor swallow the page's own scripts, and the
+# name must come back as written.
+python3 - "$tmp/remote.json" "$tmp/r.trace.json" "$tmp/h.json" "$tmp/h.trace.json" <<'PY'
+import json, sys
+hostile = '<!--<script x</script><!-- &amp; \\u003c>'
+m = json.load(open(sys.argv[1]))
+m["name"] = "tiny " + hostile
+json.dump(m, open(sys.argv[3], "w"))
+t = json.load(open(sys.argv[2]))
+n = 0
+for e in t["traceEvents"]:
+    if e.get("ph") == "X" and n < 5:
+        e["name"] = hostile + e["name"]
+        e["cat"] = hostile
+        n += 1
+assert n == 5
+json.dump(t, open(sys.argv[4], "w"))
+PY
+"$memplan" plan "$tmp/h.json" -o "$tmp/h.plan.json" -q &&
+  "$memplan" run "$tmp/h.plan.json" -q -o "$tmp/h.m.json" &&
+  "$memplan" viz "$tmp/h.plan.json" "$tmp/h.m.json" "$tmp/h.trace.json" --force -o "$tmp/h.html" >/dev/null 2>&1 \
+  && ok || bad "viz with hostile strings"
+browse "$tmp/h.html" h && ok || bad "chromium on the hostile report"
+rendered h ranks memory schedule && ok || bad "hostile strings blank the report: $(tail -3 "$tmp/h.log")"
+python3 - "$tmp/h.dom" <<'PY' && ok || bad "the hostile model name is not shown as written"
+import html, sys
+dom = open(sys.argv[1]).read()
+want = html.escape("tiny <!--<script x</script><!-- &amp; \\u003c>", quote=False)
+assert want in dom, "name not found"
+PY
+
 fi
 
 if want reports; then
@@ -130,6 +164,33 @@ python3 -c "import json, sys; t = json.load(open(sys.argv[1])); t['traceEvents']
 rc=$?
 [ "$rc" -eq 2 ] && grep -q "bad-trace.json: /traceEvents: expected an array" "$tmp/err" && [ ! -e "$tmp/never.html" ] && ok \
   || bad "malformed TRACE.json: exit $rc: $(cat "$tmp/err")"
+# Trace events with fields of the wrong type (issue 23, class 2): exit 2 at
+# the field, not an internal error; a bare-array trace (the Trace Event
+# format's other form) is read.
+checked=0
+for field in 'pid="0"' 'tid="a"' 'tid=1.5' 'name=7' 'cat=[1]' 'args=3'; do
+  python3 - "$tmp/r.trace.json" "$tmp/typed.json" "$field" <<'PY'
+import json, sys
+t = json.load(open(sys.argv[1]))
+key, value = sys.argv[3].split("=", 1)
+events = t["traceEvents"]
+ph = "M" if key == "args" else "X"
+i = next(i for i, e in enumerate(events) if e.get("ph") == ph and (ph == "X" or e.get("name") == "thread_name"))
+events[i][key] = json.loads(value)
+print(i, file=open(sys.argv[2] + ".index", "w"))
+json.dump(t, open(sys.argv[2], "w"))
+PY
+  i=$(cat "$tmp/typed.json.index")
+  "$memplan" viz "$tmp/r.plan.json" "$tmp/r.m.json" "$tmp/typed.json" -o "$tmp/never.html" >/dev/null 2>"$tmp/err"
+  rc=$?
+  [ "$rc" -eq 2 ] && grep -q "typed.json: /traceEvents/$i/${field%%=*}: expected" "$tmp/err" && [ "$(wc -l <"$tmp/err")" -eq 1 ] \
+    && [ ! -e "$tmp/never.html" ] && checked=$((checked + 1)) || bad "trace field $field: exit $rc: $(cat "$tmp/err")"
+done
+[ "$checked" -eq 6 ] && ok
+python3 -c "import json, sys; json.dump(json.load(open(sys.argv[1]))['traceEvents'], open(sys.argv[2], 'w'))" \
+  "$tmp/r.trace.json" "$tmp/bare.json"
+"$memplan" viz "$tmp/r.plan.json" "$tmp/r.m.json" "$tmp/bare.json" -o "$tmp/bare.html" >"$tmp/out" 2>"$tmp/err" \
+  && grep -q "measured, trace" "$tmp/out" && ok || bad "a bare-array trace: $(cat "$tmp/err")"
 python3 -c "import json, sys; p = json.load(open(sys.argv[1])); p['ranks'] = 'x'; json.dump(p, open(sys.argv[2], 'w'))" \
   "$tmp/r.plan.json" "$tmp/bad-plan.json"
 "$memplan" viz "$tmp/bad-plan.json" -o "$tmp/never.html" >/dev/null 2>"$tmp/err"

@@ -3,6 +3,7 @@
 // exit codes"). Outputs are written all or nothing (common/output.h): every
 // output path is checked before any work, and nothing is written unless
 // the whole command succeeds.
+#include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -16,6 +17,7 @@
 #include <string>
 
 #include "cli.h"
+#include "memplan/common/cleanup.h"
 #include "memplan/common/json_util.h"
 #include "memplan/common/output.h"
 #include "memplan/common/table.h"
@@ -238,9 +240,19 @@ int RunCheck(const Command& c) {
   if (!result->pass) {
     size_t failed = 0;
     for (const auto& r : result->ranks) failed += r.pass ? 0 : 1;
-    return Fail({ErrorCode::kCheckFailed, "check failed: " + std::to_string(failed) + " of " +
-                                              std::to_string(result->ranks.size()) +
-                                              " ranks outside the plan's bounds (tolerance " + tol + ")"});
+    // Each rule that failed, in one line.
+    std::vector<std::string> why;
+    if (failed > 0) {
+      why.push_back(std::to_string(failed) + " of " + std::to_string(result->ranks.size()) +
+                    " ranks outside the plan's bounds");
+    }
+    if (result->process && !result->process->pass) {
+      why.push_back("the process's CUPTI total is off the ranks' planned memory");
+    }
+    if (result->cupti_missing) why.push_back("CUPTI gave no witness of this cuda run");
+    std::string all;
+    for (const auto& w : why) all += (all.empty() ? "" : "; ") + w;
+    return Fail({ErrorCode::kCheckFailed, "check failed: " + all + " (tolerance " + tol + ")"});
   }
   std::printf("check passed: %zu ranks within the plan's bounds (tolerance %s, %s backend, %s allocator, %s)\n",
               result->ranks.size(), tol.c_str(), measured->backend.c_str(), result->allocator.c_str(),
@@ -279,6 +291,31 @@ void PrintRunTable(const Json& plan_json, const traces::Measured& m) {
               FormatFixed(1000 * m.step_s, 2).c_str(), m.loss, m.grad_norm);
 }
 
+// The options of `memplan run` that decide what a process does with the
+// others (which collectives, in which order) and what the job writes, as
+// "name=value" lines: the same on every rank of an MPMD launch, or the
+// first difference (kBadInput, one line). The plan's path may differ (the
+// ranks compare what it decides, executor.cc); -q is rank 0's alone.
+Expected<std::monostate> AgreeOnOptions(runtime::Communicator& comm, const Command& c) {
+  auto given = [](bool yes) { return std::string(yes ? "given" : "not given"); };
+  const std::vector<std::string> names{"--backend", "--allocator", "--no-cupti", "-o", "--trace", "--dump"};
+  const Json mine = Json::array({c.backend, c.allocator, given(c.no_cupti), given(!c.output.empty()),
+                                 given(!c.trace.empty()), given(!c.dump.empty())});
+  const std::vector<std::string> all = comm.AllGather(mine.dump());
+  const Json zero = Json::parse(all[0]);
+  for (size_t r = 1; r < all.size(); ++r) {
+    const Json theirs = Json::parse(all[r]);  // written by this very function on rank r
+    for (size_t k = 0; k < names.size(); ++k) {
+      if (theirs[k] == zero[k]) continue;
+      return Error{ErrorCode::kBadInput, "rank " + std::to_string(r) + " was started with " + names[k] + " " +
+                                             theirs[k].get<std::string>() + ", rank 0 with " + names[k] + " " +
+                                             zero[k].get<std::string>() +
+                                             ": every process of one launch takes the same options"};
+    }
+  }
+  return std::monostate{};
+}
+
 // Executes one training step of PLAN.json; writes MEASURED.json, the trace
 // and the dump together, or none of them.
 //
@@ -296,6 +333,11 @@ int RunExecute(const Command& c) {
   const bool lead = !comm || comm->rank() == 0;
   // An error every rank has: rank 0 says it, every rank exits with its code.
   auto fail = [&](const Error& e) { return lead ? Fail(e) : static_cast<int>(e.code); };
+  // Before anything else (the options decide which collectives follow):
+  // every rank was started with the same options.
+  if (comm) {
+    if (auto same = AgreeOnOptions(*comm, c); !same) return fail(same.error());
+  }
   Expected<std::monostate> local = std::monostate{};
   if (c.backend == "host" && c.allocator == "pool") {
     local = Error{ErrorCode::kBadInput, "--allocator pool: the host backend is always an arena (pools are cuda's)"};
@@ -359,9 +401,12 @@ int ChildStatus(int status) {
 
 // Runs the program with libmemplan_inject.so (beside this executable) as
 // its CUDA injection library; the library writes the profile when the
-// program exits. Exit status: the program's; 5 when it succeeded but left
-// no profile (it never allocated device memory, or CUPTI could not attach,
-// which the library says on stderr); 127 when it could not be run.
+// program exits. Exit status: the program's (also when it failed and left
+// no profile or trace: memplan says so on stderr); 5 when it succeeded but
+// left no profile (it never allocated device memory, or CUPTI could not
+// attach, which the library says on stderr); 127 when it could not be run.
+// SIGTERM, SIGINT or SIGHUP is forwarded to the program; once it ended,
+// memplan removes its temporary directory and ends by the same signal.
 int RunProfile(const Command& c) {
   namespace fs = std::filesystem;
   if (auto ok = CheckOutputs({c.output, c.trace}, ""); !ok) return Fail(ok.error());
@@ -376,15 +421,26 @@ int RunProfile(const Command& c) {
     return Fail({ErrorCode::kRuntime, "profile: cannot create a temporary directory: " + std::string(std::strerror(errno))});
   }
   const fs::path dir(dir_template);
+  const int dir_slot = AddCleanupPath(dir);  // removed if a signal ends memplan before the program starts
   const std::string profile = (dir / "profile.json").string();
   const std::string trace = (dir / "trace.json").string();
   std::fflush(nullptr);
+  // Signals that end a command (timeout's SIGTERM, ^C) are blocked from
+  // before the fork until they are forwarded to the program: it ends, this
+  // process removes its directory and ends by the same signal (cleanup.h).
+  sigset_t terminating, previous;
+  sigemptyset(&terminating);
+  for (int sig : {SIGTERM, SIGINT, SIGHUP}) sigaddset(&terminating, sig);
+  ::sigprocmask(SIG_BLOCK, &terminating, &previous);
   pid_t pid = ::fork();
   if (pid < 0) {
+    ::sigprocmask(SIG_SETMASK, &previous, nullptr);
+    DropCleanupPath(dir_slot);
     fs::remove_all(dir, ec);
     return Fail({ErrorCode::kRuntime, "profile: fork failed: " + std::string(std::strerror(errno))});
   }
   if (pid == 0) {
+    ::sigprocmask(SIG_SETMASK, &previous, nullptr);
     ::setenv("CUDA_INJECTION64_PATH", lib.c_str(), 1);
     ::setenv("MEMPLAN_PROFILE_OUT", profile.c_str(), 1);
     if (!c.trace.empty()) ::setenv("MEMPLAN_PROFILE_TRACE", trace.c_str(), 1);
@@ -395,28 +451,47 @@ int RunProfile(const Command& c) {
     std::fprintf(stderr, "memplan: profile: cannot run %s: %s\n", OneLine(c.child[0]).c_str(), std::strerror(errno));
     std::_Exit(127);
   }
+  ForwardSignalsTo(pid);
+  ::sigprocmask(SIG_SETMASK, &previous, nullptr);
   int status = 0;
   while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
   }
+  ForwardSignalsTo(0);
   const int child = ChildStatus(status);
-  auto measured = fs::exists(profile) ? traces::LoadMeasured(profile) : Expected<traces::Measured>(Error{});
-  auto trace_json = !c.trace.empty() && fs::exists(trace) ? ReadJsonFile(trace) : Expected<Json>(Error{});
+  // The program wrote these files, or something else in their place: only
+  // regular files are read (a FIFO there would block).
+  auto regular = [](const std::string& path) {
+    std::error_code e;
+    return fs::is_regular_file(fs::symlink_status(path, e));
+  };
+  auto measured = regular(profile) ? traces::LoadMeasured(profile) : Expected<traces::Measured>(Error{});
+  auto trace_json = !c.trace.empty() && regular(trace) ? ReadJsonFile(trace) : Expected<Json>(Error{});
+  const bool replaced = (fs::exists(fs::symlink_status(profile, ec)) && !regular(profile)) ||
+                        (!c.trace.empty() && fs::exists(fs::symlink_status(trace, ec)) && !regular(trace));
   fs::remove_all(dir, ec);
+  DropCleanupPath(dir_slot);
+  if (const int sig = ForwardedSignal(); sig != 0) EndBySignal(sig);
+  // A program that failed keeps its own exit status: what it left is
+  // written when it can be, and nothing it failed to leave turns its
+  // status into memplan's.
+  auto failed = [&](const std::string& what) {
+    if (child != 0) {
+      std::fprintf(stderr, "memplan: profile: %s\n", OneLine(what).c_str());
+      return child;
+    }
+    return Fail({ErrorCode::kRuntime, "profile: " + what});
+  };
+  if (replaced) return failed(OneLine(c.child[0]) + " replaced its profile or trace file by something other than a regular file");
   if (!measured) {
-    if (child != 0) return child;
-    return Fail({ErrorCode::kRuntime, "profile: " + OneLine(c.child[0]) +
-                                          " made no device allocation CUPTI saw (no CUDA, or CUPTI could not "
-                                          "attach); no profile written"});
+    if (!measured.error().message.empty()) return failed(measured.error().message);
+    return failed(OneLine(c.child[0]) + " made no device allocation CUPTI saw (no CUDA, or CUPTI could not attach); no profile written");
   }
   OutputFiles out;
   if (!c.output.empty()) {
     if (auto st = StageJson(out, c.output, traces::MeasuredToJson(*measured), 2); !st) return Fail(st.error());
   }
   if (!c.trace.empty()) {
-    if (!trace_json) {
-      return Fail({ErrorCode::kRuntime, "profile: CUPTI recorded no GPU timeline for " + OneLine(c.child[0]) +
-                                            "; no trace written"});
-    }
+    if (!trace_json) return failed("CUPTI recorded no GPU timeline for " + OneLine(c.child[0]) + "; no trace written");
     if (auto st = StageJson(out, c.trace, *trace_json, -1); !st) return Fail(st.error());
   }
   if (auto st = out.Commit(); !st) return Fail(st.error());

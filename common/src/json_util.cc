@@ -1,6 +1,8 @@
 #include "memplan/common/json_util.h"
 
+#include <fcntl.h>
 #include <openssl/evp.h>
+#include <poll.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -8,6 +10,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -396,30 +399,69 @@ Expected<Json> ParseJsonText(std::string_view text, const std::string& file, con
   return builder.TakeRoot();
 }
 
-Expected<Json> ReadJsonFile(const std::string& path, const JsonLimits& limits) {
-  std::FILE* f = std::fopen(path.c_str(), "rb");
-  if (!f) return Error{ErrorCode::kBadInput, path + ": cannot open: " + std::strerror(errno)};
-  struct stat st {};
-  if (::fstat(::fileno(f), &st) == 0 && S_ISDIR(st.st_mode)) {
-    std::fclose(f);
-    return Error{ErrorCode::kBadInput, path + ": cannot read: is a directory"};
+namespace {
+
+// Seconds a stream input (a FIFO, a terminal, a character device) may stay
+// silent before the read gives up: $MEMPLAN_INPUT_TIMEOUT_S, default 10.
+int InputTimeoutMs() {
+  double s = 10;
+  if (const char* env = std::getenv("MEMPLAN_INPUT_TIMEOUT_S")) {
+    char* end = nullptr;
+    double v = std::strtod(env, &end);
+    if (end != env && *end == '\0' && std::isfinite(v) && v > 0 && v <= 86400) s = v;
   }
+  return static_cast<int>(std::ceil(s * 1000));
+}
+
+}  // namespace
+
+Expected<std::string> ReadInputFile(const std::string& path, int64_t max_bytes) {
+  // O_NONBLOCK: opening a FIFO nobody writes returns at once (a blocking
+  // open would wait for a writer forever); reads wait in poll() below.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
+  if (fd < 0) return Error{ErrorCode::kBadInput, path + ": cannot open: " + std::strerror(errno)};
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) return Error{ErrorCode::kBadInput, path + ": cannot read: " + std::strerror(errno)};
+  if (S_ISDIR(st.st_mode)) return Error{ErrorCode::kBadInput, path + ": cannot read: is a directory"};
+  const bool stream = !S_ISREG(st.st_mode);
+  if (!stream) (void)::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+  const int timeout_ms = stream ? InputTimeoutMs() : -1;
   // Read one byte past the limit: a longer input (or an endless device) is
   // refused without reading the rest.
   std::string text;
-  const size_t cap = static_cast<size_t>(limits.max_bytes) + 1;
+  const size_t cap = static_cast<size_t>(max_bytes) + 1;
   char chunk[1 << 16];
   while (text.size() < cap) {
-    size_t want = std::min(sizeof chunk, cap - text.size());
-    size_t got = std::fread(chunk, 1, want, f);
-    text.append(chunk, got);
-    if (got < want) break;
+    if (stream) {
+      pollfd p{fd, POLLIN, 0};
+      int ready = ::poll(&p, 1, timeout_ms);
+      if (ready < 0 && errno == EINTR) continue;
+      if (ready < 0) return Error{ErrorCode::kBadInput, path + ": cannot read: " + std::strerror(errno)};
+      if (ready == 0) {
+        char seconds[32];
+        std::snprintf(seconds, sizeof seconds, "%g", timeout_ms / 1000.0);
+        return Error{ErrorCode::kBadInput, path + ": cannot read: no data for " + seconds +
+                                               " s (a FIFO or device nobody writes? MEMPLAN_INPUT_TIMEOUT_S sets the wait)"};
+      }
+    }
+    const size_t want = std::min(sizeof chunk, cap - text.size());
+    const ssize_t got = ::read(fd, chunk, want);
+    if (got < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
+    if (got < 0) return Error{ErrorCode::kBadInput, path + ": cannot read: " + std::strerror(errno)};
+    if (got == 0) break;
+    text.append(chunk, static_cast<size_t>(got));
   }
-  bool read_error = std::ferror(f) != 0;
-  int err = errno;
-  std::fclose(f);
-  if (read_error) return Error{ErrorCode::kBadInput, path + ": cannot read: " + std::strerror(err)};
-  return ParseJsonText(text, path, limits);
+  return text;
+}
+
+Expected<Json> ReadJsonFile(const std::string& path, const JsonLimits& limits) {
+  auto text = ReadInputFile(path, limits.max_bytes);
+  if (!text) return text.error();
+  return ParseJsonText(*text, path, limits);
 }
 
 namespace {

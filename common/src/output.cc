@@ -1,5 +1,7 @@
 #include "memplan/common/output.h"
 
+#include "memplan/common/cleanup.h"
+
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -201,6 +203,7 @@ void OutputFiles::Discard() {
   std::error_code ec;
   for (const Entry& e : entries_) {
     if (!e.committed && !e.temporary.empty()) fs::remove_all(e.temporary, ec);
+    DropCleanupPath(e.cleanup_slot);
   }
   entries_.clear();
 }
@@ -212,6 +215,7 @@ Expected<bool> OutputFiles::Add(const std::string& given, Entry entry) {
         std::error_code ec;
         fs::remove_all(entry.temporary, ec);
       }
+      DropCleanupPath(entry.cleanup_slot);
       return Error{ErrorCode::kBadInput, given + ": given twice as an output (also as " + e.given + ")"};
     }
   }
@@ -238,6 +242,7 @@ Expected<bool> OutputFiles::Stage(const std::string& path, std::string_view cont
   std::string tmp = TemporaryBeside(t->path);
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, mode);
   if (fd < 0) return RuntimeError(path, "cannot write: " + Errno(errno));
+  e.cleanup_slot = AddCleanupPath(tmp);  // a signal now removes it (cleanup.h)
   if (exists) (void)::fchmod(fd, mode);
   bool ok = WriteAll(fd, content);
   int err = errno;
@@ -247,6 +252,7 @@ Expected<bool> OutputFiles::Stage(const std::string& path, std::string_view cont
   }
   if (!ok) {
     ::unlink(tmp.c_str());
+    DropCleanupPath(e.cleanup_slot);
     return RuntimeError(path, "write failed: " + Errno(err));
   }
   e.temporary = tmp;
@@ -267,6 +273,7 @@ Expected<std::string> OutputFiles::StageDirectory(const std::string& dir) {
   e.identity = Identity(*t);
   e.temporary = tmp;
   e.directory = true;
+  e.cleanup_slot = AddCleanupPath(tmp);  // a dump half-written when a signal comes is removed (cleanup.h)
   if (auto ok = Add(dir, std::move(e)); !ok) return ok.error();
   return tmp;
 }
@@ -335,6 +342,7 @@ Expected<bool> OutputFiles::Commit() {
   for (Entry* d : done) {
     if (!d->backup.empty()) fs::remove_all(d->backup, ec);
   }
+  for (const Entry& e : entries_) DropCleanupPath(e.cleanup_slot);
   entries_.clear();
   return true;
 }

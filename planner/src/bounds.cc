@@ -139,7 +139,16 @@ Evaluation Evaluate(const PlanningProblem& p, const Assignment& a, bool verify, 
     e.ranks[static_cast<size_t>(pair.first)].remote_offload.emplace_back(pair.second, mx);
   }
   if (verify) {
-    // Every instance resident when produced and through its layer's backward.
+    // Every decision allowed by the one storage rule (liveness.h) ...
+    for (int32_t r = 0; r < pp && e.verify_errors.size() < 20; ++r) {
+      const auto& ts = p.tensors[static_cast<size_t>(r)];
+      for (size_t t = 0; t < ts.size() && e.verify_errors.size() < 20; ++t) {
+        if (auto why = StorageRefusal(ts[t], a.storage[static_cast<size_t>(r)][t], pp, r, a.target[static_cast<size_t>(r)][t])) {
+          e.verify_errors.push_back("pp rank " + std::to_string(r) + ": " + *why);
+        }
+      }
+    }
+    // ... and every instance resident when produced and through its layer's backward.
     std::vector<std::vector<std::vector<std::pair<int64_t, int64_t>>>> cover(static_cast<size_t>(pp));
     for (int32_t r = 0; r < pp; ++r) cover[static_cast<size_t>(r)].resize(p.instances[static_cast<size_t>(r)].size());
     for (const auto& iv : e.intervals) {

@@ -61,13 +61,23 @@ int64_t StoredBytes(const SavedTensor& t, Storage s) {
   return 0;
 }
 
-bool Legal(const SavedTensor& t, Storage s, int64_t pp) {
-  if (t.shared && s != Storage::kKeep) return false;
-  if (IsFp8(s) && !t.can_fp8) return false;
-  if (s == Storage::kRecompute && !t.can_recompute) return false;
-  if (IsRemote(s) && pp < 2) return false;
-  return true;
+std::optional<std::string> StorageRefusal(const SavedTensor& t, Storage s, int64_t pp, int32_t rank, int32_t target) {
+  auto refuse = [&](const std::string& why) {
+    std::string name;
+    for (Policy p : StoragePolicies(s)) name += (name.empty() ? "" : "+") + std::string(PolicyName(p));
+    return std::optional<std::string>(t.name + " cannot be stored as " + name + " (" + why + ")");
+  };
+  if (t.shared && s != Storage::kKeep) return refuse("later layers read it in place: it is only kept");
+  if (IsFp8(s) && !t.can_fp8) return refuse("fp8 needs a floating-point tensor");
+  if (s == Storage::kRecompute && !t.can_recompute) return refuse("no producer chain in its layer");
+  if (IsRemote(s) && pp < 2) return refuse("a remote offload needs a second pipeline rank");
+  if (IsRemote(s) && rank >= 0 && (target < 0 || target >= pp || target == rank)) {
+    return refuse("to_pp_rank " + std::to_string(target) + " is not another pipeline rank (0.." + std::to_string(pp - 1) + ")");
+  }
+  return std::nullopt;
 }
+
+bool Legal(const SavedTensor& t, Storage s, int64_t pp) { return !StorageRefusal(t, s, pp); }
 
 namespace {
 

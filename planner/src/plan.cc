@@ -179,6 +179,16 @@ Plan BuildPlanOrThrow(const Model& input, const PlanOptions& options) {
   clock.Mark("keep-all");
   Solved solved = SolveForBudget(problem, model.budget, options, clock);
   const Evaluation& e = solved.eval;
+  // Never write a plan the runtime refuses: every decision passes the one
+  // storage rule (liveness.h), --verify or not.
+  for (size_t r = 0; r < problem.tensors.size(); ++r) {
+    for (size_t t = 0; t < problem.tensors[r].size(); ++t) {
+      if (auto why = StorageRefusal(problem.tensors[r][t], solved.assignment.storage[r][t], model.parallel.pp,
+                                    static_cast<int32_t>(r), solved.assignment.target[r][t])) {
+        ThrowError(ErrorCode::kRuntime, "internal error: the planner decided on pp rank " + std::to_string(r) + " that " + *why);
+      }
+    }
+  }
   plan.rebalance = solved.rebalance;
   {
     // The structural imbalance (every activation kept) before and after the

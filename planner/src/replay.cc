@@ -89,22 +89,29 @@ Expected<Assignment> ReadPlanAssignment(const Json& plan, const std::string& fil
       }
       const SavedTensor& st = p.tensors[r][t];
       auto [storage, target] = it->second;
-      if (!Legal(st, storage, pp)) {
-        return Bad(file + ": /tensors: " + st.name + " cannot be stored as " +
-                        std::string(PolicyName(StoragePolicies(storage).front())) +
-                        (IsFp8(storage) && !st.can_fp8 ? " (fp8 needs a floating-point tensor)" : "") +
-                        (storage == Storage::kRecompute && !st.can_recompute ? " (no producer chain in its layer)" : ""));
-      }
-      if (IsRemote(storage) &&
-          (target < 0 || target >= pp || target == static_cast<int32_t>(r))) {
-        return Bad(file + ": /tensors: " + st.name + ": to_pp_rank " + std::to_string(target) +
-                        " is not another pipeline rank (0.." + std::to_string(pp - 1) + ")");
+      if (auto why = StorageRefusal(st, storage, pp, static_cast<int32_t>(r), target)) {
+        return Bad(file + ": /tensors: " + *why);
       }
       a.storage[r][t] = storage;
       a.target[r][t] = target;
     }
   }
   return a;
+}
+
+}  // namespace memplan::planner
+
+namespace memplan::planner {
+
+std::string ExecutionDigest(const std::string& model_digest, const Assignment& a) {
+  std::string text = model_digest;
+  for (size_t r = 0; r < a.storage.size(); ++r) {
+    text += "\n" + std::to_string(r) + ":";
+    for (size_t t = 0; t < a.storage[r].size(); ++t) {
+      text += " " + std::to_string(static_cast<int>(a.storage[r][t])) + "/" + std::to_string(a.target[r][t]);
+    }
+  }
+  return Sha256Hex(text);
 }
 
 }  // namespace memplan::planner

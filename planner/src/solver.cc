@@ -494,6 +494,7 @@ RebalanceResult Rebalance(const PlanningProblem& p, int64_t budget, Assignment* 
     for (size_t t = 0; t < ts.size(); ++t) {
       if (tried[static_cast<size_t>(r)][t] || ts[t].annotated || IsRemote(st[t])) continue;
       Storage to = remote_of(st[t]);
+      if (!Legal(ts[t], to, pp)) continue;  // the one storage rule (liveness.h)
       double score = 0;
       if (over) {
         score = static_cast<double>(prof.ResidentAt(r, static_cast<int32_t>(t), st[t], -1, r, step) -

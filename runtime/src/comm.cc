@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "memplan/common/check.h"
+#include "memplan/common/cleanup.h"
 
 #ifdef MEMPLAN_HAVE_MPI
 #define OMPI_SKIP_MPICXX 1  // the C API only
@@ -160,6 +161,9 @@ class MpiCommunicator final : public Communicator {
   }
 
   [[noreturn]] void Abort(int code) override {
+    // MPI_Abort runs no destructor: remove this process's staged outputs
+    // first (the others get SIGTERM from mpirun, whose handler does it).
+    RemoveCleanupPaths();
     MPI_Abort(MPI_COMM_WORLD, code);
     std::_Exit(code);
   }

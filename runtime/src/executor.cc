@@ -232,13 +232,21 @@ Expected<std::monostate> Executor::Validate() {
 Expected<std::monostate> Executor::AgreeAcrossRanks(const Expected<std::monostate>& local) {
   Communicator& comm = *options_.comm;
   if (auto agreed = Agree(comm, local); !agreed.ok()) return agreed.error();
-  // The same plan everywhere, and one process per rank of its grid.
+  // The same plan everywhere (its model and every decision), and one
+  // process per rank of its grid.
   const std::string digest = plan_json_.value("digest", std::string());
   std::vector<std::string> digests = comm.AllGather(digest);
+  std::vector<std::string> executed = comm.AllGather(planner::ExecutionDigest(digest, assign_));
   for (size_t r = 1; r < digests.size(); ++r) {
     if (digests[r] != digests[0]) {
       return BadInput(options_.plan_file + ": rank " + std::to_string(r) + " runs a different plan (" + digests[r] + ") from rank 0's (" +
                       digests[0] + "): every process must run the same PLAN.json");
+    }
+    if (executed[r] != executed[0]) {
+      return BadInput(options_.plan_file + ": rank " + std::to_string(r) +
+                      " runs a plan of the same model with other storage decisions than rank 0's (decisions " +
+                      executed[r].substr(0, 12) + " vs " + executed[0].substr(0, 12) +
+                      "): every process must run the same PLAN.json");
     }
   }
   const auto& par = model_.parallel;

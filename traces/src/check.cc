@@ -71,6 +71,15 @@ Expected<PlanBounds> ParsePlanBounds(const Json& json, const std::string& file) 
         plan.emulated_s = (*o)["emulated_s"].get<double>();
       }
     }
+    // The data-parallel grid; the schema below checks the model whole.
+    if (const Json* m = json.contains("model") ? &json["model"] : nullptr; m && m->is_object() && m->contains("parallel")) {
+      const Json& par = (*m)["parallel"];
+      for (auto [key, out] : {std::pair{"dp", &plan.dp}, std::pair{"ep", &plan.ep}}) {
+        if (!par.is_object() || !par.contains(key)) continue;
+        const JsonLocation at = JsonLocation{file, "/model/parallel"}.Child(key);
+        *out = ExpectInt(par[key], at, 1, 1 << 20);
+      }
+    }
     // The rest of the plan is not read here, but a plan is checked whole.
     if (auto valid = ValidateSchema(json, SchemaKind::kPlan, file); !valid.ok()) throw ErrorException(valid.error());
     return plan;
@@ -141,6 +150,30 @@ Expected<CheckResult> Check(const PlanBounds& plan, const Measured& measured, co
   if (measured_ranks != plan_ranks) {
     return Error{ErrorCode::kBadInput, options.measured_file + ": /ranks: pp ranks " + RankList(measured_ranks) +
                                            " differ from " + options.plan_file + ": /ranks " + RankList(plan_ranks)};
+  }
+  // The whole grid, each rank once: every pipeline rank has the plan's dp
+  // replicas 0..dp-1 (unique per pipeline rank: LoadMeasured), and each
+  // replica sits at dp_rank % ep in its expert-parallel group.
+  std::set<int64_t> grid;
+  for (int64_t d = 0; d < plan.dp; ++d) grid.insert(d);
+  for (int64_t pp : plan_ranks) {
+    std::set<int64_t> replicas_here;
+    for (auto [it, end] = by_rank.equal_range(pp); it != end; ++it) replicas_here.insert(it->second->dp_rank);
+    if (replicas_here != grid) {
+      return Error{ErrorCode::kBadInput, options.measured_file + ": /ranks: pp rank " + std::to_string(pp) +
+                                             " has data-parallel replicas " + RankList(replicas_here) + ", but " +
+                                             options.plan_file + ": /model/parallel/dp " + std::to_string(plan.dp) +
+                                             " makes them " + RankList(grid)};
+    }
+  }
+  for (size_t i = 0; i < measured.ranks.size(); ++i) {
+    const MeasuredRank& m = measured.ranks[i];
+    if (m.ep_rank != m.dp_rank % plan.ep) {
+      return Error{ErrorCode::kBadInput, options.measured_file + ": /ranks/" + std::to_string(i) + "/ep_rank: " +
+                                             std::to_string(m.ep_rank) + ", but " + options.plan_file +
+                                             ": /model/parallel/ep " + std::to_string(plan.ep) + " puts dp_rank " +
+                                             std::to_string(m.dp_rank) + " at " + std::to_string(m.dp_rank % plan.ep)};
+    }
   }
   result.pass = true;
   if (plan.emulated_s > 0 && measured.compute_s > 0) {

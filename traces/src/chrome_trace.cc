@@ -152,19 +152,22 @@ OrderedJson ChromeTrace::ToJson() const {
 
 std::vector<std::string> ValidateNesting(const Json& trace) {
   std::vector<std::string> errors;
-  if (!trace.is_object() || !trace.contains("traceEvents") || !trace["traceEvents"].is_array()) {
+  // The object form, or the bare array the Trace Event format also allows.
+  const bool bare = trace.is_array();
+  if (!bare && (!trace.is_object() || !trace.contains("traceEvents") || !trace["traceEvents"].is_array())) {
     errors.push_back("/traceEvents: expected an array of events");
     return errors;
   }
+  const std::string prefix = bare ? "/" : "/traceEvents/";
   struct Span {
     double begin, end;
     size_t index;
   };
   std::map<std::pair<int64_t, int64_t>, std::vector<Span>> threads;
-  const Json& events = trace["traceEvents"];
+  const Json& events = bare ? trace : trace["traceEvents"];
   for (size_t i = 0; i < events.size(); ++i) {
     const Json& e = events[i];
-    const std::string at = "/traceEvents/" + std::to_string(i);
+    const std::string at = prefix + std::to_string(i);
     if (!e.is_object() || !e.contains("ph") || !e["ph"].is_string()) {
       errors.push_back(at + ": expected an event object with \"ph\"");
       continue;
@@ -180,8 +183,13 @@ std::vector<std::string> ValidateNesting(const Json& trace) {
     if (ts && ts->get<double>() < 0) errors.push_back(at + "/ts: negative timestamp " + Brief(*ts));
     if (ph == "C") continue;
     const Json* dur = number("dur");
-    const Json* pid = number("pid");
-    const Json* tid = number("tid");
+    auto integer = [&](const char* key) -> const Json* {
+      if (e.contains(key) && e[key].is_number_integer()) return &e[key];
+      errors.push_back(at + "/" + key + ": expected an integer");
+      return nullptr;
+    };
+    const Json* pid = integer("pid");
+    const Json* tid = integer("tid");
     if (!ts || !dur || !pid || !tid) continue;
     if (dur->get<double>() < 0) {
       errors.push_back(at + "/dur: negative duration " + Brief(*dur));
@@ -201,7 +209,7 @@ std::vector<std::string> ValidateNesting(const Json& trace) {
     for (const Span& s : spans) {
       while (!open.empty() && open.back()->end <= s.begin + kEpsUs) open.pop_back();
       if (!open.empty() && s.end > open.back()->end + kEpsUs) {
-        errors.push_back("/traceEvents/" + std::to_string(s.index) + ": overlaps /traceEvents/" +
+        errors.push_back(prefix + std::to_string(s.index) + ": overlaps " + prefix +
                          std::to_string(open.back()->index) + " on pid " + std::to_string(thread.first) +
                          ", tid " + std::to_string(thread.second) + " without nesting inside it");
         continue;  // report each offender once; do not let it hide later ones

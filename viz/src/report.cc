@@ -1,7 +1,10 @@
 // The page (report.h): viz/web/report.html with the styles, uPlot, the
 // page's modules (one per view) and the data inline. The data is JSON in a
-// <script type="application/json"> element: "</" is escaped so that no
-// string in it can close the element.
+// <script type="application/json"> element. Every '<', '>' and '&' in it
+// is written as a JSON escape (\u003c, \u003e, \u0026): JSON puts them only
+// inside strings, where the escape means the same character, and the HTML
+// tokenizer then never sees "</script", "<!--" or "<script" in the data (any
+// of which would end the element or swallow the page's own scripts).
 #include <string>
 
 #include "memplan/viz/report.h"
@@ -24,15 +27,15 @@ std::string Script(std::string_view name, std::string_view code) {
 std::string_view ChartLibrary() { return "uPlot " MEMPLAN_UPLOT_VERSION; }
 
 std::string RenderReportHtml(const Json& data) {
-  std::string json = data.dump();
+  const std::string json = data.dump();
   std::string safe;
   safe.reserve(json.size() + 64);
-  for (size_t i = 0; i < json.size(); ++i) {
-    if (json[i] == '<' && i + 1 < json.size() && json[i + 1] == '/') {
-      safe += "<\\/";
-      ++i;
-    } else {
-      safe += json[i];
+  for (char c : json) {
+    switch (c) {
+      case '<': safe += "\\u003c"; break;
+      case '>': safe += "\\u003e"; break;
+      case '&': safe += "\\u0026"; break;
+      default: safe += c;
     }
   }
   std::string html(assets::report_html());

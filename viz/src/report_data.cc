@@ -205,36 +205,64 @@ Json TensorRows(const Json& plan, const planner::PlanningProblem& p, const plann
 }
 
 // TRACE.json's complete events ("X"), per pid: [name, cat, tid, ts_us, dur_us].
+// A trace is the object form ({"traceEvents": [...]}) or the bare array
+// the Trace Event format also allows. Every field read is type-checked:
+// a hostile trace is refused (kBadInput, its JSON path), never thrown past.
 Expected<Json> TraceSpans(const std::string& file, int64_t max_spans, bool* reduced) {
   auto trace = ReadJsonFile(file);
   if (!trace) return trace.error();
-  if (!trace->is_object() || !trace->contains("traceEvents") || !(*trace)["traceEvents"].is_array()) {
+  const bool bare = trace->is_array();
+  if (!bare && (!trace->is_object() || !trace->contains("traceEvents") || !(*trace)["traceEvents"].is_array())) {
     return Error{ErrorCode::kBadInput, file + ": /traceEvents: expected an array (a Chrome trace)"};
   }
+  const Json& events = bare ? *trace : (*trace)["traceEvents"];
+  const std::string prefix = file + (bare ? ": /" : ": /traceEvents/");
   std::map<int64_t, Json> by_pid;
   std::map<std::pair<int64_t, int64_t>, std::string> thread_names;
-  const Json& events = (*trace)["traceEvents"];
   for (size_t i = 0; i < events.size(); ++i) {
     const Json& e = events[i];
-    const std::string where = file + ": /traceEvents/" + std::to_string(i);
+    const std::string where = prefix + std::to_string(i);
     if (!e.is_object() || !e.contains("ph") || !e["ph"].is_string()) return Error{ErrorCode::kBadInput, where + "/ph: expected a string"};
+    auto integer = [&](const char* k, int64_t* v) -> Expected<std::monostate> {
+      *v = 0;
+      if (!e.contains(k)) return std::monostate{};
+      if (!e[k].is_number_integer()) return Error{ErrorCode::kBadInput, where + "/" + k + ": expected an integer"};
+      *v = e[k].get<int64_t>();
+      return std::monostate{};
+    };
+    auto text = [&](const Json& o, const char* k, const std::string& at, std::string* v) -> Expected<std::monostate> {
+      v->clear();
+      if (!o.contains(k)) return std::monostate{};
+      if (!o[k].is_string()) return Error{ErrorCode::kBadInput, at + "/" + k + ": expected a string"};
+      *v = o[k].get<std::string>();
+      return std::monostate{};
+    };
     const std::string ph = e["ph"].get<std::string>();
-    if (ph == "M" && e.value("name", std::string()) == "thread_name" && e.contains("args")) {
-      thread_names[{e.value("pid", int64_t{0}), e.value("tid", int64_t{0})}] = e["args"].value("name", std::string());
+    if (ph != "X" && ph != "M") continue;
+    int64_t pid = 0, tid = 0;
+    std::string name, cat;
+    for (auto st : {integer("pid", &pid), integer("tid", &tid), text(e, "name", where, &name)}) {
+      if (!st) return st.error();
+    }
+    if (ph == "M") {
+      if (name != "thread_name" || !e.contains("args")) continue;
+      if (!e["args"].is_object()) return Error{ErrorCode::kBadInput, where + "/args: expected an object"};
+      std::string thread;
+      if (auto st = text(e["args"], "name", where + "/args", &thread); !st) return st.error();
+      thread_names[{pid, tid}] = thread;
       continue;
     }
-    if (ph != "X") continue;
+    if (auto st = text(e, "cat", where, &cat); !st) return st.error();
     for (const char* k : {"ts", "dur"}) {
       if (!e.contains(k) || !e[k].is_number()) return Error{ErrorCode::kBadInput, where + "/" + k + ": expected a number"};
     }
-    Json& spans = by_pid[e.value("pid", int64_t{0})];
+    Json& spans = by_pid[pid];
     if (spans.is_null()) spans = Json::array();
     if (static_cast<int64_t>(spans.size()) >= max_spans) {
       *reduced = true;
       continue;
     }
-    spans.push_back({e.value("name", std::string()), e.value("cat", std::string()), e.value("tid", int64_t{0}),
-                     e["ts"].get<double>(), e["dur"].get<double>()});
+    spans.push_back({std::move(name), std::move(cat), tid, e["ts"].get<double>(), e["dur"].get<double>()});
   }
   Json out = Json::array();
   for (auto& [pid, spans] : by_pid) {

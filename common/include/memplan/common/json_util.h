@@ -113,9 +113,15 @@ struct JsonLimits {
 // cannot exhaust the stack.
 Expected<Json> ParseJsonText(std::string_view text, const std::string& file, const JsonLimits& limits = {});
 
-// Reads at most limits.max_bytes of the file at `path` (a longer file, a
-// device such as /dev/zero included, is refused after that many bytes) and
-// parses it with ParseJsonText.
+// The bytes of the input file at `path`, at most `max_bytes` of them (a
+// longer file, or an endless device such as /dev/zero, is refused after
+// that many). Never blocks forever: a FIFO, terminal or device is opened
+// non-blocking and may stay silent at most $MEMPLAN_INPUT_TIMEOUT_S seconds
+// (default 10) between reads; a FIFO nobody writes is refused after that.
+// Errors (kBadInput) are one line naming `path`.
+Expected<std::string> ReadInputFile(const std::string& path, int64_t max_bytes);
+
+// ReadInputFile, limited to limits.max_bytes, then ParseJsonText.
 Expected<Json> ReadJsonFile(const std::string& path, const JsonLimits& limits = {});
 
 // The pointer of the first number in `doc` that is not finite, or nullopt.

@@ -21,7 +21,8 @@
 // Commit() keeps the previous version of every file aside until all the
 // renames succeeded, so a failing commit leaves every output as it was;
 // streams, written first, cannot be taken back. Staged temporaries are
-// removed when the object dies without Commit(). The same file staged
+// removed when the object dies without Commit(), and when a signal ends
+// the process before it (common/cleanup.h). The same file staged
 // twice (`-o x --trace x`) is refused (kBadInput). Other errors are
 // kRuntime ("PATH: what went wrong").
 #pragma once
@@ -74,6 +75,7 @@ class OutputFiles {
     std::string backup;     // Commit: the previous version, kept until all succeeded
     std::string content;    // streams only: written at Commit()
     int fd = -1;            // streams that are this process's descriptors
+    int cleanup_slot = -1;  // the temporary, removed if a signal ends the process (cleanup.h)
     bool directory = false;
     bool committed = false;
   };

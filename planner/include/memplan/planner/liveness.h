@@ -320,6 +320,16 @@ std::vector<std::vector<int64_t>> AnyPlanProfiles(const PlanningProblem& p);
 // cost model the solvers optimise (offload: the prefetch that does not fit
 // its window on an otherwise idle link).
 double InstanceCost(const PlanningProblem& p, int32_t rank, int32_t instance, Storage s);
+
+// The one rule of what each storage can hold, used by the solvers, the
+// pipeline rebalancer, --verify and the runtime's plan reader: why tensor
+// `t` of pipeline rank `rank` cannot be stored as `s` (remote: at `target`;
+// -1 for either when not chosen yet), or nullopt when it can. A tensor
+// later layers read in place (shared) is only kept; fp8 needs a
+// floating-point tensor; recompute a producer chain in its layer; a remote
+// offload another pipeline rank.
+std::optional<std::string> StorageRefusal(const SavedTensor& t, Storage s, int64_t pp, int32_t rank = -1,
+                                          int32_t target = -1);
 bool Legal(const SavedTensor& t, Storage s, int64_t pp);
 
 // Bytes one instance keeps on its device between forward and backward: all

@@ -23,6 +23,12 @@ Expected<Model> ReadPlanModel(const Json& plan, const std::string& file);
 // compositions each, every tensor listed once.
 Expected<Assignment> ReadPlanAssignment(const Json& plan, const std::string& file, const PlanningProblem& p);
 
+// What a run executes, as one sha256: the model digest and every saved
+// tensor's storage and remote target, in the problem's order. Two plans
+// with one model digest but other decisions differ here; processes of one
+// launch compare it before their first step.
+std::string ExecutionDigest(const std::string& model_digest, const Assignment& a);
+
 // Every pipeline rank's predicted memory program under a plan (its model
 // and storage decisions re-planned by this planner), in model terms: the
 // buffers with their steps, and each step's name ("layer3.mlp.fc1.bwd@mb1",

@@ -49,6 +49,8 @@ struct PlanBounds {
   std::string digest;  // "sha256:<64 hex>"
   std::vector<PlanRankBounds> ranks;
   double emulated_s = 0;  // overhead.emulated_s (0: an older plan without it)
+  int64_t dp = 1;         // model.parallel.dp: replicas of every pipeline rank
+  int64_t ep = 1;         // model.parallel.ep: a replica's place in its EP group is dp_rank % ep
 };
 
 // Reads the bounds from a PLAN.json document; other keys are ignored.

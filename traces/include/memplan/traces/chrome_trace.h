@@ -94,8 +94,9 @@ class ChromeTrace {
   std::vector<CuptiSample> cupti_;
 };
 
-// Checks a trace document: traceEvents is an array of objects with a "ph";
-// X events have numeric pid, tid, ts >= 0 and dur >= 0; C events ts >= 0;
+// Checks a trace document ({"traceEvents": [...]} or the bare array of
+// events): every event is an object with a "ph"; X events have integer
+// pid and tid, ts >= 0 and dur >= 0; C events ts >= 0;
 // the X events of one (pid, tid) nest perfectly (two events are disjoint or
 // one contains the other, within 1 ns). Returns one message per problem,
 // empty when the trace is valid. O(n log n).
