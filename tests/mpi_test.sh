@@ -3,7 +3,7 @@
 # the single-process emulation of the same plan (docs/runtime.md, "One
 # process per rank"), and what happens when the launch is wrong or a rank is
 # lost. Skips (77) without mpirun or without MPI in memplan.
-# Usage: mpi_test.sh MEMPLAN [pipeline|data-parallel|zero2|optimizers|expert-parallel|faults] (default: all).
+# Usage: mpi_test.sh MEMPLAN [pipeline|data-parallel|zero2|optimizers|expert-parallel|faults|agreement] (default: all).
 set -u
 memplan="$1"
 section="${2:-all}"
@@ -390,6 +390,68 @@ rc=$?
 sleep 0.5
 [ "$rc" -ne 0 ] && [ "$(orphans)" -eq 0 ] && ok || bad "SIGINT: exit $rc, $(orphans) processes left"
 
+fi
+
+if want agreement; then
+# 10. Options given to one rank only (an MPMD launch): refused by every rank
+#     at start-up in one line from rank 0, exit 2, within seconds (they
+#     used to hang until MEMPLAN_COMM_TIMEOUT_S).
+agreed=0
+for opt in "--trace $tmp/t1.json" "--dump $tmp/d1" "--allocator eager" "-o $tmp/m1.json" "--no-cupti"; do
+  start=$(date +%s)
+  MEMPLAN_COMM_TIMEOUT_S=20 timeout 60 "${mpi[@]}" -np 1 "$memplan" run "$tmp/llama.plan.json" -q : \
+    -np 1 "$memplan" run "$tmp/llama.plan.json" -q $opt >"$tmp/out" 2>"$tmp/err"
+  rc=$?
+  took=$(($(date +%s) - start))
+  flag=${opt%% *}
+  [ "$rc" -eq 2 ] && [ "$took" -le 10 ] && [ "$(grep -c '^memplan:' "$tmp/err")" -eq 1 ] \
+    && grep -q "rank 1 was started with $flag .*, rank 0 with $flag .*: every process of one launch takes the same options" "$tmp/err" \
+    && [ -z "$(ls -A "$tmp" | grep -E '^(t1.json|d1|m1.json)$|^\.memplan')" ] && agreed=$((agreed + 1)) \
+    || bad "$opt on rank 1 only: exit $rc after $took s: $(cat "$tmp/err")"
+done
+echo "options refused on one rank: $agreed of 5"
+[ "$agreed" -eq 5 ] && ok
+
+# 11. Equal model digests, other decisions (one tensor stored fp8 instead of
+#     kept): refused at once, not a stall blamed on a "lost" rank.
+python3 - "$tmp/llama.plan.json" "$tmp/llama-fp8.plan.json" <<'PY'
+import json, sys
+p = json.load(open(sys.argv[1]))
+t = next(t for t in p["tensors"] if t["effective"] == ["keep"] and t["name"].endswith("mlp.fc1_out"))
+t["effective"] = ["fp8"]
+json.dump(p, open(sys.argv[2], "w"))
+PY
+start=$(date +%s)
+MEMPLAN_COMM_TIMEOUT_S=30 timeout 60 "${mpi[@]}" -np 1 "$memplan" run "$tmp/llama.plan.json" -q --allocator eager : \
+  -np 1 "$memplan" run "$tmp/llama-fp8.plan.json" -q --allocator eager >"$tmp/out" 2>"$tmp/err"
+rc=$?
+took=$(($(date +%s) - start))
+[ "$rc" -eq 2 ] && [ "$took" -le 10 ] && [ "$(grep -c '^memplan:' "$tmp/err")" -eq 1 ] \
+  && grep -q "rank 1 runs a plan of the same model with other storage decisions than rank 0's" "$tmp/err" && ok \
+  || bad "equal digests, other decisions: exit $rc after $took s: $(cat "$tmp/err")"
+
+# 12. --dump when another rank dies: mpirun ends rank 0 (SIGTERM), which
+#     removes its staging directory; nothing is left beside the target.
+model "$root/examples/models/tiny-llama.json" "$tmp/long.json" 'm["train"]["microbatches"] = 64; m.pop("budget", None)'
+"$memplan" plan "$tmp/long.json" -o "$tmp/long.plan.json" -q
+mkdir -p "$tmp/dumps"
+"${mpi[@]}" -np 2 "$memplan" run "$tmp/long.plan.json" -q --dump "$tmp/dumps/d" >"$tmp/out" 2>"$tmp/err" &
+job=$!
+victim=
+for k in $(seq 100); do
+  for p in $(pgrep -f "^$memplan run $tmp/long.plan.json"); do
+    tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx "OMPI_COMM_WORLD_RANK=1" && victim=$p
+  done
+  [ -n "$victim" ] && ls -A "$tmp/dumps" | grep -q '^\.memplan\.' && break
+  sleep 0.05
+done
+staged=$(ls -A "$tmp/dumps" | grep -c '^\.memplan\.')
+[ -n "$victim" ] && kill -KILL "$victim"
+wait "$job"
+rc=$?
+sleep 0.5
+[ "$staged" -ge 1 ] && [ "$rc" -ne 0 ] && [ -z "$(ls -A "$tmp/dumps")" ] && ok \
+  || bad "--dump, rank 1 killed: staged $staged, exit $rc, left: $(ls -A "$tmp/dumps")"
 fi
 
 echo "mpi_$section: $pass passed, $fail failed"

@@ -9,7 +9,9 @@
 
 #include "memplan/common/table.h"
 #include "memplan/common/units.h"
+#include "memplan/planner/accounting.h"
 #include "memplan/planner/bounds.h"
+#include "memplan/planner/layout.h"
 #include "memplan/planner/liveness.h"
 #include "memplan/planner/templates.h"
 
@@ -153,6 +155,22 @@ Plan BuildPlanOrThrow(const Model& input, const PlanOptions& options) {
   if (!expanded) throw ErrorException(expanded.error());
   plan.totals = CountParameters(model, *expanded);
   clock.Mark("expand");
+  // Refused cheaply first: a rank whose static memory (weights, gradients,
+  // optimizer state, buffers) alone exceeds the budget, before the
+  // liveness and the schedule (the work that grows with layers x
+  // microbatches) are built.
+  {
+    const PipelineLayout cheap_layout = MakePipelineLayout(model);
+    for (int64_t r = 0; r < model.parallel.pp; ++r) {
+      const StaticBreakdown st = AccountRank(model, *expanded, cheap_layout, r);
+      if (st.total > model.budget) {
+        ThrowError(ErrorCode::kInfeasible,
+                   "infeasible: pp rank " + std::to_string(r) + "'s static memory alone is " + FormatBytes(st.total) +
+                       " (weights, gradients, optimizer state), budget is " + FormatBytes(model.budget) + ", " +
+                       FormatBytes(st.total - model.budget) + " short");
+      }
+    }
+  }
   PlanningProblem problem = BuildProblem(model, std::move(*expanded));
   clock.Mark("liveness");
   const std::vector<LayerGraph>& layers = problem.layers;

@@ -23,15 +23,19 @@ namespace memplan::planner {
 inline constexpr std::string_view kModelSchema = "memplan.model/1";
 
 // Stated maxima: anything larger is refused by a range check rather than
-// allowed to allocate or loop for hours.
-inline constexpr int64_t kMaxLayers = 100'000;
+// allowed to allocate or loop for hours. Layers and microbatches are also
+// bounded together: the planner meets every model within these limits in
+// seconds and at most about 1 GiB (docs/design.md, "Input limits and
+// hostile input"; measured by tests/hostile_surfaces_test.sh).
+inline constexpr int64_t kMaxLayers = 10'000;
+inline constexpr int64_t kMaxLayerMicrobatches = 50'000;
 inline constexpr int64_t kMaxHidden = 1 << 20;
 inline constexpr int64_t kMaxHeads = 1 << 16;
 inline constexpr int64_t kMaxVocab = 1 << 24;
 inline constexpr int64_t kMaxExperts = 1 << 20;
 inline constexpr int64_t kMaxSeqLen = 1 << 24;
 inline constexpr int64_t kMaxMicroBatch = 1 << 16;
-inline constexpr int64_t kMaxMicrobatches = 1'000'000;
+inline constexpr int64_t kMaxMicrobatches = kMaxLayerMicrobatches;
 inline constexpr int64_t kMaxParallel = 1 << 20;
 
 enum class FfnAct { kGelu, kSwiglu };
