@@ -1,5 +1,7 @@
 #include <doctest/doctest.h>
 
+#include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -8,6 +10,7 @@
 #include <fstream>
 #include <limits>
 
+#include "memplan/common/cleanup.h"
 #include "memplan/common/json_util.h"
 #include "memplan/common/table.h"
 #include "memplan/common/units.h"
@@ -246,5 +249,52 @@ TEST_CASE("outputs are all or nothing; links are written through, devices writte
     CHECK_FALSE(out.StageDirectory((dir / "dump").string()).ok());
   }
   CHECK(fs::exists(dir / "dump" / "notes.txt"));
+  fs::remove_all(dir);
+}
+
+TEST_CASE("a FIFO nobody writes is refused after MEMPLAN_INPUT_TIMEOUT_S; one that is written is read") {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("memplan-fifo-" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const std::string fifo = (dir / "in.fifo").string();
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  ::setenv("MEMPLAN_INPUT_TIMEOUT_S", "0.2", 1);
+  auto silent = memplan::ReadJsonFile(fifo);
+  REQUIRE(!silent.ok());
+  CHECK(silent.error().message == fifo + ": cannot read: no data for 0.2 s (a FIFO or device nobody writes? "
+                                         "MEMPLAN_INPUT_TIMEOUT_S sets the wait)");
+  // A writer that opens, writes and closes: read to its end.
+  pid_t writer = ::fork();
+  REQUIRE(writer >= 0);
+  if (writer == 0) {
+    FILE* f = std::fopen(fifo.c_str(), "w");
+    if (f) std::fputs("{\"a\": [1, 2]}", f);
+    std::_Exit(f && std::fclose(f) == 0 ? 0 : 1);
+  }
+  ::setenv("MEMPLAN_INPUT_TIMEOUT_S", "10", 1);
+  auto written = memplan::ReadJsonFile(fifo);
+  REQUIRE(written.ok());
+  CHECK((*written)["a"].size() == 2);
+  ::unsetenv("MEMPLAN_INPUT_TIMEOUT_S");
+  int status = 0;
+  ::waitpid(writer, &status, 0);
+  fs::remove_all(dir);
+}
+
+TEST_CASE("registered cleanup paths are removed whole; dropped ones are kept") {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("memplan-cleanup-" + std::to_string(::getpid()));
+  fs::create_directories(dir / "staged" / "weights");
+  std::ofstream(dir / "staged" / "weights" / "w.npy") << "x";
+  std::ofstream(dir / "staged" / "top.npy") << "y";
+  std::ofstream(dir / "kept.json") << "{}";
+  const int staged = memplan::AddCleanupPath((dir / "staged").string());
+  const int kept = memplan::AddCleanupPath((dir / "kept.json").string());
+  REQUIRE(staged >= 0);
+  REQUIRE(kept >= 0);
+  memplan::DropCleanupPath(kept);
+  memplan::RemoveCleanupPaths();
+  CHECK(!fs::exists(dir / "staged"));
+  CHECK(fs::exists(dir / "kept.json"));
   fs::remove_all(dir);
 }

@@ -1,6 +1,7 @@
 // Schedule, liveness, solver, rebalancing, bounds and verification.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 
@@ -208,6 +209,46 @@ TEST_CASE("illegal annotations fall back to the nearest legal storage") {
   CHECK(tokens == 1);
   CHECK(norms > 0);
   CHECK(fc1 > 0);
+}
+
+TEST_CASE("one storage rule: --verify refuses what the runtime refuses, with the reason") {
+  // tiny-attnres (pp 2): the Block AttnRes partials and the embedding's
+  // output are read in place by later layers, so they are only kept.
+  Model m = MustLoad("examples/models/tiny-attnres.json");
+  PlanningProblem p = BuildProblem(m, *ExpandModel(m));
+  int shared = 0, checked = 0;
+  for (size_t r = 0; r < p.tensors.size(); ++r) {
+    for (size_t t = 0; t < p.tensors[r].size(); ++t) {
+      const SavedTensor& st = p.tensors[r][t];
+      for (Storage s : {Storage::kKeep, Storage::kRecompute, Storage::kFp8, Storage::kOffloadHost,
+                        Storage::kOffloadRemote, Storage::kFp8OffloadHost, Storage::kFp8OffloadRemote}) {
+        const int32_t other = r == 0 ? 1 : 0;
+        auto why = StorageRefusal(st, s, 2, static_cast<int32_t>(r), other);
+        CHECK(why.has_value() == !Legal(st, s, 2));  // one rule, two spellings
+        ++checked;
+      }
+      if (!st.shared) continue;
+      ++shared;
+      auto why = StorageRefusal(st, Storage::kOffloadRemote, 2, static_cast<int32_t>(r), r == 0 ? 1 : 0);
+      REQUIRE(why.has_value());
+      CHECK(why->find(st.name + " cannot be stored as offload_remote (later layers read it in place") == 0);
+      // --verify says the same.
+      Assignment a = Assignment::KeepAll(p);
+      a.storage[r][t] = Storage::kOffloadRemote;
+      a.target[r][t] = r == 0 ? 1 : 0;
+      Evaluation e = Evaluate(p, a, true);
+      REQUIRE(!e.verify_errors.empty());
+      CHECK(e.verify_errors.front().find(*why) != std::string::npos);
+    }
+  }
+  CHECK(shared >= 2);
+  CHECK(checked > 100);
+  // A remote target that is not another rank.
+  const SavedTensor& any = *std::find_if(p.tensors[0].begin(), p.tensors[0].end(),
+                                         [](const SavedTensor& t) { return Legal(t, Storage::kOffloadRemote, 2); });
+  auto self = StorageRefusal(any, Storage::kOffloadRemote, 2, 0, 0);
+  REQUIRE(self.has_value());
+  CHECK(self->find("to_pp_rank 0 is not another pipeline rank (0..1)") != std::string::npos);
 }
 
 // The solver corpus: small models (dense, MoE, Block AttnRes, MLA, pp 1 and

@@ -332,6 +332,17 @@ TEST_CASE("nesting validator rejects partial overlap and negative times") {
   CHECK(ValidateNesting(doc({x(1, 1, -1)})).size() == 1);
   CHECK(ValidateNesting(doc({Json{{"ph", "C"}, {"name", "device_memory"}, {"pid", 1}, {"ts", -2}}})).size() == 1);
   CHECK(ValidateNesting(Json::object()).size() == 1);
+  // The Trace Event format's bare array is a trace too, its paths without
+  // /traceEvents; pid and tid are integers.
+  CHECK(ValidateNesting(Json{x(1, 0, 10), x(1, 2, 3)}).empty());
+  auto bare = ValidateNesting(Json{x(1, 0, 10), x(1, 5, 10)});
+  REQUIRE(bare.size() == 1);
+  CHECK(bare[0].find("/1: overlaps /0") == 0);
+  Json text_tid = x(1, 0, 1);
+  text_tid["tid"] = "main";
+  auto typed = ValidateNesting(doc({text_tid}));
+  REQUIRE(typed.size() == 1);
+  CHECK(typed[0] == "/traceEvents/0/tid: expected an integer");
 }
 
 TEST_CASE("footprint: sort, ties, pools, releases, filters") {
