@@ -2,6 +2,8 @@
 #include "cli.h"
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
+#include <optional>
 #include <sstream>
 
 namespace memplan::cli {
@@ -152,6 +154,60 @@ Expected<Command> ParseCommandLine(const std::vector<std::string>& args) {
     return Error{ErrorCode::kBadInput, "a subcommand is required (see memplan --help)"};
   }
   return c;
+}
+
+std::string LaunchOptions(const Command& c) {
+  auto given = [](bool yes) { return std::string(yes ? "given" : "not given"); };
+  const std::pair<const char*, std::string> options[] = {
+      {"--backend", c.backend},  {"--allocator", c.allocator},      {"--no-cupti", given(c.no_cupti)},
+      {"-o", given(!c.output.empty())}, {"--trace", given(!c.trace.empty())}, {"--dump", given(!c.dump.empty())}};
+  std::string out;
+  for (const auto& [name, value] : options) out += std::string(name) + "=" + value + "\n";
+  return out;
+}
+
+namespace {
+
+// "name=value" lines; a line without '=' keeps its text as the name.
+std::vector<std::pair<std::string, std::string>> OptionLines(const std::string& text) {
+  std::vector<std::pair<std::string, std::string>> out;
+  std::istringstream in(text);
+  std::string line;
+  while (std::getline(in, line) && out.size() < 64) {
+    const size_t eq = line.find('=');
+    out.emplace_back(line.substr(0, std::min(eq, size_t{64})), eq == std::string::npos ? "" : line.substr(eq + 1, 64));
+  }
+  return out;
+}
+
+// Printable: control characters and bytes past ASCII as '?'.
+std::string Printable(std::string s) {
+  for (char& ch : s) {
+    if (static_cast<unsigned char>(ch) < 0x20 || static_cast<unsigned char>(ch) >= 0x7f) ch = '?';
+  }
+  return s;
+}
+
+}  // namespace
+
+std::optional<std::string> LaunchMismatch(const std::vector<std::string>& gathered) {
+  if (gathered.empty()) return std::nullopt;
+  const auto zero = OptionLines(gathered[0]);
+  for (size_t r = 1; r < gathered.size(); ++r) {
+    if (gathered[r] == gathered[0]) continue;
+    const auto theirs = OptionLines(gathered[r]);
+    const std::string rank = "rank " + std::to_string(r);
+    for (size_t k = 0; k < zero.size() && k < theirs.size(); ++k) {
+      if (theirs[k].first != zero[k].first) break;
+      if (theirs[k].second == zero[k].second) continue;
+      const std::string& name = zero[k].first;
+      return rank + " was started with " + Printable(name) + " " + Printable(theirs[k].second) + ", rank 0 with " +
+             Printable(name) + " " + Printable(zero[k].second) + ": every process of one launch takes the same options";
+    }
+    return rank + " was started by another memplan (its options do not read as rank 0's): every process of one "
+                  "launch runs the same memplan with the same options";
+  }
+  return std::nullopt;
 }
 
 }  // namespace memplan::cli

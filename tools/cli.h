@@ -50,6 +50,17 @@ struct Command {
 // Errors: kBadInput with CLI11's message ("... (see memplan --help)").
 Expected<Command> ParseCommandLine(const std::vector<std::string>& args);
 
+// Under mpirun every process of one launch must take the same `run`
+// options (they decide which collectives follow, and what is written).
+// LaunchOptions is a `run` command's options as "name=value" lines (the
+// plan's path excepted: the ranks compare what it decides; -q is rank 0's
+// alone); each process gathers every rank's. LaunchMismatch names the first
+// rank and option that differ from rank 0's, in one line, or nullopt when
+// all agree. Lines from another memplan (garbage included) are a mismatch,
+// never an exception.
+std::string LaunchOptions(const Command& command);
+std::optional<std::string> LaunchMismatch(const std::vector<std::string>& gathered);
+
 // Executes `command`; returns the process exit status (design: 0 success,
 // 1 check failed, 2 bad input, 3 infeasible, 4 digest mismatch, 5 runtime;
 // `profile` returns its program's status) after printing any error as one

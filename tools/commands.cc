@@ -291,28 +291,9 @@ void PrintRunTable(const Json& plan_json, const traces::Measured& m) {
               FormatFixed(1000 * m.step_s, 2).c_str(), m.loss, m.grad_norm);
 }
 
-// The options of `memplan run` that decide what a process does with the
-// others (which collectives, in which order) and what the job writes, as
-// "name=value" lines: the same on every rank of an MPMD launch, or the
-// first difference (kBadInput, one line). The plan's path may differ (the
-// ranks compare what it decides, executor.cc); -q is rank 0's alone.
+// Every rank of one launch was started with the same options (cli.h).
 Expected<std::monostate> AgreeOnOptions(runtime::Communicator& comm, const Command& c) {
-  auto given = [](bool yes) { return std::string(yes ? "given" : "not given"); };
-  const std::vector<std::string> names{"--backend", "--allocator", "--no-cupti", "-o", "--trace", "--dump"};
-  const Json mine = Json::array({c.backend, c.allocator, given(c.no_cupti), given(!c.output.empty()),
-                                 given(!c.trace.empty()), given(!c.dump.empty())});
-  const std::vector<std::string> all = comm.AllGather(mine.dump());
-  const Json zero = Json::parse(all[0]);
-  for (size_t r = 1; r < all.size(); ++r) {
-    const Json theirs = Json::parse(all[r]);  // written by this very function on rank r
-    for (size_t k = 0; k < names.size(); ++k) {
-      if (theirs[k] == zero[k]) continue;
-      return Error{ErrorCode::kBadInput, "rank " + std::to_string(r) + " was started with " + names[k] + " " +
-                                             theirs[k].get<std::string>() + ", rank 0 with " + names[k] + " " +
-                                             zero[k].get<std::string>() +
-                                             ": every process of one launch takes the same options"};
-    }
-  }
+  if (auto why = LaunchMismatch(comm.AllGather(LaunchOptions(c)))) return Error{ErrorCode::kBadInput, *why};
   return std::monostate{};
 }
 

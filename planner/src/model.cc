@@ -522,6 +522,11 @@ Expected<Model> ParseModel(const Json& doc, const std::string& file) {
 Expected<Hardware> LoadHardwareFile(const std::string& path) {
   auto doc = ReadJsonFile(path);
   if (!doc) return doc.error();
+  return ParseHardwareFile(*doc, path);
+}
+
+Expected<Hardware> ParseHardwareFile(const Json& json, const std::string& path) {
+  const Json* doc = &json;
   if (auto valid = ValidateSchema(*doc, SchemaKind::kHardware, path); !valid) return valid.error();
   return CatchErrors([&] {
     ObjectReader top(*doc, JsonLocation{path, ""});

@@ -204,13 +204,14 @@ Json TensorRows(const Json& plan, const planner::PlanningProblem& p, const plann
   return rows;
 }
 
+}  // namespace
+
 // TRACE.json's complete events ("X"), per pid: [name, cat, tid, ts_us, dur_us].
 // A trace is the object form ({"traceEvents": [...]}) or the bare array
 // the Trace Event format also allows. Every field read is type-checked:
 // a hostile trace is refused (kBadInput, its JSON path), never thrown past.
-Expected<Json> TraceSpans(const std::string& file, int64_t max_spans, bool* reduced) {
-  auto trace = ReadJsonFile(file);
-  if (!trace) return trace.error();
+Expected<Json> TraceSpans(const Json& trace_doc, const std::string& file, int64_t max_spans, bool* reduced) {
+  const Json* trace = &trace_doc;
   const bool bare = trace->is_array();
   if (!bare && (!trace->is_object() || !trace->contains("traceEvents") || !(*trace)["traceEvents"].is_array())) {
     return Error{ErrorCode::kBadInput, file + ": /traceEvents: expected an array (a Chrome trace)"};
@@ -274,8 +275,6 @@ Expected<Json> TraceSpans(const std::string& file, int64_t max_spans, bool* redu
   }
   return out;
 }
-
-}  // namespace
 
 Expected<Json> BuildReportData(const ReportOptions& o, std::vector<std::string>* warnings) {
   auto plan = ReadJsonFile(o.plan_file);
@@ -393,7 +392,9 @@ Expected<Json> BuildReportData(const ReportOptions& o, std::vector<std::string>*
                         {"step_s", measured->step_s}, {"compute_s", measured->compute_s}, {"ranks", ranks}};
   }
   if (!o.trace_file.empty()) {
-    auto spans = TraceSpans(o.trace_file, o.max_spans, &reduced);
+    auto trace = ReadJsonFile(o.trace_file);
+    if (!trace) return trace.error();
+    auto spans = TraceSpans(*trace, o.trace_file, o.max_spans, &reduced);
     if (!spans) return spans.error();
     data["trace"] = std::move(*spans);
   }

@@ -149,6 +149,8 @@ struct Hardware {
 // its `hardware` object, read as a model file's `hardware` is. Errors name
 // the file and the JSON pointer.
 Expected<Hardware> LoadHardwareFile(const std::string& path);
+// The same, for a document already read (fuzz targets, tests).
+Expected<Hardware> ParseHardwareFile(const Json& doc, const std::string& path);
 // A model file's `hardware` object with every number explicit (launch_s
 // only when not 0).
 Json HardwareJson(const Hardware& h);

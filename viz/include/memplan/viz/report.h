@@ -35,6 +35,14 @@ Expected<Json> BuildReportData(const ReportOptions& options, std::vector<std::st
 // The page: the template with the data, the page's modules and uPlot inline.
 std::string RenderReportHtml(const Json& data);
 
+// A Chrome trace (the object form, or the Trace Event format's bare array)
+// as the report draws it: its complete events per pid, at most `max_spans`
+// each (`*reduced` set when some were left out), thread names from its
+// metadata. Every field read is type-checked: errors (kBadInput) are one
+// line naming `file` and the JSON path ("t.json: /traceEvents/3/tid:
+// expected an integer").
+Expected<Json> TraceSpans(const Json& trace, const std::string& file, int64_t max_spans, bool* reduced);
+
 // The version of the inlined charting library ("uPlot 1.6.32").
 std::string_view ChartLibrary();
 
