@@ -126,8 +126,10 @@ TEST_CASE("annotations: first match wins") {
   CHECK_FALSE(GlobMatch("layer1*", "Layer1.x"));       // case-sensitive
 }
 
+// (kimi-k3-like is planned twice byte for byte by the normalized-model test
+// below: not repeated here.)
 TEST_CASE("planning is deterministic: byte-identical output") {
-  for (const char* name : {"tiny-moe", "kimi-k3-like"}) {
+  for (const char* name : {"tiny-moe", "tiny-k3"}) {
     Model m = MustLoad(std::string("examples/models/") + name + ".json");
     Plan first = MustPlan(m);
     CHECK(PlanToJson(first).dump() == PlanToJson(MustPlan(m)).dump());
