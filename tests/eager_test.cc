@@ -84,10 +84,18 @@ int CheckEveryMix(const char* file) {
 
 }  // namespace
 
-TEST_CASE("eager: the allocation timeline equals the plan's step by step, every tiny model and storage mix") {
+// Two test cases over the five tiny models (two Meson tests, each well
+// inside the 60 s limit on a loaded machine).
+TEST_CASE("eager: the allocation timeline equals the plan's step by step, every storage mix: gpt llama deepseek") {
   int compared = 0;
-  for (const char* file : kModels) compared += CheckEveryMix(file);
-  CHECK(compared == 5 * 7 * 2);  // five models, seven plans, two pipeline ranks
+  for (const char* file : {kModels[0], kModels[1], kModels[2]}) compared += CheckEveryMix(file);
+  CHECK(compared == 3 * 7 * 2);  // three models, seven plans, two pipeline ranks
+}
+
+TEST_CASE("eager: the allocation timeline equals the plan's step by step, every storage mix: attnres mla") {
+  int compared = 0;
+  for (const char* file : {kModels[3], kModels[4]}) compared += CheckEveryMix(file);
+  CHECK(compared == 2 * 7 * 2);
 }
 
 TEST_CASE("eager: tiny-k3-fp32 (every K3 mechanism), the timeline equals the plan's for every storage mix") {
