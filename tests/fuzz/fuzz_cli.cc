@@ -11,15 +11,7 @@
 #include "fuzz_util.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  // No bytes: no arguments at all (memplan alone).
-  std::vector<std::string> args(size == 0 ? 0 : 1);
-  for (size_t i = 0; i < size && args.size() <= 64; ++i) {
-    if (data[i] == 0) {
-      args.emplace_back();
-    } else {
-      args.back() += static_cast<char>(data[i]);
-    }
-  }
+  const std::vector<std::string> args = memplan::fuzz::Arguments(data, size);
   auto command = memplan::cli::ParseCommandLine(args);
   if (!command) {
     const auto& e = command.error();

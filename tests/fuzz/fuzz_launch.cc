@@ -15,18 +15,6 @@
 
 namespace {
 
-std::vector<std::string> Args(const uint8_t* data, size_t size) {
-  std::vector<std::string> args(size == 0 ? 0 : 1);
-  for (size_t i = 0; i < size && args.size() <= 64; ++i) {
-    if (data[i] == 0) {
-      args.emplace_back();
-    } else {
-      args.back() += static_cast<char>(data[i]);
-    }
-  }
-  return args;
-}
-
 void CheckMismatch(const std::optional<std::string>& why, const char* rank) {
   if (!why) return;
   if (why->find('\n') != std::string::npos) memplan::fuzz::Broken("mismatch is not one line", *why);
@@ -40,8 +28,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   size_t split = 0;
   while (split < size && data[split] != 0xff) ++split;
   const size_t rest = split < size ? split + 1 : size;
-  auto a = cli::ParseCommandLine(Args(data, split));
-  auto b = cli::ParseCommandLine(Args(data + rest, size - rest));
+  auto a = cli::ParseCommandLine(fuzz::Arguments(data, split));
+  auto b = cli::ParseCommandLine(fuzz::Arguments(data + rest, size - rest));
   if (!a || !b || a->verb != cli::Verb::kRun || b->verb != cli::Verb::kRun) {
     // Foreign lines against a default `run`.
     cli::Command run;

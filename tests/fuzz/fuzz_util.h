@@ -11,6 +11,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "memplan/common/json_util.h"
 #include "memplan/common/status.h"
@@ -33,6 +34,20 @@ inline void CheckError(const Error& e, const std::string& file = kFile) {
       e.message.rfind(file + " /", 0) != 0) {
     Broken("bad-input error does not name the file", e.message);
   }
+}
+
+// An argument vector from fuzz bytes: arguments split at NUL bytes (no
+// bytes: no arguments at all), at most 65 of them.
+inline std::vector<std::string> Arguments(const uint8_t* data, size_t size) {
+  std::vector<std::string> args(size == 0 ? 0 : 1);
+  for (size_t i = 0; i < size && args.size() <= 64; ++i) {
+    if (data[i] == 0) {
+      args.emplace_back();
+    } else {
+      args.back() += static_cast<char>(data[i]);
+    }
+  }
+  return args;
 }
 
 // The input as a document, or nullopt after checking the reader's error.
