@@ -2,14 +2,16 @@
 // does (load the file, plan with its own budget and options, serialize
 // PLAN.json), on the bundled examples, and on kimi-k3-like.json itself
 // with its layers x microbatches swept (same budget, pp_balance, Muon,
-// pipeline ZeRO-2). Results and the commands that reproduce them, with the
-// CLI's own wall time: docs/planner.md, "Speed".
+// pipeline ZeRO-2), and as written on 1, 2 and 4 threads. Results and the
+// commands that reproduce them, with the CLI's own wall time:
+// docs/planner.md, "Speed".
 #include <benchmark/benchmark.h>
 
 #include <stdexcept>
 #include <string>
 
 #include "memplan/common/json_util.h"
+#include "memplan/common/parallel.h"
 #include "memplan/planner/model.h"
 #include "memplan/planner/plan.h"
 
@@ -65,9 +67,24 @@ BENCHMARK_CAPTURE(BM_Example, deepseek_v3, std::string("deepseek-v3.json"))
 BENCHMARK_CAPTURE(BM_Example, kimi_k3_like, std::string("kimi-k3-like.json"))
     ->Unit(benchmark::kMillisecond)->Iterations(3);
 
+// kimi-k3-like.json as written, its per-rank stages on 1, 2 and 4 threads
+// (common/parallel.h; the plan is the same for any count).
+void BM_KimiK3LikeThreads(benchmark::State& state) {
+  auto model = memplan::planner::LoadModel(kModels + "kimi-k3-like.json");
+  if (!model) {
+    state.SkipWithError(model.error().message.c_str());
+    return;
+  }
+  memplan::SetThreads(static_cast<int>(state.range(0)));
+  PlanAndSerialize(state, *model);
+  memplan::SetThreads(0);
+}
+
+BENCHMARK(BM_KimiK3LikeThreads)->ArgName("threads")->Arg(1)->Arg(2)->Arg(4)->Unit(benchmark::kMillisecond)->Iterations(2);
+
 BENCHMARK(BM_KimiK3Like)
     ->ArgNames({"layers", "microbatches"})
-    ->ArgsProduct({{47, 62, 93}, {32, 64, 128}})
+    ->ArgsProduct({{47, 62, 93}, {32, 64, 128, 256, 512}})
     ->Unit(benchmark::kMillisecond)
     ->Iterations(2);
 

@@ -4,12 +4,17 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdio>
+#include <vector>
+#include <string>
+#include <stdexcept>
 #include <filesystem>
 #include <fstream>
 #include <limits>
 
+#include "memplan/common/parallel.h"
 #include "memplan/common/cleanup.h"
 #include "memplan/common/json_util.h"
 #include "memplan/common/table.h"
@@ -297,4 +302,31 @@ TEST_CASE("registered cleanup paths are removed whole; dropped ones are kept") {
   CHECK(!fs::exists(dir / "staged"));
   CHECK(fs::exists(dir / "kept.json"));
   fs::remove_all(dir);
+}
+
+TEST_CASE("ParallelFor: every index once, on any number of threads; the lowest failing index's exception") {
+  for (int threads : {1, 2, 7}) {
+    CAPTURE(threads);
+    SetThreads(threads);
+    CHECK(Threads() == threads);
+    std::vector<std::atomic<int>> seen(100);
+    ParallelFor(seen.size(), [&](size_t i) { seen[i].fetch_add(1); });
+    int once = 0;
+    for (const auto& s : seen) once += s.load() == 1 ? 1 : 0;
+    CHECK(once == 100);
+    std::atomic<int> ran{0};
+    try {
+      ParallelFor(20, [&](size_t i) {
+        ran.fetch_add(1);
+        if (i == 3 || i == 11) throw std::runtime_error("index " + std::to_string(i));
+      });
+      FAIL("ParallelFor swallowed an exception");
+    } catch (const std::runtime_error& e) {
+      CHECK(std::string(e.what()) == "index 3");
+    }
+    CHECK(ran.load() == 20);  // the others still ran
+    ParallelFor(0, [&](size_t) { FAIL("called for an empty range"); });
+  }
+  SetThreads(0);
+  CHECK(Threads() >= 1);
 }

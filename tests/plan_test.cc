@@ -4,6 +4,7 @@
 #include <set>
 #include <sstream>
 
+#include "memplan/common/parallel.h"
 #include "memplan/planner/plan.h"
 #include "memplan/planner/templates.h"
 #include "json_test_util.h"
@@ -128,14 +129,44 @@ TEST_CASE("annotations: first match wins") {
 
 // (kimi-k3-like is planned twice byte for byte by the normalized-model test
 // below: not repeated here.)
-TEST_CASE("planning is deterministic: byte-identical output") {
-  for (const char* name : {"tiny-moe", "tiny-k3"}) {
+TEST_CASE("planning is deterministic: byte-identical output, on one thread or several") {
+  int compared = 0;
+  for (const char* name : {"tiny-moe", "tiny-k3", "llama3-70b"}) {
+    CAPTURE(name);
     Model m = MustLoad(std::string("examples/models/") + name + ".json");
+    SetThreads(1);
     Plan first = MustPlan(m);
-    CHECK(PlanToJson(first).dump() == PlanToJson(MustPlan(m)).dump());
+    const std::string one = PlanToJson(first).dump();
+    CHECK(one == PlanToJson(MustPlan(m)).dump());
+    // The per-rank stages in parallel (common/parallel.h), more threads
+    // than ranks included: the same plan.
+    for (int threads : {2, 5}) {
+      SetThreads(threads);
+      CHECK(one == PlanToJson(MustPlan(m)).dump());
+      ++compared;
+    }
+    // And where the solver works: a budget a quarter of the way from the
+    // any-plan bound to keep-all on the tightest rank.
+    int64_t lo = 0, hi = 0;
+    for (const auto& r : first.ranks) {
+      lo = std::max(lo, r.any_plan_lower_bound);
+      hi = std::max(hi, r.keep_all_lower_bound);
+    }
+    PlanOptions tight;
+    tight.budget = lo + (hi - lo) / 4;
+    SetThreads(1);
+    auto serial = BuildPlan(m, tight);
+    REQUIRE(serial.ok());
+    SetThreads(3);
+    auto parallel = BuildPlan(m, tight);
+    REQUIRE(parallel.ok());
+    CHECK(PlanToJson(*serial).dump() == PlanToJson(*parallel).dump());
+    ++compared;
+    SetThreads(0);
     // The bundled models are meant to fit their hardware once planned.
     for (const auto& r : first.ranks) CHECK(r.fits);
   }
+  CHECK(compared == 9);
 }
 
 TEST_CASE("the exact solver refuses instances too large for a MILP (or says it was built without CBC)") {

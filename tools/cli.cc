@@ -23,6 +23,10 @@ Expected<Command> ParseCommandLine(const std::vector<std::string>& args) {
       ->check(CLI::IsMember({"heuristic", "exact"}));
   plan->add_flag("--sweep", c.sweep, "also print the budget / added step time trade-off curve");
   plan->add_flag("--verify", c.verify, "verify the plan (every instance resident when read; no placed buffers overlap)");
+  plan->add_option("--threads", c.threads,
+                   "threads for the per-rank stages (default: MEMPLAN_THREADS, else every core); any count gives the "
+                   "same plan")
+      ->check(CLI::Range(1, 1024));
   bool plan_quiet = false;
   plan->add_flag("-q,--quiet", plan_quiet, "no table");
 

@@ -26,6 +26,7 @@ struct Command {
   // plan
   std::string budget;  // --budget, validated by RunCommand (a size)
   std::string solver = "heuristic";
+  int threads = 0;  // --threads (0: the default, common/parallel.h)
   bool sweep = false;
   bool verify = false;
 

@@ -17,6 +17,7 @@
 #include <string>
 
 #include "cli.h"
+#include "memplan/common/parallel.h"
 #include "memplan/common/cleanup.h"
 #include "memplan/common/json_util.h"
 #include "memplan/common/output.h"
@@ -97,6 +98,7 @@ int RunPlan(const Command& c) {
   options.solver = c.solver == "exact" ? planner::SolverKind::kExact : planner::SolverKind::kHeuristic;
   options.sweep = c.sweep;
   options.verify = c.verify;
+  if (c.threads > 0) SetThreads(c.threads);
   if (std::getenv("MEMPLAN_TIMING")) {
     options.on_stage = [](std::string_view stage, double ms) {
       std::fprintf(stderr, "memplan: timing: %-13.*s %8.1f ms\n", static_cast<int>(stage.size()), stage.data(), ms);

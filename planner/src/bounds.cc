@@ -4,6 +4,7 @@
 #include <map>
 
 #include "memplan/common/best_fit_heap.h"
+#include "memplan/common/parallel.h"
 #include "memplan/common/units.h"
 #include "memplan/planner/program.h"
 
@@ -86,43 +87,54 @@ Evaluation Evaluate(const PlanningProblem& p, const Assignment& a, bool verify, 
   e.intervals.reserve(2 * instances);  // most instances have one or two
   const int32_t pp = static_cast<int32_t>(p.tensors.size());
   e.ranks.resize(static_cast<size_t>(pp));
-  for (int32_t r = 0; r < pp; ++r) {
+  // Per rank, in parallel (common/parallel.h); the intervals are then
+  // concatenated in rank order, the order the memory program follows.
+  std::vector<std::vector<Interval>> own(static_cast<size_t>(pp));
+  ParallelFor(static_cast<size_t>(pp), [&](size_t ri) {
+    const int32_t r = static_cast<int32_t>(ri);
     TransferStats stats;
-    InstanceIntervals(p, a, r, &e.intervals, &stats);
-    RankBounds& b = e.ranks[static_cast<size_t>(r)];
+    InstanceIntervals(p, a, r, &own[ri], &stats);
+    RankBounds& b = e.ranks[ri];
     b.exposed_transfer_s = stats.exposed_s;
     // Instances whose copy-out cannot finish before their prefetch window
     // opens stay resident (accounted as kept); they move no bytes.
     b.resident_offloads = stats.late_copies;
-    const auto& insts = p.instances[static_cast<size_t>(r)];
+    const auto& insts = p.instances[ri];
     for (size_t i = 0; i < insts.size(); ++i) {
-      Storage s = a.storage[static_cast<size_t>(r)][static_cast<size_t>(insts[i].tensor)];
+      Storage s = a.storage[ri][static_cast<size_t>(insts[i].tensor)];
       double c = InstanceCost(p, r, static_cast<int32_t>(i), s);
       if (s == Storage::kRecompute) b.recompute_s += c;
       if (IsFp8(s)) b.quantize_s += InstanceCost(p, r, static_cast<int32_t>(i), Storage::kFp8);
     }
+  });
+  for (auto& v : own) {
+    e.intervals.insert(e.intervals.end(), v.begin(), v.end());
+    std::vector<Interval>().swap(v);
   }
   auto profiles = Profiles(p, e.intervals);
   const auto& any = p.any_plan_lower_bound;
   std::vector<std::vector<size_t>> mine(static_cast<size_t>(pp));
   for (size_t k = 0; k < e.intervals.size(); ++k) mine[static_cast<size_t>(e.intervals[k].rank)].push_back(k);
-  for (int32_t r = 0; r < pp; ++r) {
-    RankBounds& b = e.ranks[static_cast<size_t>(r)];
-    const auto& prof = profiles[static_cast<size_t>(r)];
+  std::vector<std::vector<std::string>> errors(static_cast<size_t>(pp));
+  ParallelFor(static_cast<size_t>(pp), [&](size_t ri) {
+    const int32_t r = static_cast<int32_t>(ri);
+    RankBounds& b = e.ranks[ri];
+    const auto& prof = profiles[ri];
     auto it = std::max_element(prof.begin(), prof.end());
     b.activations_peak = it == prof.end() ? 0 : *it;
     b.peak_step = it == prof.end() ? 0 : it - prof.begin();
-    int64_t stat = p.statics[static_cast<size_t>(r)].total;
+    int64_t stat = p.statics[ri].total;
     b.lower_bound = stat + b.activations_peak;
-    b.any_plan_lower_bound = any[static_cast<size_t>(r)];
+    b.any_plan_lower_bound = any[ri];
     std::vector<Placed> placed;
-    if (reuse && changed && !(*changed)[static_cast<size_t>(r)] && !verify) {
-      b.peak = reuse->ranks[static_cast<size_t>(r)].peak;
+    if (reuse && changed && !(*changed)[ri] && !verify) {
+      b.peak = reuse->ranks[ri].peak;
     } else {
-      b.peak = stat + Place(p, r, e.intervals, mine[static_cast<size_t>(r)], verify ? &placed : nullptr);
+      b.peak = stat + Place(p, r, e.intervals, mine[ri], verify ? &placed : nullptr);
     }
-    if (verify) VerifyPlacement(placed, r, &e.verify_errors);
-  }
+    if (verify) VerifyPlacement(placed, r, &errors[ri]);
+  });
+  for (auto& v : errors) e.verify_errors.insert(e.verify_errors.end(), v.begin(), v.end());
   // Bytes each rank holds on each other rank, at their maximum: one pass
   // over the intervals, a difference array per (owner, target) pair.
   std::map<std::pair<int32_t, int32_t>, std::vector<int64_t>> held;

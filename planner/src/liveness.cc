@@ -8,6 +8,7 @@
 #include <unordered_map>
 
 #include "memplan/common/check.h"
+#include "memplan/common/parallel.h"
 #include "memplan/common/units.h"
 #include "memplan/planner/plan.h"
 #include "cross_buffers.h"
@@ -600,7 +601,9 @@ PlanningProblem BuildProblem(const Model& model, std::vector<LayerGraph> layers)
   p.timelines.resize(static_cast<size_t>(pp));
   p.instances.resize(static_cast<size_t>(pp));
   p.first_instance.resize(static_cast<size_t>(pp));
-  for (int64_t r = 0; r < pp; ++r) {
+  // Per rank, in parallel (common/parallel.h): each writes its own slots.
+  ParallelFor(static_cast<size_t>(pp), [&](size_t rank_index) {
+    const int64_t r = static_cast<int64_t>(rank_index);
     const auto& ts = p.tensors[static_cast<size_t>(r)];
     auto& insts = p.instances[static_cast<size_t>(r)];
     auto& first = p.first_instance[static_cast<size_t>(r)];
@@ -730,7 +733,7 @@ PlanningProblem BuildProblem(const Model& model, std::vector<LayerGraph> layers)
       in.pf_start_s = tl.start_s[static_cast<size_t>(in.pf_start)];
       in.need_s = tl.start_s[static_cast<size_t>(in.b_first)];
     }
-  }
+  });
   p.cross = CrossBuffers(p, tensor_base);
   for (int64_t r = 0; r < pp; ++r) {
     RankTimeline& tl = p.timelines[static_cast<size_t>(r)];
@@ -743,7 +746,8 @@ PlanningProblem BuildProblem(const Model& model, std::vector<LayerGraph> layers)
     for (size_t st = 0; st < tl.transient.size(); ++st) tl.transient[st] += run += diff[st];
   }
   p.tensor_cost_s.resize(static_cast<size_t>(pp));
-  for (int64_t r = 0; r < pp; ++r) {
+  ParallelFor(static_cast<size_t>(pp), [&](size_t rank_index) {
+    const int64_t r = static_cast<int64_t>(rank_index);
     const auto& first = p.first_instance[static_cast<size_t>(r)];
     auto& table = p.tensor_cost_s[static_cast<size_t>(r)];
     table.resize(p.tensors[static_cast<size_t>(r)].size());
@@ -756,7 +760,7 @@ PlanningProblem BuildProblem(const Model& model, std::vector<LayerGraph> layers)
         table[t][static_cast<size_t>(s)] = c;
       }
     }
-  }
+  });
   auto any = AnyPlanProfiles(p);
   for (size_t r = 0; r < any.size(); ++r) {
     int64_t m = any[r].empty() ? 0 : *std::max_element(any[r].begin(), any[r].end());

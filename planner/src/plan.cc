@@ -7,6 +7,7 @@
 #include <functional>
 #include <map>
 
+#include "memplan/common/parallel.h"
 #include "memplan/common/table.h"
 #include "memplan/common/units.h"
 #include "memplan/planner/accounting.h"
@@ -125,8 +126,10 @@ Overhead OverheadOf(const PlanningProblem& problem, const Evaluation& e) {
 }
 
 std::vector<int64_t> LowerBounds(const PlanningProblem& problem, const Assignment& a) {
+  std::vector<std::vector<Interval>> own(problem.tensors.size());
+  ParallelFor(own.size(), [&](size_t r) { InstanceIntervals(problem, a, static_cast<int32_t>(r), &own[r], nullptr); });
   std::vector<Interval> ivs;
-  for (size_t r = 0; r < problem.tensors.size(); ++r) InstanceIntervals(problem, a, static_cast<int32_t>(r), &ivs, nullptr);
+  for (const auto& v : own) ivs.insert(ivs.end(), v.begin(), v.end());
   auto prof = planner::Profiles(problem, ivs);
   std::vector<int64_t> out;
   for (size_t r = 0; r < prof.size(); ++r) {

@@ -8,6 +8,7 @@
 #include <optional>
 
 #include "memplan/common/check.h"
+#include "memplan/common/parallel.h"
 #include "memplan/common/units.h"
 #include "solver_internal.h"
 
@@ -117,16 +118,19 @@ class MaxTree {
 class ProfileTrees {
  public:
   ProfileTrees(const PlanningProblem& p, const Assignment& a) : p_(p) {
-    std::vector<Interval> ivs;
-    for (size_t r = 0; r < p.tensors.size(); ++r) {
+    std::vector<std::vector<Interval>> own(p.tensors.size());
+    ParallelFor(own.size(), [&](size_t r) {
       for (size_t i = 0; i < p.instances[r].size(); ++i) {
         const Instance& in = p.instances[r][i];
         QueueFree(p, static_cast<int32_t>(r), static_cast<int32_t>(i), a.storage[r][static_cast<size_t>(in.tensor)],
-                  a.target[r][static_cast<size_t>(in.tensor)], &ivs);
+                  a.target[r][static_cast<size_t>(in.tensor)], &own[r]);
       }
-    }
+    });
+    std::vector<Interval> ivs;
+    for (const auto& v : own) ivs.insert(ivs.end(), v.begin(), v.end());
     auto base = planner::Profiles(p, ivs);
     for (auto& b : base) trees_.emplace_back(b);
+    scratch_.resize(trees_.size());
   }
 
   MaxTree& tree(int32_t r) { return trees_[static_cast<size_t>(r)]; }
@@ -159,35 +163,40 @@ class ProfileTrees {
   // instances: runs of constant non-zero difference, per rank, in step order.
   const std::vector<Piece>& Delta(int32_t rank, int32_t t, Storage from, int32_t from_target, Storage to,
                                   int32_t to_target) {
-    events_.clear();
+    Scratch& sc = scratch_[static_cast<size_t>(rank)];
+    auto& events = sc.events;
+    auto& ivs = sc.intervals;
+    auto& pieces = sc.pieces;
+    events.clear();
     const auto& first = p_.first_instance[static_cast<size_t>(rank)];
     for (int32_t i = first[static_cast<size_t>(t)]; i < first[static_cast<size_t>(t) + 1]; ++i) {
       for (int sign : {-1, 1}) {
-        scratch_.clear();
-        QueueFree(p_, rank, i, sign < 0 ? from : to, sign < 0 ? from_target : to_target, &scratch_);
-        for (const auto& iv : scratch_) {
-          events_.push_back({iv.rank, iv.first, sign * iv.bytes});
-          events_.push_back({iv.rank, iv.last + 1, -sign * iv.bytes});
+        ivs.clear();
+        QueueFree(p_, rank, i, sign < 0 ? from : to, sign < 0 ? from_target : to_target, &ivs);
+        for (const auto& iv : ivs) {
+          events.push_back({iv.rank, iv.first, sign * iv.bytes});
+          events.push_back({iv.rank, iv.last + 1, -sign * iv.bytes});
         }
       }
     }
-    std::sort(events_.begin(), events_.end(), [](const Event& a, const Event& b) {
+    std::sort(events.begin(), events.end(), [](const Event& a, const Event& b) {
       return a.rank != b.rank ? a.rank < b.rank : a.step < b.step;
     });
-    pieces_.clear();
+    pieces.clear();
     int64_t run = 0;
-    for (size_t k = 0; k < events_.size();) {
-      const int32_t r = events_[k].rank;
-      const int64_t step = events_[k].step;
-      for (; k < events_.size() && events_[k].rank == r && events_[k].step == step; ++k) run += events_[k].bytes;
-      if (run != 0 && k < events_.size() && events_[k].rank == r) pieces_.push_back({r, step, events_[k].step - 1, run});
-      if (k == events_.size() || events_[k].rank != r) run = 0;  // every interval closed on its rank
+    for (size_t k = 0; k < events.size();) {
+      const int32_t r = events[k].rank;
+      const int64_t step = events[k].step;
+      for (; k < events.size() && events[k].rank == r && events[k].step == step; ++k) run += events[k].bytes;
+      if (run != 0 && k < events.size() && events[k].rank == r) pieces.push_back({r, step, events[k].step - 1, run});
+      if (k == events.size() || events[k].rank != r) run = 0;  // every interval closed on its rank
     }
-    return pieces_;
+    return pieces;
   }
 
   // Bytes tensor t's instances occupy on `on_rank` at `step` under `s`.
   int64_t ResidentAt(int32_t rank, int32_t t, Storage s, int32_t target, int32_t on_rank, int64_t step) {
+    auto& ivs = scratch_[static_cast<size_t>(rank)].intervals;
     const auto& first = p_.first_instance[static_cast<size_t>(rank)];
     const auto& insts = p_.instances[static_cast<size_t>(rank)];
     int32_t lo = first[static_cast<size_t>(t)], hi = first[static_cast<size_t>(t) + 1];
@@ -204,9 +213,9 @@ class ProfileTrees {
     for (int32_t i = lo; i < hi; ++i) {
       const Instance& in = insts[static_cast<size_t>(i)];
       if (on_rank == rank && (step < in.prod || step > in.b_last)) continue;
-      scratch_.clear();
-      QueueFree(p_, rank, i, s, target, &scratch_);
-      for (const auto& iv : scratch_) {
+      ivs.clear();
+      QueueFree(p_, rank, i, s, target, &ivs);
+      for (const auto& iv : ivs) {
         if (iv.rank == on_rank && iv.first <= step && step <= iv.last) total += iv.bytes;
       }
     }
@@ -220,9 +229,14 @@ class ProfileTrees {
   };
   const PlanningProblem& p_;
   std::vector<MaxTree> trees_;
-  std::vector<Interval> scratch_;
-  std::vector<Event> events_;
-  std::vector<Piece> pieces_;
+  // Per rank, so that ranks' local decisions can run in parallel (each
+  // touches its own tree and scratch).
+  struct Scratch {
+    std::vector<Interval> intervals;
+    std::vector<Event> events;
+    std::vector<Piece> pieces;
+  };
+  std::vector<Scratch> scratch_;
 };
 
 SolveResult Heuristic(const PlanningProblem& p, int32_t rank, int64_t budget, ProfileTrees& prof, Assignment* a) {
@@ -414,7 +428,11 @@ std::vector<SolveResult> Solve(const PlanningProblem& p, const std::vector<int64
     std::optional<ProfileTrees> own;
     if (!cache) own.emplace(p, *a);  // every rank, incoming remote offloads included
     ProfileTrees& prof = cache ? *cache->impl().trees : *own;
-    for (int32_t r = 0; r < pp; ++r) out.push_back(Heuristic(p, r, budgets[static_cast<size_t>(r)], prof, a));
+    // Local decisions touch only their own rank's tree: ranks in parallel.
+    out.resize(static_cast<size_t>(pp));
+    ParallelFor(static_cast<size_t>(pp), [&](size_t r) {
+      out[r] = Heuristic(p, static_cast<int32_t>(r), budgets[r], prof, a);
+    });
     return out;
   }
   // The heuristic's solution of the same problem starts each MILP.
