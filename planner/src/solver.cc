@@ -81,6 +81,13 @@ class MaxTree {
     Pull(r0);
   }
   int64_t Max() const { return mx_[1]; }
+  // The value at one step.
+  int64_t At(int64_t step) const {
+    size_t i = static_cast<size_t>(step) + cap_;
+    int64_t v = mx_[i];
+    for (i >>= 1; i >= 1; i >>= 1) v += add_[i];
+    return v;
+  }
   // Max over steps [first, last], without changing the tree.
   int64_t RangeMax(int64_t first, int64_t last) const {
     return Query(1, 0, cap_, static_cast<size_t>(first), static_cast<size_t>(last) + 1);
@@ -367,35 +374,109 @@ SolveResult Heuristic(const PlanningProblem& p, int32_t rank, int64_t budget, Pr
       }
     }
   };
+  // Greedy repair by the excess area (small ranks): while some step exceeds
+  // the budget, apply the move with the least added seconds per byte-step of
+  // excess it removes, over every step (a move that lowers several peaks
+  // counts for each), net of the excess it creates elsewhere.
+  auto repair_by_area = [&] {
+    const int64_t steps = p.timelines[static_cast<size_t>(rank)].steps;
+    std::vector<int64_t> level(static_cast<size_t>(steps));
+    for (int iter = 0; iter < 100000 && tree.Max() > budget; ++iter) {
+      for (int64_t s = 0; s < steps; ++s) level[static_cast<size_t>(s)] = tree.At(s);
+      Candidate best{std::numeric_limits<double>::infinity(), 0, -1, Storage::kKeep};
+      for (size_t t = 0; t < ts.size(); ++t) {
+        Storage cur = st[t];
+        if (!Decidable(ts[t], cur)) continue;
+        for (Storage o : kLocalOptions) {
+          if (o == cur || !Legal(ts[t], o, pp) || moves[t] >= kMaxMovesPerTensor) continue;
+          if (!offload_fits(t, cur, o)) continue;
+          int64_t net = 0;
+          for (const auto& piece : prof.Delta(rank, static_cast<int32_t>(t), cur, -1, o, -1)) {
+            for (int64_t s = piece.first; s <= piece.last; ++s) {
+              const int64_t before = std::max<int64_t>(0, level[static_cast<size_t>(s)] - budget);
+              const int64_t after = std::max<int64_t>(0, level[static_cast<size_t>(s)] + piece.bytes - budget);
+              net += before - after;
+            }
+          }
+          if (net <= 0) continue;
+          double extra = costs[t][static_cast<size_t>(o)] - costs[t][static_cast<size_t>(cur)];
+          double score = extra / static_cast<double>(net);
+          if (score < best.score || (score == best.score && net > best.benefit)) {
+            best = {score, net, static_cast<int32_t>(t), o};
+          }
+        }
+      }
+      if (best.tensor < 0) break;
+      change(static_cast<size_t>(best.tensor), best.to);
+    }
+  };
+  auto exchange = [&] {
+    if (tree.Max() <= budget && p.instances[static_cast<size_t>(rank)].size() <= kExchangeInstances) {
+      for (int pass = 0; pass < 2; ++pass) {
+        bool improved = false;
+        std::vector<int32_t> decided = decided_by_cost();
+        for (int32_t t : decided) {
+          const size_t ti = static_cast<size_t>(t);
+          // Each cheaper storage in turn, cheapest first (keep first when
+          // legal): pinned there for the trial, the others repaired around it.
+          std::vector<Storage> cheaper;
+          for (Storage o : kLocalOptions) {
+            if (o != st[ti] && Legal(ts[ti], o, pp) && costs[ti][static_cast<size_t>(o)] < costs[ti][static_cast<size_t>(st[ti])]) {
+              cheaper.push_back(o);
+            }
+          }
+          std::stable_sort(cheaper.begin(), cheaper.end(), [&](Storage x, Storage y) {
+            return costs[ti][static_cast<size_t>(x)] < costs[ti][static_cast<size_t>(y)];
+          });
+          for (Storage o : cheaper) {
+            if (costs[ti][static_cast<size_t>(o)] >= costs[ti][static_cast<size_t>(st[ti])]) continue;  // an earlier trial won
+            if (!offload_fits(ti, st[ti], o)) continue;
+            const double before = SeparableCost(p, rank, *a);
+            const std::vector<int> saved_moves = moves;
+            log.clear();
+            logging = true;
+            change(ti, o);
+            moves[ti] = kMaxMovesPerTensor;  // it stays there in this trial
+            repair();
+            clean_up();
+            logging = false;
+            if (tree.Max() <= budget && SeparableCost(p, rank, *a) < before - 1e-12) {
+              improved = true;
+            } else {
+              for (auto it = log.rbegin(); it != log.rend(); ++it) change(it->first, it->second);
+            }
+            moves = saved_moves;
+          }
+        }
+        if (!improved) break;
+      }
+    }
+  };
+  const bool small = p.instances[static_cast<size_t>(rank)].size() <= kExchangeInstances;
+  const std::vector<Storage> initial = st;
+  const std::vector<int> initial_moves = moves;
   repair();
   clean_up();
-  // Exchange pass, on ranks small enough to afford it: undo one decision
-  // (most expensive first), repair and clean up again, and keep the result
-  // when it costs less. One move that lowers several peaks at once is what
-  // the per-peak greedy misses (docs/planner.md, "Heuristic").
-  if (tree.Max() <= budget && p.instances[static_cast<size_t>(rank)].size() <= kExchangeInstances) {
-    for (int pass = 0; pass < 2; ++pass) {
-      bool improved = false;
-      std::vector<int32_t> decided = decided_by_cost();
-      for (int32_t t : decided) {
-        if (st[static_cast<size_t>(t)] == Storage::kKeep) continue;  // an earlier trial undid it
-        const double before = SeparableCost(p, rank, *a);
-        const std::vector<int> saved_moves = moves;
-        log.clear();
-        logging = true;
-        change(static_cast<size_t>(t), Storage::kKeep);
-        moves[static_cast<size_t>(t)] = kMaxMovesPerTensor;  // it stays kept in this trial
-        repair();
-        clean_up();
-        logging = false;
-        if (tree.Max() <= budget && SeparableCost(p, rank, *a) < before - 1e-12) {
-          improved = true;
-        } else {
-          for (auto it = log.rbegin(); it != log.rend(); ++it) change(it->first, it->second);
-        }
-        moves = saved_moves;
+  exchange();
+  if (small) {
+    // The same from the start with the area repair; the cheaper one stays.
+    const std::vector<Storage> first = st;
+    const bool first_fits = tree.Max() <= budget;
+    const double first_cost = SeparableCost(p, rank, *a);
+    for (size_t t = 0; t < ts.size(); ++t) {
+      if (st[t] != initial[t]) change(t, initial[t]);
+    }
+    moves = initial_moves;
+    repair_by_area();
+    repair();  // whatever the area repair could not cover
+    clean_up();
+    exchange();
+    const bool second_fits = tree.Max() <= budget;
+    const double second_cost = SeparableCost(p, rank, *a);
+    if (first_fits && (!second_fits || second_cost >= first_cost)) {
+      for (size_t t = 0; t < ts.size(); ++t) {
+        if (st[t] != first[t]) change(t, first[t]);
       }
-      if (!improved) break;
     }
   }
   return {tree.Max() <= budget, SeparableCost(p, rank, *a)};
