@@ -30,6 +30,13 @@ grep -q "peak(MiB)" "$tmp/out" && ok || bad "table header missing"
 python3 -c "import json,sys; p=json.load(open('$tmp/plan.json')); assert p['schema']=='memplan.plan/1'; assert len(p['ranks'])==2" \
   && ok || bad "plan.json not a memplan.plan/1 document"
 
+# 1b. --threads: the same plan on one thread or several; a count below 1 is a usage error.
+expect_exit 0 "plan --threads 1" "$memplan" plan "$root/examples/models/tiny-k3.json" --threads 1 -q -o "$tmp/t1.json"
+expect_exit 0 "plan --threads 3" "$memplan" plan "$root/examples/models/tiny-k3.json" --threads 3 -q -o "$tmp/t3.json"
+cmp -s "$tmp/t1.json" "$tmp/t3.json" && ok || bad "--threads 1 and --threads 3 wrote different plans"
+expect_exit 2 "plan --threads 0" "$memplan" plan "$root/examples/models/tiny-k3.json" --threads 0 -q -o "$tmp/t0.json"
+[ ! -e "$tmp/t0.json" ] && ok || bad "--threads 0 wrote a plan"
+
 # 2. Bad input: exit 2, one line naming file and pointer, no output file.
 cp "$root/examples/models/tiny-gpt.json" "$tmp/bad.json"
 python3 - "$tmp/bad.json" <<'PY'
