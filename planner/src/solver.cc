@@ -246,69 +246,124 @@ class ProfileTrees {
   std::vector<Scratch> scratch_;
 };
 
-SolveResult Heuristic(const PlanningProblem& p, int32_t rank, int64_t budget, ProfileTrees& prof, Assignment* a) {
-  const auto& ts = p.tensors[static_cast<size_t>(rank)];
-  auto& st = a->storage[static_cast<size_t>(rank)];
-  const auto& costs = CostTable(p, rank);
-  const int64_t pp = p.model->parallel.pp;
-  MaxTree& tree = prof.tree(rank);
-  OffloadCapacity cap = HostCapacity(p, rank);
-  auto host_moved = [&](size_t t, Storage s) -> int64_t {
-    if (s != Storage::kOffloadHost && s != Storage::kFp8OffloadHost) return 0;
-    return s == Storage::kFp8OffloadHost ? ts[t].fp8_bytes : ts[t].bytes;
-  };
-  for (size_t t = 0; t < ts.size(); ++t) cap.Add(ts[t], host_moved(t, st[t]), 1);
-  // Host offload must hide behind compute: within the layer's and chunk's
-  // copy capacity once the tensor's current share is released.
-  auto offload_fits = [&](size_t t, Storage from, Storage to) {
-    int64_t moved = host_moved(t, to);
-    if (moved == 0) return true;
-    cap.Add(ts[t], host_moved(t, from), -1);
-    bool ok = cap.Fits(ts[t], moved);
-    cap.Add(ts[t], host_moved(t, from), 1);
-    return ok;
-  };
-  std::vector<int> moves(ts.size(), 0);
-  // Every change, while a trial of the exchange pass records them.
-  std::vector<std::pair<size_t, Storage>> log;
-  bool logging = false;
-  auto change = [&](size_t t, Storage to) {
-    ++moves[t];
-    if (logging) log.emplace_back(t, st[t]);
-    cap.Add(ts[t], host_moved(t, st[t]), -1);
-    cap.Add(ts[t], host_moved(t, to), 1);
-    prof.Change(rank, static_cast<int32_t>(t), st[t], -1, to, -1);
-    st[t] = to;
-  };
+// The heuristic for one rank (docs/planner.md, "Heuristic"): the peak-step
+// greedy, clean-up and exchange; on small ranks the same again from the
+// start with the excess-area repair, keeping the cheaper plan that fits.
+class RankHeuristic {
+ public:
+  RankHeuristic(const PlanningProblem& p, int32_t rank, int64_t budget, ProfileTrees& prof, Assignment* a)
+      : p_(p), rank_(rank), budget_(budget), prof_(prof), a_(a), ts_(p.tensors[static_cast<size_t>(rank)]),
+        st_(a->storage[static_cast<size_t>(rank)]), costs_(CostTable(p, rank)), pp_(p.model->parallel.pp),
+        tree_(prof.tree(rank)), cap_(HostCapacity(p, rank)), moves_(ts_.size(), 0) {
+    for (size_t t = 0; t < ts_.size(); ++t) cap_.Add(ts_[t], HostMoved(t, st_[t]), 1);
+  }
+
+  SolveResult Run() {
+    const bool small = p_.instances[static_cast<size_t>(rank_)].size() <= kExchangeInstances;
+    const std::vector<Storage> initial = st_;
+    const std::vector<int> initial_moves = moves_;
+    Repair();
+    CleanUp();
+    Exchange();
+    if (small) {
+      // The same from the start with the area repair; the cheaper one stays.
+      const std::vector<Storage> first = st_;
+      const bool first_fits = Fits();
+      const double first_cost = Cost();
+      RestoreTo(initial);
+      moves_ = initial_moves;
+      RepairByArea();
+      Repair();  // whatever the area repair could not cover
+      CleanUp();
+      Exchange();
+      if (first_fits && (!Fits() || Cost() >= first_cost)) RestoreTo(first);
+    }
+    return {Fits(), Cost()};
+  }
+
+ private:
   struct Candidate {
     double score;
     int64_t benefit;
     int32_t tensor;
     Storage to;
   };
+
+  bool Fits() const { return tree_.Max() <= budget_; }
+  double Cost() const { return SeparableCost(p_, rank_, *a_); }
+  double CostOf(size_t t, Storage s) const { return costs_[t][static_cast<size_t>(s)]; }
+
+  int64_t HostMoved(size_t t, Storage s) const {
+    if (s != Storage::kOffloadHost && s != Storage::kFp8OffloadHost) return 0;
+    return s == Storage::kFp8OffloadHost ? ts_[t].fp8_bytes : ts_[t].bytes;
+  }
+  // Host offload must hide behind compute: within the layer's and chunk's
+  // copy capacity once the tensor's current share is released.
+  bool OffloadFits(size_t t, Storage from, Storage to) {
+    int64_t moved = HostMoved(t, to);
+    if (moved == 0) return true;
+    cap_.Add(ts_[t], HostMoved(t, from), -1);
+    bool ok = cap_.Fits(ts_[t], moved);
+    cap_.Add(ts_[t], HostMoved(t, from), 1);
+    return ok;
+  }
+  void Change(size_t t, Storage to) {
+    ++moves_[t];
+    if (logging_) log_.emplace_back(t, st_[t]);
+    cap_.Add(ts_[t], HostMoved(t, st_[t]), -1);
+    cap_.Add(ts_[t], HostMoved(t, to), 1);
+    prof_.Change(rank_, static_cast<int32_t>(t), st_[t], -1, to, -1);
+    st_[t] = to;
+  }
+  void RestoreTo(const std::vector<Storage>& storage) {
+    for (size_t t = 0; t < ts_.size(); ++t) {
+      if (st_[t] != storage[t]) Change(t, storage[t]);
+    }
+  }
+  // The legal storages of tensor t cheaper than its current one, cheapest first.
+  std::vector<Storage> Cheaper(size_t t) const {
+    std::vector<Storage> out;
+    for (Storage o : kLocalOptions) {
+      if (o != st_[t] && Legal(ts_[t], o, pp_) && CostOf(t, o) < CostOf(t, st_[t])) out.push_back(o);
+    }
+    std::stable_sort(out.begin(), out.end(), [&](Storage x, Storage y) { return CostOf(t, x) < CostOf(t, y); });
+    return out;
+  }
+  // The decided (not kept, not annotated) tensors, most expensive first.
+  std::vector<int32_t> DecidedByCost() const {
+    std::vector<int32_t> decided;
+    for (size_t t = 0; t < ts_.size(); ++t) {
+      if (Decidable(ts_[t], st_[t]) && st_[t] != Storage::kKeep) decided.push_back(static_cast<int32_t>(t));
+    }
+    std::stable_sort(decided.begin(), decided.end(), [&](int32_t x, int32_t y) {
+      return CostOf(static_cast<size_t>(x), st_[static_cast<size_t>(x)]) >
+             CostOf(static_cast<size_t>(y), st_[static_cast<size_t>(y)]);
+    });
+    return decided;
+  }
+
   // Greedy repair: while the peak exceeds the budget, move the tensors that
   // remove bytes at the peak step at the least added seconds per byte.
-  auto repair = [&] {
-    for (int iter = 0; iter < 100000 && tree.Max() > budget; ++iter) {
-      int64_t step = tree.ArgMax();
-      int64_t excess = tree.Max() - budget;
+  void Repair() {
+    for (int iter = 0; iter < 100000 && !Fits(); ++iter) {
+      int64_t step = tree_.ArgMax();
+      int64_t excess = tree_.Max() - budget_;
       std::vector<Candidate> cands;
-      for (size_t t = 0; t < ts.size(); ++t) {
-        Storage cur = st[t];
-        if (!Decidable(ts[t], cur)) continue;
-        int64_t now = prof.ResidentAt(rank, static_cast<int32_t>(t), cur, -1, rank, step);
+      for (size_t t = 0; t < ts_.size(); ++t) {
+        Storage cur = st_[t];
+        if (!Decidable(ts_[t], cur)) continue;
+        int64_t now = prof_.ResidentAt(rank_, static_cast<int32_t>(t), cur, -1, rank_, step);
         if (now == 0) continue;
         Candidate best{std::numeric_limits<double>::infinity(), 0, static_cast<int32_t>(t), cur};
         for (Storage o : kLocalOptions) {
           // Any move that lowers the peak step qualifies (at a backward peak,
           // fp8's dequantize or recompute's chain can cost more than keep);
           // a cap on moves per tensor rules out oscillation.
-          if (o == cur || !Legal(ts[t], o, pp) || moves[t] >= kMaxMovesPerTensor) continue;
-          if (!offload_fits(t, cur, o)) continue;
-          int64_t benefit = now - prof.ResidentAt(rank, static_cast<int32_t>(t), o, -1, rank, step);
+          if (o == cur || !Legal(ts_[t], o, pp_) || moves_[t] >= kMaxMovesPerTensor) continue;
+          if (!OffloadFits(t, cur, o)) continue;
+          int64_t benefit = now - prof_.ResidentAt(rank_, static_cast<int32_t>(t), o, -1, rank_, step);
           if (benefit <= 0) continue;
-          double extra = costs[t][static_cast<size_t>(o)] - costs[t][static_cast<size_t>(cur)];
-          double score = extra / static_cast<double>(benefit);
+          double score = (CostOf(t, o) - CostOf(t, cur)) / static_cast<double>(benefit);
           if (score < best.score || (score == best.score && benefit > best.benefit)) best = {score, benefit, best.tensor, o};
         }
         if (best.to != cur) cands.push_back(best);
@@ -322,164 +377,125 @@ SolveResult Heuristic(const PlanningProblem& p, int32_t rank, int64_t budget, Pr
       bool applied = false;
       for (const auto& c : cands) {
         size_t t = static_cast<size_t>(c.tensor);
-        if (!offload_fits(t, st[t], c.to)) continue;  // an earlier candidate took the capacity
-        change(t, c.to);
+        if (!OffloadFits(t, st_[t], c.to)) continue;  // an earlier candidate took the capacity
+        Change(t, c.to);
         applied = true;
         covered += c.benefit;
         if (covered >= excess) break;
       }
       if (!applied) break;
     }
-  };
-  // The decided (not kept, not annotated) tensors, most expensive first.
-  auto decided_by_cost = [&] {
-    std::vector<int32_t> decided;
-    for (size_t t = 0; t < ts.size(); ++t) {
-      if (Decidable(ts[t], st[t]) && st[t] != Storage::kKeep) decided.push_back(static_cast<int32_t>(t));
-    }
-    std::stable_sort(decided.begin(), decided.end(), [&](int32_t x, int32_t y) {
-      return costs[static_cast<size_t>(x)][static_cast<size_t>(st[static_cast<size_t>(x)])] >
-             costs[static_cast<size_t>(y)][static_cast<size_t>(st[static_cast<size_t>(y)])];
-    });
-    return decided;
-  };
-  // Drop what is no longer needed: most expensive decisions first, each to
-  // the cheapest storage that still fits.
-  auto clean_up = [&] {
-    if (tree.Max() <= budget) {
-      std::vector<int32_t> decided = decided_by_cost();
-      for (int32_t t : decided) {
-        Storage cur = st[static_cast<size_t>(t)];
-        // A cheaper storage keeps more bytes between forward and backward; skip
-        // it without trying when even one instance's extra bytes exceed the
-        // headroom left under the budget.
-        int64_t headroom = budget - tree.Max();
-        auto mid = [&](Storage s) { return StoredBytes(ts[static_cast<size_t>(t)], s); };
-        std::vector<Storage> cheaper;
-        for (Storage o : kLocalOptions) {
-          if (Legal(ts[static_cast<size_t>(t)], o, pp) &&
-              costs[static_cast<size_t>(t)][static_cast<size_t>(o)] < costs[static_cast<size_t>(t)][static_cast<size_t>(cur)]) {
-            cheaper.push_back(o);
-          }
-        }
-        std::stable_sort(cheaper.begin(), cheaper.end(), [&](Storage x, Storage y) {
-          return costs[static_cast<size_t>(t)][static_cast<size_t>(x)] < costs[static_cast<size_t>(t)][static_cast<size_t>(y)];
-        });
-        for (Storage o : cheaper) {
-          if (mid(o) - mid(cur) > headroom || !offload_fits(static_cast<size_t>(t), cur, o)) continue;
-          if (!prof.StaysWithin(rank, t, cur, -1, o, -1, budget)) continue;
-          change(static_cast<size_t>(t), o);
-          break;
-        }
-      }
-    }
-  };
+  }
+
   // Greedy repair by the excess area (small ranks): while some step exceeds
   // the budget, apply the move with the least added seconds per byte-step of
   // excess it removes, over every step (a move that lowers several peaks
   // counts for each), net of the excess it creates elsewhere.
-  auto repair_by_area = [&] {
-    const int64_t steps = p.timelines[static_cast<size_t>(rank)].steps;
+  void RepairByArea() {
+    const int64_t steps = p_.timelines[static_cast<size_t>(rank_)].steps;
     std::vector<int64_t> level(static_cast<size_t>(steps));
-    for (int iter = 0; iter < 100000 && tree.Max() > budget; ++iter) {
-      for (int64_t s = 0; s < steps; ++s) level[static_cast<size_t>(s)] = tree.At(s);
+    for (int iter = 0; iter < 100000 && !Fits(); ++iter) {
+      for (int64_t s = 0; s < steps; ++s) level[static_cast<size_t>(s)] = tree_.At(s);
       Candidate best{std::numeric_limits<double>::infinity(), 0, -1, Storage::kKeep};
-      for (size_t t = 0; t < ts.size(); ++t) {
-        Storage cur = st[t];
-        if (!Decidable(ts[t], cur)) continue;
+      for (size_t t = 0; t < ts_.size(); ++t) {
+        Storage cur = st_[t];
+        if (!Decidable(ts_[t], cur)) continue;
         for (Storage o : kLocalOptions) {
-          if (o == cur || !Legal(ts[t], o, pp) || moves[t] >= kMaxMovesPerTensor) continue;
-          if (!offload_fits(t, cur, o)) continue;
+          if (o == cur || !Legal(ts_[t], o, pp_) || moves_[t] >= kMaxMovesPerTensor) continue;
+          if (!OffloadFits(t, cur, o)) continue;
           int64_t net = 0;
-          for (const auto& piece : prof.Delta(rank, static_cast<int32_t>(t), cur, -1, o, -1)) {
+          for (const auto& piece : prof_.Delta(rank_, static_cast<int32_t>(t), cur, -1, o, -1)) {
             for (int64_t s = piece.first; s <= piece.last; ++s) {
-              const int64_t before = std::max<int64_t>(0, level[static_cast<size_t>(s)] - budget);
-              const int64_t after = std::max<int64_t>(0, level[static_cast<size_t>(s)] + piece.bytes - budget);
+              const int64_t before = std::max<int64_t>(0, level[static_cast<size_t>(s)] - budget_);
+              const int64_t after = std::max<int64_t>(0, level[static_cast<size_t>(s)] + piece.bytes - budget_);
               net += before - after;
             }
           }
           if (net <= 0) continue;
-          double extra = costs[t][static_cast<size_t>(o)] - costs[t][static_cast<size_t>(cur)];
-          double score = extra / static_cast<double>(net);
+          double score = (CostOf(t, o) - CostOf(t, cur)) / static_cast<double>(net);
           if (score < best.score || (score == best.score && net > best.benefit)) {
             best = {score, net, static_cast<int32_t>(t), o};
           }
         }
       }
       if (best.tensor < 0) break;
-      change(static_cast<size_t>(best.tensor), best.to);
+      Change(static_cast<size_t>(best.tensor), best.to);
     }
-  };
-  auto exchange = [&] {
-    if (tree.Max() <= budget && p.instances[static_cast<size_t>(rank)].size() <= kExchangeInstances) {
-      for (int pass = 0; pass < 2; ++pass) {
-        bool improved = false;
-        std::vector<int32_t> decided = decided_by_cost();
-        for (int32_t t : decided) {
-          const size_t ti = static_cast<size_t>(t);
-          // Each cheaper storage in turn, cheapest first (keep first when
-          // legal): pinned there for the trial, the others repaired around it.
-          std::vector<Storage> cheaper;
-          for (Storage o : kLocalOptions) {
-            if (o != st[ti] && Legal(ts[ti], o, pp) && costs[ti][static_cast<size_t>(o)] < costs[ti][static_cast<size_t>(st[ti])]) {
-              cheaper.push_back(o);
-            }
-          }
-          std::stable_sort(cheaper.begin(), cheaper.end(), [&](Storage x, Storage y) {
-            return costs[ti][static_cast<size_t>(x)] < costs[ti][static_cast<size_t>(y)];
-          });
-          for (Storage o : cheaper) {
-            if (costs[ti][static_cast<size_t>(o)] >= costs[ti][static_cast<size_t>(st[ti])]) continue;  // an earlier trial won
-            if (!offload_fits(ti, st[ti], o)) continue;
-            const double before = SeparableCost(p, rank, *a);
-            const std::vector<int> saved_moves = moves;
-            log.clear();
-            logging = true;
-            change(ti, o);
-            moves[ti] = kMaxMovesPerTensor;  // it stays there in this trial
-            repair();
-            clean_up();
-            logging = false;
-            if (tree.Max() <= budget && SeparableCost(p, rank, *a) < before - 1e-12) {
-              improved = true;
-            } else {
-              for (auto it = log.rbegin(); it != log.rend(); ++it) change(it->first, it->second);
-            }
-            moves = saved_moves;
-          }
-        }
-        if (!improved) break;
-      }
-    }
-  };
-  const bool small = p.instances[static_cast<size_t>(rank)].size() <= kExchangeInstances;
-  const std::vector<Storage> initial = st;
-  const std::vector<int> initial_moves = moves;
-  repair();
-  clean_up();
-  exchange();
-  if (small) {
-    // The same from the start with the area repair; the cheaper one stays.
-    const std::vector<Storage> first = st;
-    const bool first_fits = tree.Max() <= budget;
-    const double first_cost = SeparableCost(p, rank, *a);
-    for (size_t t = 0; t < ts.size(); ++t) {
-      if (st[t] != initial[t]) change(t, initial[t]);
-    }
-    moves = initial_moves;
-    repair_by_area();
-    repair();  // whatever the area repair could not cover
-    clean_up();
-    exchange();
-    const bool second_fits = tree.Max() <= budget;
-    const double second_cost = SeparableCost(p, rank, *a);
-    if (first_fits && (!second_fits || second_cost >= first_cost)) {
-      for (size_t t = 0; t < ts.size(); ++t) {
-        if (st[t] != first[t]) change(t, first[t]);
+  }
+
+  // Drop what is no longer needed: most expensive decisions first, each to
+  // the cheapest storage that still fits.
+  void CleanUp() {
+    if (!Fits()) return;
+    for (int32_t t : DecidedByCost()) {
+      const size_t ti = static_cast<size_t>(t);
+      Storage cur = st_[ti];
+      // A cheaper storage keeps more bytes between forward and backward; skip
+      // it without trying when even one instance's extra bytes exceed the
+      // headroom left under the budget.
+      int64_t headroom = budget_ - tree_.Max();
+      for (Storage o : Cheaper(ti)) {
+        if (StoredBytes(ts_[ti], o) - StoredBytes(ts_[ti], cur) > headroom || !OffloadFits(ti, cur, o)) continue;
+        if (!prof_.StaysWithin(rank_, t, cur, -1, o, -1, budget_)) continue;
+        Change(ti, o);
+        break;
       }
     }
   }
-  return {tree.Max() <= budget, SeparableCost(p, rank, *a)};
+
+  // Exchange pass, on ranks small enough to afford it: each decision, most
+  // expensive first, pinned in turn to each cheaper storage, the others
+  // repaired and cleaned up around it; kept when the rank costs less. One
+  // move that lowers several peaks at once is what the per-peak greedy misses.
+  void Exchange() {
+    if (!Fits() || p_.instances[static_cast<size_t>(rank_)].size() > kExchangeInstances) return;
+    for (int pass = 0; pass < 2; ++pass) {
+      bool improved = false;
+      for (int32_t t : DecidedByCost()) {
+        const size_t ti = static_cast<size_t>(t);
+        for (Storage o : Cheaper(ti)) {
+          if (CostOf(ti, o) >= CostOf(ti, st_[ti])) continue;  // an earlier trial won
+          if (!OffloadFits(ti, st_[ti], o)) continue;
+          const double before = Cost();
+          const std::vector<int> saved_moves = moves_;
+          log_.clear();
+          logging_ = true;
+          Change(ti, o);
+          moves_[ti] = kMaxMovesPerTensor;  // it stays there in this trial
+          Repair();
+          CleanUp();
+          logging_ = false;
+          if (Fits() && Cost() < before - 1e-12) {
+            improved = true;
+          } else {
+            for (auto it = log_.rbegin(); it != log_.rend(); ++it) Change(it->first, it->second);
+          }
+          moves_ = saved_moves;
+        }
+      }
+      if (!improved) break;
+    }
+  }
+
+  const PlanningProblem& p_;
+  const int32_t rank_;
+  const int64_t budget_;
+  ProfileTrees& prof_;
+  Assignment* a_;
+  const std::vector<SavedTensor>& ts_;
+  std::vector<Storage>& st_;
+  const std::vector<std::array<double, kStorageCount>>& costs_;
+  const int64_t pp_;
+  MaxTree& tree_;
+  OffloadCapacity cap_;
+  std::vector<int> moves_;
+  // Every change, while a trial of the exchange pass records them.
+  std::vector<std::pair<size_t, Storage>> log_;
+  bool logging_ = false;
+};
+
+SolveResult Heuristic(const PlanningProblem& p, int32_t rank, int64_t budget, ProfileTrees& prof, Assignment* a) {
+  return RankHeuristic(p, rank, budget, prof, a).Run();
 }
 
 }  // namespace
