@@ -88,6 +88,44 @@ TEST_CASE("1F1B schedules: warm-up counts, in-flight peak, every pass once") {
   CHECK(s == expect);
 }
 
+// The pipeline part of the time model against the published closed forms
+// (Narayanan et al., SC'21): with equal stages taking f forward and b
+// backward per microbatch (each of vp chunks f/vp and b/vp), the step is
+// m(f + b) plus a bubble of (pp - 1)(f + b)/vp: 1F1B's bubble fraction
+// (pp - 1)/(m + pp - 1) of the step, interleaved's (pp - 1)/(vp m) of the
+// ideal.
+TEST_CASE("pipeline timing reproduces the 1F1B and interleaved bubble closed forms") {
+  int checked = 0;
+  for (int64_t pp : {2, 3, 4, 8}) {
+    for (int64_t vp : {1, 2, 3}) {
+      for (int64_t mult : {1, 2, 4}) {
+        for (double b : {1.0, 2.0, 3.0}) {
+          const int64_t m = pp * mult;
+          const double f = 1.0;
+          std::vector<double> fwd(static_cast<size_t>(pp * vp), f / static_cast<double>(vp));
+          std::vector<double> bwd(static_cast<size_t>(pp * vp), b / static_cast<double>(vp));
+          double makespan = 0;
+          PassStarts(BuildSchedules(pp, vp, m), pp, vp, m, fwd, bwd, &makespan);
+          CAPTURE(pp);
+          CAPTURE(vp);
+          CAPTURE(m);
+          CAPTURE(b);
+          const double ideal = static_cast<double>(m) * (f + b);
+          const double pd = static_cast<double>(pp - 1);
+          if (vp == 1) {
+            CHECK((makespan - ideal) / makespan == doctest::Approx(pd / static_cast<double>(m + pp - 1)).epsilon(1e-12));
+          } else {
+            CHECK((makespan - ideal) / ideal ==
+                  doctest::Approx(pd / static_cast<double>(vp * m)).epsilon(1e-12));
+          }
+          ++checked;
+        }
+      }
+    }
+  }
+  CHECK(checked == 108);
+}
+
 TEST_CASE("FP8 blockwise footprint is 1.03125 B/element, tails padded per row") {
   CHECK(Fp8Bytes({4, 256}) * 32 == 4 * 256 * 33);
   CHECK(Fp8Bytes({3, 130}) == 3 * 130 + 3 * 2 * 4);

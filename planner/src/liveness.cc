@@ -560,42 +560,10 @@ PlanningProblem BuildProblem(const Model& model, std::vector<LayerGraph> layers)
       }
     }
   }
-  auto key = [&](int64_t mb, int64_t stage) { return static_cast<size_t>(mb * stages + stage); };
-  std::vector<double> f_end(static_cast<size_t>(mbs * stages), -1), b_end(static_cast<size_t>(mbs * stages), -1);
-  std::vector<std::vector<double>> pass_start(static_cast<size_t>(pp));
-  std::vector<size_t> next(static_cast<size_t>(pp), 0);
-  std::vector<double> free_at(static_cast<size_t>(pp), 0);
-  for (bool progress = true; progress;) {
-    progress = false;
-    for (int64_t r = 0; r < pp; ++r) {
-      const auto& sched = p.schedules[static_cast<size_t>(r)];
-      size_t& i = next[static_cast<size_t>(r)];
-      while (i < sched.size()) {
-        const PassRef& pr = sched[i];
-        int64_t stage = pr.chunk * pp + r;
-        double dep = 0;
-        if (pr.forward) {
-          if (stage > 0) dep = f_end[key(pr.microbatch, stage - 1)];
-        } else {
-          dep = stage + 1 < stages ? b_end[key(pr.microbatch, stage + 1)] : f_end[key(pr.microbatch, stage)];
-        }
-        if (dep < 0) break;  // waits for a neighbour
-        double start = std::max(free_at[static_cast<size_t>(r)], dep);
-        double dur = pr.forward ? chunk_fwd[static_cast<size_t>(stage)] : chunk_bwd[static_cast<size_t>(stage)];
-        (pr.forward ? f_end : b_end)[key(pr.microbatch, stage)] = start + dur;
-        free_at[static_cast<size_t>(r)] = start + dur;
-        pass_start[static_cast<size_t>(r)].push_back(start);
-        ++i;
-        progress = true;
-      }
-    }
-  }
+  std::vector<std::vector<double>> pass_start =
+      PassStarts(p.schedules, pp, vp, mbs, chunk_fwd, chunk_bwd, &p.makespan_s);
   p.stage_fwd_s = chunk_fwd;
   p.stage_bwd_s = chunk_bwd;
-  for (int64_t r = 0; r < pp; ++r) {
-    MEMPLAN_CHECK(next[static_cast<size_t>(r)] == p.schedules[static_cast<size_t>(r)].size(), "pipeline schedule deadlocked");
-    p.makespan_s = std::max(p.makespan_s, free_at[static_cast<size_t>(r)]);
-  }
 
   // --- Steps and instances -------------------------------------------------------
   p.timelines.resize(static_cast<size_t>(pp));

@@ -46,4 +46,48 @@ int64_t MaxInFlight(const RankSchedule& schedule) {
   return peak;
 }
 
+std::vector<std::vector<double>> PassStarts(const std::vector<RankSchedule>& schedules, int64_t pp, int64_t vp,
+                                            int64_t microbatches, const std::vector<double>& stage_fwd_s,
+                                            const std::vector<double>& stage_bwd_s, double* makespan_s) {
+  const int64_t stages = pp * vp;
+  auto key = [&](int64_t mb, int64_t stage) { return static_cast<size_t>(mb * stages + stage); };
+  std::vector<double> f_end(static_cast<size_t>(microbatches * stages), -1);
+  std::vector<double> b_end(static_cast<size_t>(microbatches * stages), -1);
+  std::vector<std::vector<double>> starts(static_cast<size_t>(pp));
+  std::vector<size_t> next(static_cast<size_t>(pp), 0);
+  std::vector<double> free_at(static_cast<size_t>(pp), 0);
+  for (bool progress = true; progress;) {
+    progress = false;
+    for (int64_t r = 0; r < pp; ++r) {
+      const auto& sched = schedules[static_cast<size_t>(r)];
+      size_t& i = next[static_cast<size_t>(r)];
+      while (i < sched.size()) {
+        const PassRef& pr = sched[i];
+        const int64_t stage = pr.chunk * pp + r;
+        double dep = 0;
+        if (pr.forward) {
+          if (stage > 0) dep = f_end[key(pr.microbatch, stage - 1)];
+        } else {
+          dep = stage + 1 < stages ? b_end[key(pr.microbatch, stage + 1)] : f_end[key(pr.microbatch, stage)];
+        }
+        if (dep < 0) break;  // waits for a neighbour
+        const double start = std::max(free_at[static_cast<size_t>(r)], dep);
+        const double dur = pr.forward ? stage_fwd_s[static_cast<size_t>(stage)] : stage_bwd_s[static_cast<size_t>(stage)];
+        (pr.forward ? f_end : b_end)[key(pr.microbatch, stage)] = start + dur;
+        free_at[static_cast<size_t>(r)] = start + dur;
+        starts[static_cast<size_t>(r)].push_back(start);
+        ++i;
+        progress = true;
+      }
+    }
+  }
+  double makespan = 0;
+  for (int64_t r = 0; r < pp; ++r) {
+    MEMPLAN_CHECK(next[static_cast<size_t>(r)] == schedules[static_cast<size_t>(r)].size(), "pipeline schedule deadlocked");
+    makespan = std::max(makespan, free_at[static_cast<size_t>(r)]);
+  }
+  if (makespan_s) *makespan_s = makespan;
+  return starts;
+}
+
 }  // namespace memplan::planner

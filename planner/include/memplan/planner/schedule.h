@@ -28,6 +28,18 @@ using RankSchedule = std::vector<PassRef>;
 // vp > 1 (validated with the model).
 std::vector<RankSchedule> BuildSchedules(int64_t pp, int64_t vp, int64_t microbatches);
 
+// Start time of every pass of every rank's schedule: a forward of
+// (microbatch, virtual stage v) waits for stage v - 1, a backward for v + 1
+// or its own forward on the last stage, and a rank runs one pass at a time
+// in its schedule's order. `stage_fwd_s`, `stage_bwd_s`: per virtual stage
+// (chunk * pp + rank). Returns per rank the pass starts; `makespan_s`, when
+// given, the last pass's end. With equal stages it reproduces the closed
+// forms: 1F1B's bubble (pp - 1) / (m + pp - 1), interleaved (pp - 1) / (vp m)
+// (tests/planner_test.cc).
+std::vector<std::vector<double>> PassStarts(const std::vector<RankSchedule>& schedules, int64_t pp, int64_t vp,
+                                            int64_t microbatches, const std::vector<double>& stage_fwd_s,
+                                            const std::vector<double>& stage_bwd_s, double* makespan_s);
+
 // Largest number of forward passes whose backward has not run yet, over the
 // schedule: the in-flight peak of (microbatch, chunk) activations.
 int64_t MaxInFlight(const RankSchedule& schedule);
