@@ -3,7 +3,11 @@
 # (docs/planner.md, "Calibration"): calibrates the host backend, then for
 # every runnable example (and tiny-llama under each storage policy) plans
 # with the calibration, runs N times and prints the plan's
-# overhead.emulated_s against the median measured compute_s.
+# overhead.emulated_s against the median measured compute_s; then
+# tiny-llama with its layers and micro-batch size varied (what one rank
+# computes grows with both), and Spearman's rank correlation between the
+# predictions and the measurements over every row: does the time model rank
+# configurations as the runs do (issue 24's (a), goal rho >= 0.9)?
 #
 #   bench/calibration_accuracy.sh [N]     # N runs per row, default 3
 set -euo pipefail
@@ -18,14 +22,16 @@ import json, sys
 h = json.load(open(sys.argv[1]))["hardware"]
 print(f"calibration: GEMM {h['bf16_flops']/1e9:.2f} GFLOP/s, memory {h['hbm_bw']/1e9:.1f} GB/s, per-op {h['launch_s']*1e6:.2f} us")
 PY
-row() {  # row NAME MODEL.json [POLICY]
-  local name=$1 src=$2 policy=${3:-}
-  python3 - "$src" "$tmp/m.json" "$policy" <<'PY'
+row() {  # row NAME MODEL.json [POLICY] [PYTHON-EDIT-OF-m]
+  local name=$1 src=$2 policy=${3:-} edit=${4:-}
+  python3 - "$src" "$tmp/m.json" "$policy" "$edit" <<'PY'
 import json, sys
 m = json.load(open(sys.argv[1]))
 m["hardware"] = {"calibration": "hw.json"}
 if sys.argv[3]:
     m["policies"] = [{"match": "*", "policy": sys.argv[3]}]
+if sys.argv[4]:
+    exec(sys.argv[4])
 json.dump(m, open(sys.argv[2], "w"))
 PY
   "$memplan" plan "$tmp/m.json" -o "$tmp/p.json" -q
@@ -41,6 +47,7 @@ pred, med = plan["overhead"]["emulated_s"], statistics.median(times)
 spread = f"{min(times)*1e3:.0f}-{max(times)*1e3:.0f}"
 print(f"| {name} | {pred*1e3:.1f} | {med*1e3:.1f} ({spread}) | {100*(med-pred)/pred:+.1f} % |")
 PY
+  python3 -c "import json,statistics,sys; print(json.load(open('$tmp/p.json'))['overhead']['emulated_s'], statistics.median(float(t) for t in sys.argv[1:]))" "${times[@]}" >>"$tmp/pairs"
 }
 echo "| model | predicted (ms) | measured median (range) (ms) | measured vs predicted |"
 echo "|---|---|---|---|"
@@ -50,3 +57,32 @@ done
 for policy in recompute fp8 offload_host; do
   row "tiny-llama, every tensor $policy" examples/models/tiny-llama.json "$policy"
 done
+for layers in 2 8; do
+  row "tiny-llama, $layers layers" examples/models/tiny-llama.json "" "m['arch']['layers'] = $layers"
+done
+for mb in 1 4; do
+  row "tiny-llama, micro-batch $mb" examples/models/tiny-llama.json "" "m['train']['micro_batch'] = $mb"
+done
+python3 - "$tmp/pairs" <<'PY'
+import sys
+pairs = [tuple(map(float, line.split())) for line in open(sys.argv[1])]
+def ranks(v):
+    order = sorted(range(len(v)), key=lambda i: v[i])
+    r = [0.0] * len(v)
+    i = 0
+    while i < len(order):  # ties share their mean rank
+        j = i
+        while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            r[order[k]] = (i + j) / 2
+        i = j + 1
+    return r
+p, m = ranks([a for a, _ in pairs]), ranks([b for _, b in pairs])
+n = len(pairs)
+mp, mm = sum(p) / n, sum(m) / n
+cov = sum((a - mp) * (b - mm) for a, b in zip(p, m))
+sd = (sum((a - mp) ** 2 for a in p) * sum((b - mm) ** 2 for b in m)) ** 0.5
+print(f"Spearman rho over {n} rows: {cov / sd:.3f} (goal >= 0.9)")
+PY
+
