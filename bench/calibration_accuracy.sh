@@ -57,7 +57,7 @@ done
 for policy in recompute fp8 offload_host; do
   row "tiny-llama, every tensor $policy" examples/models/tiny-llama.json "$policy"
 done
-for layers in 2 8; do
+for layers in 8 12; do
   row "tiny-llama, $layers layers" examples/models/tiny-llama.json "" "m['arch']['layers'] = $layers"
 done
 for mb in 1 4; do

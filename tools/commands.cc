@@ -17,10 +17,10 @@
 #include <string>
 
 #include "cli.h"
-#include "memplan/common/parallel.h"
 #include "memplan/common/cleanup.h"
 #include "memplan/common/json_util.h"
 #include "memplan/common/output.h"
+#include "memplan/common/parallel.h"
 #include "memplan/common/table.h"
 #include "memplan/common/units.h"
 #include "memplan/planner/model.h"
