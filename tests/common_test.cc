@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <vector>
 #include <string>
+#include <thread>
 #include <stdexcept>
 #include <filesystem>
 #include <fstream>
@@ -326,6 +327,20 @@ TEST_CASE("ParallelFor: every index once, on any number of threads; the lowest f
     }
     CHECK(ran.load() == 20);  // the others still ran
     ParallelFor(0, [&](size_t) { FAIL("called for an empty range"); });
+    // Nested: the inner loop runs on the outer call's thread, every index once.
+    std::vector<std::atomic<int>> inner(4 * 25);
+    std::atomic<int> foreign{0};
+    ParallelFor(4, [&](size_t o) {
+      const auto me = std::this_thread::get_id();
+      ParallelFor(25, [&](size_t i) {
+        if (std::this_thread::get_id() != me) foreign.fetch_add(1);
+        inner[o * 25 + i].fetch_add(1);
+      });
+    });
+    CHECK(foreign.load() == 0);
+    int nested_once = 0;
+    for (const auto& s : inner) nested_once += s.load() == 1 ? 1 : 0;
+    CHECK(nested_once == 100);
   }
   SetThreads(0);
   CHECK(Threads() >= 1);

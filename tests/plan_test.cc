@@ -288,3 +288,64 @@ TEST_CASE("offloads that cannot leave in time are listed, warned about and count
   REQUIRE(keep.ok());
   for (const auto& r : keep->ranks) CHECK(r.resident_offloads.empty());
 }
+
+TEST_CASE("communication: TP all-reduces, EP all-to-alls and the DP reduction follow the ring formulas") {
+  Json m = ReadJson("examples/models/tiny-gpt.json");
+  m["parallel"]["pp"] = 1;
+  m["train"]["microbatches"] = 1;
+  m["hardware"] = Json{{"preset", "host"}, {"pp_link_bw", 5e9}};  // peer_bw 10 GB/s
+  const double tokens_bytes = 2.0 * 64 * 64 * 4;  // micro_batch x seq x hidden, fp32
+  // Per layer: a row-parallel all-reduce after attention and after the MLP
+  // in the forward, a column-parallel one for qkv's and fc1's input
+  // gradient in the backward; plus the vocab-parallel embedding and the head.
+  const double all_reduces = 4 * 4 + 2;
+  int checked = 0;
+  for (int tp : {1, 2, 4}) {
+    for (bool sp : {false, true}) {
+      for (int per_node : {8, 1}) {
+        CAPTURE(tp);
+        CAPTURE(sp);
+        CAPTURE(per_node);
+        m["parallel"]["tp"] = tp;
+        m["parallel"]["sp"] = sp;
+        m["hardware"]["gpus_per_node"] = per_node;
+        const Plan plan = MustPlan(MustParse(m));
+        const double bw = tp <= per_node ? 10e9 : 5e9;
+        CHECK(plan.overhead.comm_s == doctest::Approx(all_reduces * 2.0 * (tp - 1) / tp * tokens_bytes / bw).epsilon(1e-9));
+        CHECK(plan.overhead.comm_s <= plan.overhead.base_step_s);
+        ++checked;
+      }
+    }
+  }
+  CHECK(checked == 12);
+
+  // Data parallelism, with compute made free so nothing hides it: an
+  // all-reduce of the fp32 gradients (zero 0), or a reduce-scatter of them
+  // and an all-gather of the fp32 weights (ZeRO-1): the same bytes.
+  m["parallel"]["tp"] = 1;
+  m["hardware"] = Json{{"preset", "host"}, {"bf16_flops", 1e18}, {"hbm_bw", 1e15}};
+  for (int zero : {0, 1}) {
+    CAPTURE(zero);
+    m["parallel"]["dp"] = 4;
+    m["parallel"]["zero"] = zero;
+    const Plan plan = MustPlan(MustParse(m));
+    CHECK(plan.overhead.dp_exposed_s ==
+          doctest::Approx(2.0 * 3 / 4 * static_cast<double>(plan.totals.params) * 4 / 10e9).epsilon(1e-6));
+    CHECK(plan.overhead.base_step_s >= plan.overhead.dp_exposed_s);
+  }
+
+  // Expert parallelism: dispatch and combine are all-to-alls of which
+  // (ep - 1) / ep leaves the rank, so ep 4 waits 1.5 times ep 2.
+  Json moe = ReadJson("examples/models/tiny-moe.json");
+  moe["parallel"]["pp"] = 1;
+  moe["parallel"]["tp"] = 1;
+  moe["parallel"]["dp"] = 4;
+  std::vector<double> comm;
+  for (int ep : {1, 2, 4}) {
+    moe["parallel"]["ep"] = ep;
+    comm.push_back(MustPlan(MustParse(moe)).overhead.comm_s);
+  }
+  CHECK(comm[0] == 0);
+  CHECK(comm[1] > 0);
+  CHECK(comm[2] == doctest::Approx(1.5 * comm[1]).epsilon(1e-9));
+}

@@ -11,6 +11,9 @@ namespace memplan {
 namespace {
 
 std::atomic<int> g_threads{0};
+// Set while a thread runs ParallelFor's work: a nested ParallelFor (a plan
+// inside `memplan search`'s loop over layouts) runs on that thread alone.
+thread_local bool t_in_parallel = false;
 
 }  // namespace
 
@@ -27,10 +30,12 @@ int Threads() {
 void SetThreads(int threads) { g_threads.store(std::max(0, threads)); }
 
 void ParallelFor(size_t n, const std::function<void(size_t)>& fn) {
-  const size_t workers = std::min(n, static_cast<size_t>(Threads()));
+  const size_t workers = t_in_parallel ? 1 : std::min(n, static_cast<size_t>(Threads()));
   std::atomic<size_t> next{0};
   std::vector<std::exception_ptr> errors(n);
   auto work = [&] {
+    const bool outer = t_in_parallel;
+    t_in_parallel = true;
     for (size_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
       try {
         fn(i);
@@ -38,6 +43,7 @@ void ParallelFor(size_t n, const std::function<void(size_t)>& fn) {
         errors[i] = std::current_exception();
       }
     }
+    t_in_parallel = outer;
   };
   {
     std::vector<std::jthread> pool;

@@ -13,13 +13,17 @@ int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 bool IsExpert(const ParamSpec& p) { return p.kind == ParamKind::kExpert; }
 
+}  // namespace
+
 // Size of the group that partitions a parameter's gradient or optimizer
 // state: the data-parallel x context-parallel group, or for routed experts
 // the expert data-parallel group dp*cp/ep.
-int64_t PartitionGroup(const Model& m, const ParamSpec& p) {
+int64_t DataParallelGroup(const Model& m, const ParamSpec& p) {
   int64_t dpcp = m.parallel.dp * m.parallel.cp;
   return IsExpert(p) ? dpcp / m.parallel.ep : dpcp;
 }
+
+namespace {
 
 struct Matrix {
   int64_t elements;
@@ -38,7 +42,7 @@ int64_t MuonGatherBytes(const Model& m, const std::vector<LayerGraph>& layers,
     for (const auto& p : layers[static_cast<size_t>(layer)].params) {
       if (!UsesMuon(m, p)) continue;
       int64_t local = LocalParamElements(m, p);
-      if (PartitionGroup(m, p) <= 1) continue;  // not partitioned: no gather
+      if (DataParallelGroup(m, p) <= 1) continue;  // not partitioned: no gather
       all += local;
       int64_t matrices = std::max<int64_t>(1, p.Matrices() / (IsExpert(p) ? m.parallel.ep : 1));
       for (int64_t i = 0; i < matrices; ++i) {
@@ -131,7 +135,7 @@ StaticBreakdown AccountRank(const Model& model, const std::vector<LayerGraph>& l
       for (const auto& p : layers[static_cast<size_t>(layer)].params) {
         int64_t n = LocalParamElements(model, p);
         chunk_params += n;
-        int64_t group = PartitionGroup(model, p);
+        int64_t group = DataParallelGroup(model, p);
         grad_partition += CheckedMul(partition_grads ? CeilDiv(n, group) : n, gbytes, "gradient bytes");
         // Partitions are element ranges (each DP rank steps whole
         // elements): ceil(n / group) elements' state per rank.

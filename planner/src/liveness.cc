@@ -10,6 +10,7 @@
 #include "memplan/common/check.h"
 #include "memplan/common/parallel.h"
 #include "memplan/common/units.h"
+#include "memplan/planner/comm.h"
 #include "memplan/planner/plan.h"
 #include "cross_buffers.h"
 
@@ -109,7 +110,8 @@ bool GradAccumulates(OpKind kind) { return GetOpDef(kind).grad_accumulates; }
 namespace {
 
 struct LayerInfo {
-  std::vector<double> fwd_s, bwd_s;             // per op, topological order
+  std::vector<double> fwd_s, bwd_s;             // per op, topological order (with communication)
+  std::vector<double> fwd_comm_s, bwd_comm_s;   // per op: the part of fwd_s / bwd_s spent waiting on groups
   std::vector<int32_t> saved;                   // graph indices of saved tensors
   std::vector<int64_t> prod_pos;                // per saved tensor
   std::vector<int32_t> prod;                    // per tensor: producer's topo position, -1 when not local
@@ -123,7 +125,10 @@ struct LayerInfo {
   double fwd_total = 0, bwd_total = 0;
 };
 
-LayerInfo Analyze(const LayerGraph& g, const Hardware* hw) {
+// `hw` null: no times (tests of the structure). `par`, `links`: the
+// communication around each op (comm.h), in the op's time.
+LayerInfo Analyze(const LayerGraph& g, const Hardware* hw, const Parallel* par = nullptr,
+                  const GroupLinks* links = nullptr) {
   LayerInfo info;
   const auto& order = g.TopologicalOrder();
   for (size_t i = 0; i < g.tensors.size(); ++i) info.tensor_idx.emplace(g.tensors[i].name, static_cast<int32_t>(i));
@@ -138,10 +143,18 @@ LayerInfo Analyze(const LayerGraph& g, const Hardware* hw) {
     const OpSpec& op = g.ops[order[pos]];
     info.op_pos.emplace(op.name, static_cast<int32_t>(pos));
     double f = hw ? Roofline(*hw, op.flops, static_cast<double>(op.bytes_read + op.bytes_written)) : 0;
-    info.fwd_s.push_back(f);
-    info.bwd_s.push_back(2 * f);
-    info.fwd_total += f;
-    info.bwd_total += 2 * f;
+    double fwd = f, bwd = 2 * f;
+    if (hw && par && links) {
+      const OpComm c = OpCommunication(g, op, *par, *links);
+      fwd = c.overlapped ? std::max(fwd, c.fwd_s) : fwd + c.fwd_s;
+      bwd = c.overlapped ? std::max(bwd, c.bwd_s) : bwd + c.bwd_s;
+    }
+    info.fwd_s.push_back(fwd);
+    info.bwd_s.push_back(bwd);
+    info.fwd_comm_s.push_back(fwd - f);
+    info.bwd_comm_s.push_back(bwd - 2 * f);
+    info.fwd_total += fwd;
+    info.bwd_total += bwd;
     for (const auto& out : op.outputs) info.prod[static_cast<size_t>(info.tensor_idx.at(out))] = static_cast<int32_t>(pos);
     for (const auto& in : op.inputs) {
       auto& u = info.last_use[static_cast<size_t>(info.tensor_idx.at(in))];
@@ -487,7 +500,8 @@ PlanningProblem BuildProblem(const Model& model, std::vector<LayerGraph> layers)
 
   std::vector<LayerInfo> info;
   info.reserve(p.layers.size());
-  for (const auto& g : p.layers) info.push_back(Analyze(g, &hw));
+  const GroupLinks links = LinksOf(model.parallel, hw);
+  for (const auto& g : p.layers) info.push_back(Analyze(g, &hw, &model.parallel, &links));
   LinkShared(p.layers, &info, model.file);
   LinkLayers(p.layers, &info);
   for (size_t l = 0; l < p.layers.size(); ++l) p.layer_buffers.push_back(MakeLayerBuffers(p.layers[l], info, l));
@@ -564,6 +578,29 @@ PlanningProblem BuildProblem(const Model& model, std::vector<LayerGraph> layers)
       PassStarts(p.schedules, pp, vp, mbs, chunk_fwd, chunk_bwd, &p.makespan_s);
   p.stage_fwd_s = chunk_fwd;
   p.stage_bwd_s = chunk_bwd;
+  // Data parallelism: a layer's gradients are final after its last
+  // microbatch's backward, so the reduction overlaps the rank's last
+  // backward of every chunk and what remains delays the end of the step.
+  p.pipeline_s = p.makespan_s;
+  std::vector<double> dp_s(static_cast<size_t>(pp), 0), dp_exposed_s(static_cast<size_t>(pp), 0);
+  for (int64_t r = 0; r < pp; ++r) {
+    std::vector<int64_t> rank_layers;
+    double window = 0;
+    for (int64_t c = 0; c < vp; ++c) {
+      const auto& chunk = p.layout.chunks[static_cast<size_t>(r)][static_cast<size_t>(c)];
+      rank_layers.insert(rank_layers.end(), chunk.begin(), chunk.end());
+      window += chunk_bwd[static_cast<size_t>(c * pp + r)];
+    }
+    const size_t ri = static_cast<size_t>(r);
+    dp_s[ri] = DataParallelSeconds(model, p.layers, rank_layers, links);
+    dp_exposed_s[ri] = std::max(0.0, dp_s[ri] - window);
+    const auto& sched = p.schedules[ri];
+    if (sched.empty()) continue;
+    const PassRef& last = sched.back();
+    const size_t stage = static_cast<size_t>(last.chunk * pp + r);
+    const double end = pass_start[ri].back() + (last.forward ? chunk_fwd[stage] : chunk_bwd[stage]);
+    p.makespan_s = std::max(p.makespan_s, end + dp_exposed_s[ri]);
+  }
 
   // --- Steps and instances -------------------------------------------------------
   p.timelines.resize(static_cast<size_t>(pp));
@@ -585,6 +622,8 @@ PlanningProblem BuildProblem(const Model& model, std::vector<LayerGraph> layers)
       }
     }
     RankTimeline& tl = p.timelines[static_cast<size_t>(r)];
+    tl.dp_s = dp_s[rank_index];
+    tl.dp_exposed_s = dp_exposed_s[rank_index];
     const auto& sched = p.schedules[static_cast<size_t>(r)];
     int64_t prev_block_first = 0;
     for (size_t pi = 0; pi < sched.size(); ++pi) {
@@ -607,11 +646,13 @@ PlanningProblem BuildProblem(const Model& model, std::vector<LayerGraph> layers)
         for (size_t k = 0; k < n; ++k) {
           size_t pos = pr.forward ? k : n - 1 - k;
           double dur = pr.forward ? li.fwd_s[pos] : li.bwd_s[pos];
+          double comm = pr.forward ? li.fwd_comm_s[pos] : li.bwd_comm_s[pos];
           tl.start_s.push_back(now);
           now += dur;
           tl.end_s.push_back(now);
           tl.step_pass.push_back(static_cast<int32_t>(pi));
-          tl.compute_s += dur;
+          tl.compute_s += dur - comm;
+          tl.comm_s += comm;
           ++tl.steps;
         }
         const auto& bases = tensor_base[static_cast<size_t>(layer)];

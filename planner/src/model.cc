@@ -375,6 +375,7 @@ Hardware ParseHardwareObject(ObjectReader& r) {
   if (auto v = r.OptBandwidth("pp_link_bw")) h.pp_link_bw = *v;
   if (auto v = r.OptBytes("host_memory")) h.host_memory = *v;
   if (r.Has("launch_s")) h.launch_s = r.Number("launch_s", 0, 1, 0);
+  h.gpus_per_node = r.Int("gpus_per_node", 1, 1024, h.gpus_per_node);
   r.Finish();
   return h;
 }
@@ -512,6 +513,7 @@ Json HardwareJson(const Hardware& h) {
          {"peer_bw", h.peer_bw},       {"pp_link_bw", h.pp_link_bw},
          {"host_memory", h.host_memory}};
   if (h.launch_s > 0) j["launch_s"] = h.launch_s;  // calibrated only: preset plans keep their digest
+  if (h.gpus_per_node != 8) j["gpus_per_node"] = h.gpus_per_node;  // likewise
   return j;
 }
 

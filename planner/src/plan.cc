@@ -120,7 +120,10 @@ Overhead OverheadOf(const PlanningProblem& problem, const Evaluation& e) {
   }
   o.step_s = problem.makespan_s + std::max(0.0, worst);
   for (size_t r = 0; r < e.ranks.size(); ++r) {
-    o.emulated_s += problem.timelines[r].compute_s + e.ranks[r].recompute_s + e.ranks[r].quantize_s;
+    const RankTimeline& tl = problem.timelines[r];
+    o.emulated_s += tl.compute_s + e.ranks[r].recompute_s + e.ranks[r].quantize_s;
+    o.comm_s = std::max(o.comm_s, tl.comm_s);
+    o.dp_exposed_s = std::max(o.dp_exposed_s, tl.dp_exposed_s);
   }
   return o;
 }
@@ -419,7 +422,9 @@ OrderedJson PlanToJson(const Plan& plan) {
                    {"exposed_transfer_s", plan.overhead.exposed_transfer_s},
                    {"step_s", plan.overhead.step_s},
                    {"base_step_s", plan.overhead.base_step_s},
-                   {"emulated_s", plan.overhead.emulated_s}};
+                   {"emulated_s", plan.overhead.emulated_s},
+                   {"comm_s", plan.overhead.comm_s},
+                   {"dp_exposed_s", plan.overhead.dp_exposed_s}};
   j["rebalance"] = {{"ratio_before", plan.rebalance.ratio_before},
                     {"ratio_after", plan.rebalance.ratio_after},
                     {"moved_tensors", plan.rebalance.moved_tensors}};
@@ -514,6 +519,10 @@ std::string RenderPlanTable(const Plan& plan) {
          " ms; critical rank adds recompute " + FormatFixed(o.recompute_s * 1e3, 2) + " ms, fp8 " +
          FormatFixed(o.quantize_s * 1e3, 2) + " ms, exposed transfers " + FormatFixed(o.exposed_transfer_s * 1e3, 2) +
          " ms)\n";
+  if (o.comm_s > 0 || o.dp_exposed_s > 0) {
+    out += "communication: " + FormatFixed(o.comm_s * 1e3, 2) + " ms of TP/CP/EP on the busiest rank, " +
+           FormatFixed(o.dp_exposed_s * 1e3, 2) + " ms of data-parallel reduction exposed (in the base step)\n";
+  }
   if (plan.model.parallel.pp > 1) {
     out += "pp balance: max/min lower bound " + FormatFixed(plan.rebalance.ratio_before, 2) + " -> " +
            FormatFixed(plan.rebalance.ratio_after, 2) + " (" + std::to_string(plan.rebalance.moved_tensors) +

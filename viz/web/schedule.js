@@ -6,7 +6,10 @@
 MP.gantt = (parent, title, lanes, bars, xLabel, legend) => {
   // bars: [lane, x0, x1, color, label]
   if (!bars.length) return null;
-  const x0 = Math.min(...bars.map((b) => b[1])), x1 = Math.max(...bars.map((b) => b[2]));
+  // A loop, not Math.min(...bars): a K3-scale plan has more bars than the
+  // engine's argument limit.
+  let x0 = Infinity, x1 = -Infinity;
+  for (const b of bars) { x0 = Math.min(x0, b[1]); x1 = Math.max(x1, b[2]); }
   const draw = (u) => {
     const ctx = u.ctx;
     ctx.save();
@@ -63,7 +66,8 @@ MP.views.schedule = (section, data) => {
   MP.gantt(plots, "plan: passes and copy queues (pipeline time; lighter: odd chunks)", lanes, bars, "time (ms, predicted)", legend);
   if (data.trace) {
     const tl = [], tb = [];
-    const t0 = Math.min(...data.trace.flatMap((p) => p.spans.map((s) => s[3])));
+    let t0 = Infinity;
+    for (const p of data.trace) for (const s of p.spans) t0 = Math.min(t0, s[3]);
     for (const p of data.trace) {
       const tids = [...new Set(p.spans.map((s) => s[2]))].sort((a, b) => a - b);
       const base = tl.length;

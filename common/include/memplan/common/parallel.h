@@ -18,7 +18,8 @@ void SetThreads(int threads);
 
 // Runs fn(i) for every i in [0, n), on up to Threads() threads (the
 // calling one included). Rethrows the exception of the lowest index that
-// threw, after every started call has returned.
+// threw, after every started call has returned. Called from inside fn, it
+// runs on the calling thread alone (the outer loop already uses the cores).
 void ParallelFor(size_t n, const std::function<void(size_t)>& fn);
 
 }  // namespace memplan

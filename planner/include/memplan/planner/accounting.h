@@ -39,6 +39,10 @@ struct StaticBreakdown {
 // (the embedding's storage is shared).
 int64_t LocalParamElements(const Model& model, const ParamSpec& param);
 
+// The group that reduces and partitions a parameter's gradient and
+// optimizer state: data x context parallel, for routed experts dp x cp / ep.
+int64_t DataParallelGroup(const Model& model, const ParamSpec& param);
+
 // Bytes of optimizer state per parameter (before ZeRO-1 partitioning):
 // Adam: fp32 master (unless params are fp32) + m + v; Muon: master +
 // momentum for 2-D weights other than embedding and head, Adam for the rest.

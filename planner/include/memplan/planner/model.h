@@ -143,6 +143,10 @@ struct Hardware {
   // added to its roofline time; 0 in the presets, measured by `memplan
   // calibrate` (docs/planner.md, "Calibration").
   double launch_s = 0;
+  // GPUs sharing one node's NVLink (peer_bw); groups spanning more ranks
+  // communicate over pp_link_bw, the per-GPU inter-node link
+  // (docs/planner.md, "Communication").
+  int64_t gpus_per_node = 8;
 };
 
 // A hardware description `memplan calibrate` wrote (memplan.hardware/1):

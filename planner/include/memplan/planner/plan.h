@@ -72,6 +72,11 @@ struct Overhead {
   // recompute and FP8 time: what one process emulating the whole pipeline
   // computes (`memplan run`), compared with the measured step by `check`.
   double emulated_s = 0;
+  // Communication (comm.h), inside base_step_s: what the busiest rank's
+  // passes wait on TP / CP / EP groups, and the largest data-parallel
+  // reduction left after a rank's last backward.
+  double comm_s = 0;
+  double dp_exposed_s = 0;
 };
 
 struct SweepPoint {

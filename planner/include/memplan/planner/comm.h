@@ -1,0 +1,54 @@
+// Communication time of tensor, context, expert and data parallelism
+// (docs/planner.md, "Communication").
+//
+// The planner's op times are rooflines of one device's share of the work;
+// this adds what the device waits for its groups: the tensor-parallel
+// all-reduces (or, with sequence parallelism, all-gathers and
+// reduce-scatters) around column- and row-parallel linears, the expert
+// all-to-alls of dispatch and combine, the context-parallel ring of K and V
+// (overlapped with attention), and the data-parallel gradient reduction at
+// the end of the step. Ring collectives over the group's link: intra-node
+// (peer_bw) when the group's span of ranks fits in one node of
+// gpus_per_node GPUs, else the per-GPU inter-node link (pp_link_bw). Rank
+// order inside a node: tp, then cp, then ep / dp (Megatron's order).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "memplan/planner/graph.h"
+#include "memplan/planner/model.h"
+
+namespace memplan::planner {
+
+// Bandwidth (bytes/s) of each parallel group's collectives.
+struct GroupLinks {
+  double tp = 0, cp = 0, ep = 0, dp = 0;
+};
+GroupLinks LinksOf(const Parallel& par, const Hardware& hw);
+
+// Seconds one device waits for its groups around one op, forward and
+// backward. `overlapped`: the time runs beside the op's compute (the op
+// takes the longer of the two) rather than after it.
+struct OpComm {
+  double fwd_s = 0, bwd_s = 0;
+  bool overlapped = false;
+};
+OpComm OpCommunication(const LayerGraph& g, const OpSpec& op, const Parallel& par, const GroupLinks& links);
+
+// Ring collectives: seconds per device for `bytes` (the whole buffer, as
+// every member holds it after an all-reduce or all-gather) over n members.
+double AllReduceSeconds(double bytes, int64_t n, double bw);
+double AllGatherSeconds(double bytes, int64_t n, double bw);  // = reduce-scatter
+// All-to-all of `bytes` sent by one device, (n - 1) / n of it leaving.
+double AllToAllSeconds(double bytes, int64_t n, double bw);
+
+// The data-parallel reduction of one pipeline rank's gradients at the end
+// of the step: per parameter its group (dp x cp, routed experts dp x cp /
+// ep), reduce-scatter of the gradients and all-gather of the updated
+// weights with ZeRO-1 or pipeline ZeRO-2, an all-reduce without. Seconds
+// before overlap.
+double DataParallelSeconds(const Model& model, const std::vector<LayerGraph>& layers,
+                           const std::vector<int64_t>& rank_layers, const GroupLinks& links);
+
+}  // namespace memplan::planner

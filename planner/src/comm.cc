@@ -1,0 +1,139 @@
+#include "memplan/planner/comm.h"
+
+#include <algorithm>
+#include <string_view>
+
+#include "memplan/planner/accounting.h"
+
+namespace memplan::planner {
+namespace {
+
+// A group of `span` consecutive ranks stays inside one node when the span
+// fits; otherwise its ring crosses the node's per-GPU inter-node link.
+double LinkFor(int64_t span, const Hardware& hw) { return span <= hw.gpus_per_node ? hw.peer_bw : hw.pp_link_bw; }
+
+const TensorSpec* Find(const LayerGraph& g, std::string_view name) {
+  for (const auto& t : g.tensors) {
+    if (t.name == name) return &t;
+  }
+  return nullptr;
+}
+
+bool TpSharded(const TensorSpec& t) { return t.sharding == "tp"; }
+// Sequence-parallel tensors hold 1/tp of the sequence: the whole is tp times.
+double Whole(const TensorSpec& t, int64_t tp) {
+  const bool seq = t.sharding == "sp" || t.sharding == "tp_seq";
+  return static_cast<double>(t.bytes) * static_cast<double>(seq ? tp : 1);
+}
+
+double LargestBytes(const LayerGraph& g, const std::vector<std::string>& names) {
+  double best = 0;
+  for (const auto& n : names) {
+    if (const TensorSpec* t = Find(g, n)) best = std::max(best, static_cast<double>(t->bytes));
+  }
+  return best;
+}
+
+}  // namespace
+
+double AllReduceSeconds(double bytes, int64_t n, double bw) {
+  return n <= 1 ? 0 : 2.0 * static_cast<double>(n - 1) / static_cast<double>(n) * bytes / bw;
+}
+
+double AllGatherSeconds(double bytes, int64_t n, double bw) {
+  return n <= 1 ? 0 : static_cast<double>(n - 1) / static_cast<double>(n) * bytes / bw;
+}
+
+double AllToAllSeconds(double bytes, int64_t n, double bw) { return AllGatherSeconds(bytes, n, bw); }
+
+GroupLinks LinksOf(const Parallel& par, const Hardware& hw) {
+  GroupLinks l;
+  l.tp = LinkFor(par.tp, hw);
+  l.cp = LinkFor(par.tp * par.cp, hw);
+  l.ep = LinkFor(par.tp * par.ep, hw);
+  l.dp = LinkFor(par.tp * par.cp * par.dp, hw);
+  return l;
+}
+
+OpComm OpCommunication(const LayerGraph& g, const OpSpec& op, const Parallel& par, const GroupLinks& links) {
+  OpComm c;
+  switch (op.op) {
+    case OpKind::kLinear:
+    case OpKind::kEmbedding: {
+      if (par.tp <= 1 || op.inputs.empty() || op.outputs.empty()) break;
+      const TensorSpec* in = Find(g, op.inputs.front());
+      const TensorSpec* out = Find(g, op.outputs.front());
+      if (in == nullptr || out == nullptr) break;
+      const bool row = (op.op == OpKind::kEmbedding || TpSharded(*in)) && !TpSharded(*out);
+      const bool column = op.op == OpKind::kLinear && !TpSharded(*in) && TpSharded(*out);
+      if (row) {
+        // Forward: the partial sums are all-reduced (sp: reduce-scattered;
+        // its backward all-gathers the output gradient).
+        const double whole = Whole(*out, par.tp);
+        if (par.sp) {
+          c.fwd_s = AllGatherSeconds(whole, par.tp, links.tp);
+          c.bwd_s = c.fwd_s;
+        } else {
+          c.fwd_s = AllReduceSeconds(whole, par.tp, links.tp);
+        }
+      } else if (column) {
+        // Backward: the input gradient's partial sums (sp: the forward
+        // all-gathers the input, the backward reduce-scatters its gradient).
+        const double whole = Whole(*in, par.tp);
+        if (par.sp) {
+          c.fwd_s = AllGatherSeconds(whole, par.tp, links.tp);
+          c.bwd_s = c.fwd_s;
+        } else {
+          c.bwd_s = AllReduceSeconds(whole, par.tp, links.tp);
+        }
+      }
+      break;
+    }
+    case OpKind::kDispatch:
+      // Tokens to their experts' ranks; the backward sends their gradients back.
+      c.fwd_s = c.bwd_s = AllToAllSeconds(LargestBytes(g, op.outputs), par.ep, links.ep);
+      break;
+    case OpKind::kCombine:
+      c.fwd_s = c.bwd_s = AllToAllSeconds(LargestBytes(g, op.inputs), par.ep, links.ep);
+      break;
+    case OpKind::kFlashAttention: {
+      if (par.cp <= 1 || op.inputs.size() < 3) break;
+      // Ring attention: cp - 1 steps, each receiving another rank's K and V
+      // (the backward also returns their gradients), beside the compute.
+      double kv = 0;
+      for (size_t i = 1; i < 3; ++i) {
+        if (const TensorSpec* t = Find(g, op.inputs[i])) kv += static_cast<double>(t->bytes);
+      }
+      c.fwd_s = static_cast<double>(par.cp - 1) * kv / links.cp;
+      c.bwd_s = 2 * c.fwd_s;
+      c.overlapped = true;
+      break;
+    }
+    default:
+      break;
+  }
+  return c;
+}
+
+double DataParallelSeconds(const Model& model, const std::vector<LayerGraph>& layers,
+                           const std::vector<int64_t>& rank_layers, const GroupLinks& links) {
+  const Parallel& par = model.parallel;
+  const bool sharded = par.zero >= 1 || par.pipeline_zero2;
+  const double gbytes = static_cast<double>(DTypeBytes(model.train.grad_dtype));
+  const double pbytes = static_cast<double>(DTypeBytes(model.train.param_dtype));
+  double s = 0;
+  for (int64_t layer : rank_layers) {
+    for (const auto& p : layers[static_cast<size_t>(layer)].params) {
+      const double n = static_cast<double>(LocalParamElements(model, p));
+      const int64_t group = DataParallelGroup(model, p);
+      if (sharded) {
+        s += AllGatherSeconds(n * gbytes, group, links.dp) + AllGatherSeconds(n * pbytes, group, links.dp);
+      } else {
+        s += AllReduceSeconds(n * gbytes, group, links.dp);
+      }
+    }
+  }
+  return s;
+}
+
+}  // namespace memplan::planner
