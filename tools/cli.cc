@@ -30,6 +30,29 @@ Expected<Command> ParseCommandLine(const std::vector<std::string>& args) {
   bool plan_quiet = false;
   plan->add_flag("-q,--quiet", plan_quiet, "no table");
 
+  std::string search_model, search_out;
+  bool search_quiet = false;
+  auto* search = app.add_subcommand(
+      "search", "Find the fastest parallel layout of MODEL.json that fits on N GPUs; print the top layouts, the "
+                "Pareto front and why layouts were rejected (under mpirun: layouts shared among the processes)");
+  search->add_option("model", search_model, "model file (memplan.model/1)")->required();
+  search->add_option("--gpus", c.gpus, "GPUs in the job (tp x pp x cp x dp)")->required()->check(CLI::Range(1, 1 << 20));
+  search->add_option("--budget", c.budget, "device budget, e.g. 120GiB (default: the model's)");
+  search->add_option("--global-batch", c.global_batch,
+                     "sequences per step (default: the model's micro_batch x microbatches x dp)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
+  search->add_option("--space", c.space,
+                     "values to try, e.g. pp=1,2,4 vp=1,2 tp=1,2 cp=1 ep=1,8 dp=... micro_batch=1,2 zero=0,1 sp=0,1 "
+                     "pipeline_zero2=0,1 grad_offload=none,host (default: from the model and --gpus)")
+      ->expected(1, 64);
+  search->add_option("--top", c.top, "layouts in the table (default 10)")->check(CLI::Range(1, 1000));
+  search->add_option("-o,--output", search_out, "write SEARCH.json (memplan.search/1)");
+  search->add_option("--best-model", c.best_model, "write the best layout as a model file for memplan plan");
+  search->add_option("--threads", c.threads, "threads (default: MEMPLAN_THREADS, else every core); any count gives "
+                                             "the same result")
+      ->check(CLI::Range(1, 1024));
+  search->add_flag("-q,--quiet", search_quiet, "no table, no progress");
+
   std::string expand_model, expand_out;
   auto* expand = app.add_subcommand("expand", "Print the model with every layer's graph expanded");
   expand->add_option("model", expand_model, "model file (memplan.model/1)")->required();
@@ -110,7 +133,7 @@ Expected<Command> ParseCommandLine(const std::vector<std::string>& args) {
   }
   // An empty path is a mistake (a shell variable that was not set), not
   // "no output".
-  for (const auto* app_part : {plan, expand, check, run, profile, calibrate, viz}) {
+  for (const auto* app_part : {plan, expand, check, run, profile, calibrate, viz, search}) {
     for (const CLI::Option* opt : app_part->get_options()) {
       if (opt->count() == 0 || opt->get_type_size() == 0) continue;
       for (const std::string& v : opt->results()) {
@@ -125,6 +148,11 @@ Expected<Command> ParseCommandLine(const std::vector<std::string>& args) {
     c.input = plan_model;
     c.output = plan_out;
     c.quiet = plan_quiet;
+  } else if (search->parsed()) {
+    c.verb = Verb::kSearch;
+    c.input = search_model;
+    c.output = search_out;
+    c.quiet = search_quiet;
   } else if (expand->parsed()) {
     c.verb = Verb::kExpand;
     c.input = expand_model;

@@ -3,6 +3,7 @@
 // so the argument parser can be fuzzed on its own (tests/fuzz).
 #pragma once
 
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <vector>
@@ -11,7 +12,7 @@
 
 namespace memplan::cli {
 
-enum class Verb { kPlan, kExpand, kRun, kCheck, kProfile, kCalibrate, kViz, kPrint };
+enum class Verb { kPlan, kExpand, kRun, kCheck, kProfile, kCalibrate, kViz, kSearch, kPrint };
 
 struct Command {
   Verb verb = Verb::kPrint;
@@ -29,6 +30,13 @@ struct Command {
   int threads = 0;  // --threads (0: the default, common/parallel.h)
   bool sweep = false;
   bool verify = false;
+
+  // search (and --budget, --threads, -o, -q above)
+  int64_t gpus = 0;
+  int64_t global_batch = 0;          // 0: the model's
+  std::vector<std::string> space;    // "key=v1,v2" each
+  int top = 10;
+  std::string best_model;            // --best-model
 
   // run, calibrate
   std::string backend = "host";

@@ -17,6 +17,7 @@
 #include <string>
 
 #include "cli.h"
+#include "command_util.h"
 #include "memplan/common/cleanup.h"
 #include "memplan/common/json_util.h"
 #include "memplan/common/output.h"
@@ -35,16 +36,12 @@
 #include "memplan/traces/measured.h"
 
 namespace memplan::cli {
-namespace {
 
 int Fail(const Error& e) {
   std::fprintf(stderr, "memplan: %s\n", OneLine(e.message).c_str());
   return static_cast<int>(e.code);
 }
 
-// Every bad-input message names the file and a JSON pointer: a library
-// error raised where no location was known (a total overflowing deep in
-// the accounting, say) is attributed to the whole input file.
 Error Located(Error e, const std::string& file) {
   if (e.code == ErrorCode::kBadInput && e.message.rfind(file + ": ", 0) != 0 &&
       e.message.rfind(file + " /", 0) != 0 && e.message.rfind("rank ", 0) != 0) {  // rank N: another rank's
@@ -53,17 +50,14 @@ Error Located(Error e, const std::string& file) {
   return e;
 }
 
-bool SameFile(const std::string& a, const std::string& b) {
+static bool SameFile(const std::string& a, const std::string& b) {
   struct stat sa {}, sb {};
   return ::stat(a.c_str(), &sa) == 0 && ::stat(b.c_str(), &sb) == 0 && sa.st_dev == sb.st_dev &&
          sa.st_ino == sb.st_ino && S_ISREG(sa.st_mode);
 }
 
-// Every output of a command, checked before the command works
-// (OutputFiles::CheckAll: writable, no two the same file); none may be the
-// command's input.
 Expected<bool> CheckOutputs(std::vector<std::string> files, const std::string& input,
-                            std::vector<std::string> directories = {}) {
+                            std::vector<std::string> directories) {
   std::erase(files, std::string());
   std::erase(directories, std::string());
   for (const auto& p : files) {
@@ -74,16 +68,8 @@ Expected<bool> CheckOutputs(std::vector<std::string> files, const std::string& i
   return OutputFiles::CheckAll(files, directories);
 }
 
-// Stages `doc` as `path`; a number JSON cannot spell (NaN, infinity) is a
-// bug upstream and fails the command rather than being written as null.
-template <class J>
-Expected<bool> StageJson(OutputFiles& out, const std::string& path, const J& doc, int indent) {
-  if (auto at = FindNonFinite(doc)) {
-    return Error{ErrorCode::kRuntime, "internal error: " + path + ": " + *at +
-                                          ": a non-finite number would be written; no output written"};
-  }
-  return out.Stage(path, doc.dump(indent) + "\n");
-}
+namespace {
+
 
 int RunPlan(const Command& c) {
   if (auto ok = CheckOutputs({c.output}, c.input); !ok) return Fail(ok.error());
@@ -535,6 +521,7 @@ int RunCommand(const Command& c) {
       case Verb::kViz: return RunViz(c);
       case Verb::kProfile: return RunProfile(c);
       case Verb::kCalibrate: return RunCalibrate(c);
+      case Verb::kSearch: return RunSearch(c);
     }
   } catch (const std::bad_alloc&) {
     return Fail({ErrorCode::kRuntime, "out of host memory"});

@@ -18,6 +18,7 @@ extern const std::string_view k_model;
 extern const std::string_view k_plan;
 extern const std::string_view k_measured;
 extern const std::string_view k_hardware;
+extern const std::string_view k_search;
 }  // namespace schema_text
 
 namespace {
@@ -36,11 +37,13 @@ const valijson::Schema& Compiled(SchemaKind kind) {
   static const auto plan = compile(schema_text::k_plan);
   static const auto measured = compile(schema_text::k_measured);
   static const auto hardware = compile(schema_text::k_hardware);
+  static const auto search = compile(schema_text::k_search);
   switch (kind) {
     case SchemaKind::kModel: return *model;
     case SchemaKind::kPlan: return *plan;
     case SchemaKind::kMeasured: return *measured;
     case SchemaKind::kHardware: return *hardware;
+    case SchemaKind::kSearch: return *search;
   }
   MEMPLAN_CHECK(false, "unknown schema kind");
   return *model;
@@ -75,11 +78,12 @@ Expected<bool> ValidateSchema(const Json& doc, SchemaKind kind, const std::strin
     const Json::json_pointer at(pointer);
     if (doc.contains(at) && !doc.at(at).is_structured()) what += ", got " + Brief(doc.at(at));
   }
-  return Error{ErrorCode::kBadInput, OneLine(file + ": " + pointer + ": " + what) +
-                                         " (schema " + (kind == SchemaKind::kPlan       ? "memplan.plan/1"
-                                                        : kind == SchemaKind::kMeasured ? "memplan.measured/1"
-                                                                                        : "memplan.model/1") +
-                                         ")"};
+  const char* name = kind == SchemaKind::kPlan       ? "memplan.plan/1"
+                     : kind == SchemaKind::kMeasured ? "memplan.measured/1"
+                     : kind == SchemaKind::kHardware ? "memplan.hardware/1"
+                     : kind == SchemaKind::kSearch   ? "memplan.search/1"
+                                                     : "memplan.model/1";
+  return Error{ErrorCode::kBadInput, OneLine(file + ": " + pointer + ": " + what) + " (schema " + name + ")"};
 }
 
 }  // namespace memplan

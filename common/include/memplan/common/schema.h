@@ -11,7 +11,7 @@
 
 namespace memplan {
 
-enum class SchemaKind { kModel, kPlan, kMeasured, kHardware };
+enum class SchemaKind { kModel, kPlan, kMeasured, kHardware, kSearch };
 
 // Errors: kBadInput, "FILE: POINTER: what the schema expected" (the first
 // violation valijson reports, deepest location first).

@@ -1,0 +1,125 @@
+// `memplan search`: the fastest parallel layout of a model that fits a
+// budget on N GPUs (docs/planner.md, "Search").
+//
+// EnumerateLayouts() lists every combination of the search space whose
+// grid has N GPUs (tp x pp x cp x dp = N) and whose microbatches make the
+// global batch (micro_batch x microbatches x dp = G), in a fixed order.
+// EvaluateLayout() rejects a layout the model file would refuse (its
+// JSON pointer is the reason), then one whose static memory alone exceeds
+// the budget, then plans it: the planner refuses a layout whose any-plan
+// lower bound exceeds the budget, and a plan that still does not fit is
+// rejected. Both bounds are below every plan's peak, so pruning never
+// drops a layout that could fit. SummarizeSearch() ranks what fits by
+// predicted step time (ties: the layout's key), and finds the Pareto front
+// of peak memory against step time.
+//
+// Layouts are independent: callers spread EvaluateLayout over threads or
+// processes (`mpirun -np P memplan search`) and gather the candidates in
+// enumeration order; the result does not depend on how.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "memplan/common/json_util.h"
+#include "memplan/common/status.h"
+#include "memplan/planner/model.h"
+
+namespace memplan::planner {
+
+inline constexpr std::string_view kSearchSchema = "memplan.search/1";
+
+// One parallel layout of the model: what `search` varies.
+struct Layout {
+  int64_t tp = 1, pp = 1, vp = 1, cp = 1, ep = 1, dp = 1;
+  int64_t micro_batch = 1, microbatches = 1;
+  int zero = 0;
+  bool sp = false, pipeline_zero2 = false, grad_offload_host = false;
+  // "tp=1 pp=4 vp=2 cp=1 ep=8 dp=16 mb=1x64 zero=1 sp=0 pz2=1 offload=host":
+  // unique per layout; ties in step time are broken by it.
+  std::string Key() const;
+};
+
+// The values each dimension may take; dp and microbatches follow from the
+// others. An empty list means the default (SearchSpaceDefaults).
+struct SearchSpace {
+  std::vector<int64_t> tp, pp, vp, cp, ep, dp, micro_batch;
+  std::vector<int64_t> zero, sp, pipeline_zero2, grad_offload;  // 0/1 (grad_offload: 1 = host)
+};
+
+// "key=v1,v2,..." for one dimension; keys are the fields of SearchSpace
+// (booleans as 0/1, grad_offload as none/host). Errors: kBadInput naming
+// the key or value.
+Expected<bool> ParseSpaceArgument(const std::string& arg, SearchSpace* space);
+
+struct SearchOptions {
+  int64_t gpus = 0;
+  std::optional<int64_t> budget;        // bytes; default: the model's
+  std::optional<int64_t> global_batch;  // sequences; default: the model's
+  SearchSpace space;
+  int top = 10;
+};
+
+// The space actually searched: defaults filled from the model and N.
+SearchSpace SearchSpaceDefaults(const Model& base, const SearchOptions& options);
+// The budget and global batch the search uses.
+int64_t SearchBudget(const Model& base, const SearchOptions& options);
+int64_t SearchGlobalBatch(const Model& base, const SearchOptions& options);
+
+// Every layout of the space on options.gpus GPUs making the global batch,
+// in a fixed order. Errors: kBadInput when the model cannot be searched
+// (explicit per-device graphs) or gpus < 1.
+Expected<std::vector<Layout>> EnumerateLayouts(const Model& base, const SearchOptions& options);
+
+enum class Verdict { kFits, kInvalid, kStaticOverBudget, kAnyPlanOverBudget, kDoesNotFit, kError };
+std::string_view VerdictName(Verdict v);
+
+struct Candidate {
+  Layout layout;
+  Verdict verdict = Verdict::kError;
+  std::string reason;  // kInvalid: the JSON pointer the model file refused
+  std::string detail;  // the refusal or planner message
+  int64_t max_static = 0, max_any_plan = 0, max_peak = 0;  // bytes, largest rank
+  double step_s = 0, base_step_s = 0, recompute_s = 0, quantize_s = 0, exposed_transfer_s = 0, comm_s = 0,
+         dp_exposed_s = 0;
+};
+
+// The model with `layout` applied (pp_layout kept only when pp and vp are
+// the base's); errors as ParseModel's.
+Expected<Model> ModelWithLayout(const Model& base, const Layout& layout);
+Json ModelJsonWithLayout(const Model& base, const Layout& layout);
+
+// Never fails: every outcome is a verdict.
+Candidate EvaluateLayout(const Model& base, const Layout& layout, int64_t budget);
+
+// Round trip for gathering candidates between processes.
+Json CandidateToJson(const Candidate& c);
+Expected<Candidate> CandidateFromJson(const Json& j);
+
+struct SearchResult {
+  std::string model, digest;
+  int64_t gpus = 0, budget = 0, global_batch = 0;
+  SearchSpace space;
+  std::vector<Candidate> candidates;  // enumeration order
+  std::vector<size_t> ranked;         // fitting candidates, fastest first
+  std::vector<size_t> pareto;         // by peak ascending, each faster than the previous
+  // Per verdict other than kFits (and per JSON pointer for kInvalid): count
+  // and one example's message.
+  std::map<std::string, std::pair<int64_t, std::string>> rejected;
+  int top = 10;
+};
+
+SearchResult SummarizeSearch(const Model& base, const SearchOptions& options, std::vector<Candidate> candidates);
+
+// SEARCH.json (memplan.search/1; schemas/search.schema.json).
+OrderedJson SearchToJson(const SearchResult& result);
+// The top-K table, why the best beats the next, the Pareto front and the
+// rejection counts, as `memplan search` prints them.
+std::string RenderSearchTable(const SearchResult& result);
+// One line: why ranked[0] beats ranked[1] (the terms of the step that differ).
+std::string WhyBestBeatsNext(const SearchResult& result);
+
+}  // namespace memplan::planner

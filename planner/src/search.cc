@@ -1,0 +1,358 @@
+// `memplan search`: the layouts of a model on N GPUs, and each one's verdict
+// (search.h). Ranking and output are in search_output.cc.
+#include "memplan/planner/search.h"
+
+#include <algorithm>
+#include <set>
+#include <sstream>
+
+#include "memplan/common/units.h"
+#include "memplan/planner/accounting.h"
+#include "memplan/planner/layout.h"
+#include "memplan/planner/plan.h"
+#include "memplan/planner/templates.h"
+
+namespace memplan::planner {
+namespace {
+
+std::vector<int64_t> Sorted(std::vector<int64_t> v) {
+  std::sort(v.begin(), v.end());
+  v.erase(std::unique(v.begin(), v.end()), v.end());
+  return v;
+}
+
+std::vector<int64_t> PowersOfTwoUpTo(int64_t n) {
+  std::vector<int64_t> out;
+  for (int64_t v = 1; v <= n; v *= 2) out.push_back(v);
+  return out;
+}
+
+bool Contains(const std::vector<int64_t>& v, int64_t x) { return std::find(v.begin(), v.end(), x) != v.end(); }
+
+Expected<std::vector<int64_t>> ParseValues(const std::string& key, const std::string& list) {
+  std::vector<int64_t> out;
+  std::stringstream in(list);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    if (key == "grad_offload") {
+      if (item == "none" || item == "host") {
+        out.push_back(item == "host" ? 1 : 0);
+        continue;
+      }
+      return Error{ErrorCode::kBadInput, "--space " + key + ": expected none or host, got \"" + item + "\""};
+    }
+    int64_t v = 0;
+    size_t used = 0;
+    try {
+      v = std::stoll(item, &used);
+    } catch (...) {
+      used = 0;
+    }
+    const bool flag = key == "sp" || key == "pipeline_zero2";
+    const int64_t hi = flag ? 1 : key == "zero" ? 2 : 1 << 20;
+    const int64_t lo = flag || key == "zero" ? 0 : 1;
+    if (item.empty() || used != item.size() || v < lo || v > hi) {
+      return Error{ErrorCode::kBadInput, "--space " + key + ": expected integers in " + std::to_string(lo) + ".." +
+                                             std::to_string(hi) + " separated by commas, got \"" + item + "\""};
+    }
+    out.push_back(v);
+  }
+  if (out.empty()) return Error{ErrorCode::kBadInput, "--space " + key + ": expected at least one value"};
+  return Sorted(out);
+}
+
+// "FILE: /pointer: message" -> "/pointer".
+std::string PointerOf(const std::string& message, const std::string& file) {
+  std::string rest = message;
+  if (!file.empty() && rest.rfind(file + ": ", 0) == 0) rest = rest.substr(file.size() + 2);
+  if (rest.empty() || rest[0] != '/') return "model";
+  return rest.substr(0, rest.find(": "));
+}
+
+}  // namespace
+
+std::string Layout::Key() const {
+  return "tp=" + std::to_string(tp) + " pp=" + std::to_string(pp) + " vp=" + std::to_string(vp) +
+         " cp=" + std::to_string(cp) + " ep=" + std::to_string(ep) + " dp=" + std::to_string(dp) +
+         " mb=" + std::to_string(micro_batch) + "x" + std::to_string(microbatches) + " zero=" + std::to_string(zero) +
+         " sp=" + (sp ? "1" : "0") + " pz2=" + (pipeline_zero2 ? "1" : "0") +
+         " offload=" + (grad_offload_host ? "host" : "none");
+}
+
+Expected<bool> ParseSpaceArgument(const std::string& arg, SearchSpace* space) {
+  const size_t eq = arg.find('=');
+  if (eq == std::string::npos || eq == 0) {
+    return Error{ErrorCode::kBadInput, "--space: expected key=v1,v2,... (keys tp, pp, vp, cp, ep, dp, micro_batch, "
+                                       "zero, sp, pipeline_zero2, grad_offload), got \"" + arg + "\""};
+  }
+  const std::string key = arg.substr(0, eq);
+  std::map<std::string, std::vector<int64_t>*> fields{
+      {"tp", &space->tp},     {"pp", &space->pp},
+      {"vp", &space->vp},     {"cp", &space->cp},
+      {"ep", &space->ep},     {"dp", &space->dp},
+      {"micro_batch", &space->micro_batch}, {"zero", &space->zero},
+      {"sp", &space->sp},     {"pipeline_zero2", &space->pipeline_zero2},
+      {"grad_offload", &space->grad_offload}};
+  auto it = fields.find(key);
+  if (it == fields.end()) {
+    return Error{ErrorCode::kBadInput, "--space: unknown key \"" + key + "\" (expected tp, pp, vp, cp, ep, dp, "
+                                       "micro_batch, zero, sp, pipeline_zero2 or grad_offload)"};
+  }
+  auto values = ParseValues(key, arg.substr(eq + 1));
+  if (!values) return values.error();
+  *it->second = *values;
+  return true;
+}
+
+SearchSpace SearchSpaceDefaults(const Model& base, const SearchOptions& o) {
+  const Parallel& p = base.parallel;
+  const int64_t n = std::max<int64_t>(1, o.gpus);
+  SearchSpace s = o.space;
+  auto fill = [](std::vector<int64_t>& v, std::vector<int64_t> d) {
+    if (v.empty()) v = Sorted(std::move(d));
+  };
+  fill(s.tp, {1, 2, 4, 8, p.tp});
+  std::vector<int64_t> pp = PowersOfTwoUpTo(std::min(n, base.arch.layers));
+  pp.push_back(p.pp);
+  fill(s.pp, pp);
+  fill(s.vp, {1, 2, p.vp});
+  fill(s.cp, {1, p.cp});
+  if (base.arch.moe) {
+    std::vector<int64_t> ep;
+    for (int64_t e : PowersOfTwoUpTo(std::min(n, base.arch.moe->experts))) {
+      if (base.arch.moe->experts % e == 0) ep.push_back(e);
+    }
+    ep.push_back(p.ep);
+    fill(s.ep, ep);
+  } else {
+    fill(s.ep, {1});
+  }
+  fill(s.micro_batch, {1, 2, base.train.micro_batch});
+  fill(s.zero, {p.zero});
+  fill(s.sp, {p.sp ? 1 : 0});
+  fill(s.pipeline_zero2, {p.pipeline_zero2 ? 1 : 0});
+  fill(s.grad_offload, {p.grad_offload_host ? 1 : 0});
+  return s;  // dp stays as given: empty means every value that completes the grid
+}
+
+int64_t SearchBudget(const Model& base, const SearchOptions& o) { return o.budget ? *o.budget : base.budget; }
+
+int64_t SearchGlobalBatch(const Model& base, const SearchOptions& o) {
+  return o.global_batch ? *o.global_batch : base.train.micro_batch * base.train.microbatches * base.parallel.dp;
+}
+
+Expected<std::vector<Layout>> EnumerateLayouts(const Model& base, const SearchOptions& o) {
+  if (o.gpus < 1) return Error{ErrorCode::kBadInput, "--gpus: expected at least 1 GPU"};
+  if (!base.graph.empty()) {
+    return Error{ErrorCode::kBadInput, base.file + ": /graph: a model with explicit layer graphs fixes its per-device "
+                                       "shapes, so its layout cannot be searched (give the architecture instead)"};
+  }
+  const SearchSpace s = SearchSpaceDefaults(base, o);
+  const int64_t g = SearchGlobalBatch(base, o);
+  if (g < 1) return Error{ErrorCode::kBadInput, "--global-batch: expected at least 1 sequence"};
+  std::vector<Layout> out;
+  for (int64_t tp : s.tp)
+    for (int64_t sp : s.sp) {
+      if (sp && tp == 1) continue;  // sequence parallelism is over the TP group
+      for (int64_t pp : s.pp)
+        for (int64_t vp : s.vp) {
+          if (vp > 1 && pp == 1) continue;  // interleaving is across pipeline ranks
+          for (int64_t cp : s.cp) {
+            const int64_t grid = tp * pp * cp;
+            if (o.gpus % grid != 0) continue;
+            const int64_t dp = o.gpus / grid;
+            if (!s.dp.empty() && !Contains(s.dp, dp)) continue;
+            for (int64_t ep : s.ep)
+              for (int64_t mb : s.micro_batch) {
+                if (g % (mb * dp) != 0) continue;
+                for (int64_t zero : s.zero)
+                  for (int64_t pz2 : s.pipeline_zero2)
+                    for (int64_t off : s.grad_offload) {
+                      if (off && !pz2) continue;  // host gradient offload is pipeline ZeRO-2's
+                      Layout l;
+                      l.tp = tp, l.pp = pp, l.vp = vp, l.cp = cp, l.ep = ep, l.dp = dp;
+                      l.micro_batch = mb;
+                      l.microbatches = g / (mb * dp);
+                      l.zero = static_cast<int>(zero);
+                      l.sp = sp != 0;
+                      l.pipeline_zero2 = pz2 != 0;
+                      l.grad_offload_host = off != 0;
+                      out.push_back(l);
+                    }
+              }
+          }
+        }
+    }
+  return out;
+}
+
+std::string_view VerdictName(Verdict v) {
+  switch (v) {
+    case Verdict::kFits: return "fits";
+    case Verdict::kInvalid: return "invalid";
+    case Verdict::kStaticOverBudget: return "static_over_budget";
+    case Verdict::kAnyPlanOverBudget: return "any_plan_over_budget";
+    case Verdict::kDoesNotFit: return "does_not_fit";
+    case Verdict::kError: return "error";
+  }
+  return "error";
+}
+
+Json ModelJsonWithLayout(const Model& base, const Layout& l) {
+  Json j = NormalizedModelJson(base);
+  Json& p = j["parallel"];
+  const bool same_stages = l.pp == base.parallel.pp && l.vp == base.parallel.vp;
+  if (!same_stages || !base.parallel.pp_layout_given) p.erase("pp_layout");
+  p["tp"] = l.tp;
+  p["sp"] = l.sp;
+  p["pp"] = l.pp;
+  p["vp"] = l.vp;
+  p["cp"] = l.cp;
+  p["ep"] = l.ep;
+  p["dp"] = l.dp;
+  p["zero"] = l.zero;
+  p["pipeline_zero2"] = l.pipeline_zero2;
+  p["grad_offload"] = l.grad_offload_host ? "host" : "none";
+  j["train"]["micro_batch"] = l.micro_batch;
+  j["train"]["microbatches"] = l.microbatches;
+  // pp_balance defaults on with pp > 1: a base on one rank said nothing.
+  if (base.parallel.pp == 1) j["options"].erase("pp_balance");
+  if (!base.budget_given) j.erase("budget");
+  return j;
+}
+
+Expected<Model> ModelWithLayout(const Model& base, const Layout& layout) {
+  return ParseModel(ModelJsonWithLayout(base, layout), base.file);
+}
+
+Candidate EvaluateLayout(const Model& base, const Layout& layout, int64_t budget) {
+  Candidate c;
+  c.layout = layout;
+  auto model = ModelWithLayout(base, layout);
+  if (!model) {
+    c.verdict = Verdict::kInvalid;
+    c.reason = PointerOf(model.error().message, base.file);
+    c.detail = model.error().message;
+    if (c.detail.rfind(base.file + ": ", 0) == 0) c.detail = c.detail.substr(base.file.size() + 2);
+    return c;
+  }
+  try {
+    // Static memory alone: weights, gradients, optimizer state and buffers.
+    auto layers = ExpandModel(*model);
+    if (!layers) throw ErrorException(layers.error());
+    const PipelineLayout pl = MakePipelineLayout(*model);
+    for (int64_t r = 0; r < model->parallel.pp; ++r) {
+      c.max_static = std::max(c.max_static, AccountRank(*model, *layers, pl, r).total);
+    }
+    if (c.max_static > budget) {
+      c.verdict = Verdict::kStaticOverBudget;
+      c.detail = "static memory " + FormatBytes(c.max_static) + " exceeds the budget " + FormatBytes(budget);
+      return c;
+    }
+    PlanOptions po;
+    po.budget = budget;
+    auto plan = BuildPlan(*model, po);
+    if (!plan) {
+      c.verdict = plan.error().code == ErrorCode::kInfeasible ? Verdict::kAnyPlanOverBudget : Verdict::kError;
+      c.detail = plan.error().message;
+      return c;
+    }
+    bool fits = true;
+    for (const auto& r : plan->ranks) {
+      fits = fits && r.fits;
+      c.max_peak = std::max(c.max_peak, r.peak);
+      c.max_any_plan = std::max(c.max_any_plan, r.any_plan_lower_bound);
+    }
+    const Overhead& o = plan->overhead;
+    c.step_s = o.step_s;
+    c.base_step_s = o.base_step_s;
+    c.recompute_s = o.recompute_s;
+    c.quantize_s = o.quantize_s;
+    c.exposed_transfer_s = o.exposed_transfer_s;
+    c.comm_s = o.comm_s;
+    c.dp_exposed_s = o.dp_exposed_s;
+    c.verdict = fits ? Verdict::kFits : Verdict::kDoesNotFit;
+    if (!fits) c.detail = "a rank's plan exceeds the budget (annotations pin its tensors, or placement fragments)";
+  } catch (const ErrorException& e) {
+    c.verdict = Verdict::kError;
+    c.detail = e.error().message;
+  }
+  return c;
+}
+
+Json CandidateToJson(const Candidate& c) {
+  const Layout& l = c.layout;
+  Json j{{"layout",
+          {{"tp", l.tp},
+           {"pp", l.pp},
+           {"vp", l.vp},
+           {"cp", l.cp},
+           {"ep", l.ep},
+           {"dp", l.dp},
+           {"micro_batch", l.micro_batch},
+           {"microbatches", l.microbatches},
+           {"zero", l.zero},
+           {"sp", l.sp},
+           {"pipeline_zero2", l.pipeline_zero2},
+           {"grad_offload", l.grad_offload_host ? "host" : "none"}}},
+         {"key", l.Key()},
+         {"verdict", VerdictName(c.verdict)}};
+  if (!c.reason.empty()) j["reason"] = c.reason;
+  if (!c.detail.empty()) j["detail"] = c.detail;
+  if (c.max_static > 0) j["max_static"] = c.max_static;
+  if (c.verdict == Verdict::kFits || c.verdict == Verdict::kDoesNotFit) {
+    j["max_peak"] = c.max_peak;
+    j["max_any_plan_lower_bound"] = c.max_any_plan;
+    j["step_s"] = c.step_s;
+    j["base_step_s"] = c.base_step_s;
+    j["recompute_s"] = c.recompute_s;
+    j["quantize_s"] = c.quantize_s;
+    j["exposed_transfer_s"] = c.exposed_transfer_s;
+    j["comm_s"] = c.comm_s;
+    j["dp_exposed_s"] = c.dp_exposed_s;
+  }
+  return j;
+}
+
+Expected<Candidate> CandidateFromJson(const Json& j) {
+  try {
+    Candidate c;
+    const Json& l = j.at("layout");
+    c.layout.tp = l.at("tp").get<int64_t>();
+    c.layout.pp = l.at("pp").get<int64_t>();
+    c.layout.vp = l.at("vp").get<int64_t>();
+    c.layout.cp = l.at("cp").get<int64_t>();
+    c.layout.ep = l.at("ep").get<int64_t>();
+    c.layout.dp = l.at("dp").get<int64_t>();
+    c.layout.micro_batch = l.at("micro_batch").get<int64_t>();
+    c.layout.microbatches = l.at("microbatches").get<int64_t>();
+    c.layout.zero = l.at("zero").get<int>();
+    c.layout.sp = l.at("sp").get<bool>();
+    c.layout.pipeline_zero2 = l.at("pipeline_zero2").get<bool>();
+    c.layout.grad_offload_host = l.at("grad_offload").get<std::string>() == "host";
+    const std::string v = j.at("verdict").get<std::string>();
+    bool known = false;
+    for (Verdict k : {Verdict::kFits, Verdict::kInvalid, Verdict::kStaticOverBudget, Verdict::kAnyPlanOverBudget,
+                      Verdict::kDoesNotFit, Verdict::kError}) {
+      if (VerdictName(k) == v) c.verdict = k, known = true;
+    }
+    if (!known) return Error{ErrorCode::kBadInput, "candidate: unknown verdict \"" + v + "\""};
+    c.reason = j.value("reason", "");
+    c.detail = j.value("detail", "");
+    c.max_static = j.value("max_static", int64_t{0});
+    c.max_peak = j.value("max_peak", int64_t{0});
+    c.max_any_plan = j.value("max_any_plan_lower_bound", int64_t{0});
+    c.step_s = j.value("step_s", 0.0);
+    c.base_step_s = j.value("base_step_s", 0.0);
+    c.recompute_s = j.value("recompute_s", 0.0);
+    c.quantize_s = j.value("quantize_s", 0.0);
+    c.exposed_transfer_s = j.value("exposed_transfer_s", 0.0);
+    c.comm_s = j.value("comm_s", 0.0);
+    c.dp_exposed_s = j.value("dp_exposed_s", 0.0);
+    return c;
+  } catch (const std::exception& e) {
+    return Error{ErrorCode::kBadInput, std::string("candidate: ") + e.what()};
+  }
+}
+
+}  // namespace memplan::planner

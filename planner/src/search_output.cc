@@ -1,0 +1,221 @@
+// `memplan search`: ranking, the Pareto front, SEARCH.json and the table
+// (search.h).
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "memplan/common/table.h"
+#include "memplan/common/units.h"
+#include "memplan/planner/search.h"
+
+namespace memplan::planner {
+namespace {
+
+OrderedJson SpaceJson(const SearchSpace& s) {
+  OrderedJson j = OrderedJson::object();
+  auto put = [&](const char* key, const std::vector<int64_t>& v) {
+    if (!v.empty()) j[key] = v;
+  };
+  put("tp", s.tp);
+  put("pp", s.pp);
+  put("vp", s.vp);
+  put("cp", s.cp);
+  put("ep", s.ep);
+  put("dp", s.dp);
+  put("micro_batch", s.micro_batch);
+  put("zero", s.zero);
+  put("sp", s.sp);
+  put("pipeline_zero2", s.pipeline_zero2);
+  put("grad_offload", s.grad_offload);
+  return j;
+}
+
+std::string Ms(double s) { return FormatFixed(s * 1e3, 1); }
+
+std::string RejectionKey(const Candidate& c) {
+  std::string key(VerdictName(c.verdict));
+  if (c.verdict == Verdict::kInvalid) key += " " + c.reason;
+  return key;
+}
+
+// What a person reads for a rejection key.
+std::string RejectionText(const std::string& key) {
+  if (key.rfind("invalid ", 0) == 0) return "the model file refuses " + key.substr(8);
+  if (key == "static_over_budget") return "static memory alone over the budget";
+  if (key == "any_plan_over_budget") return "any-plan lower bound over the budget";
+  if (key == "does_not_fit") return "planned, does not fit";
+  return "planner error";
+}
+
+std::string LayoutCells(const Layout& l) {
+  return std::to_string(l.micro_batch) + "x" + std::to_string(l.microbatches);
+}
+
+}  // namespace
+
+SearchResult SummarizeSearch(const Model& base, const SearchOptions& options, std::vector<Candidate> candidates) {
+  SearchResult r;
+  r.model = base.name;
+  r.digest = ModelDigest(base);
+  r.gpus = options.gpus;
+  r.budget = SearchBudget(base, options);
+  r.global_batch = SearchGlobalBatch(base, options);
+  r.space = SearchSpaceDefaults(base, options);
+  r.top = options.top;
+  r.candidates = std::move(candidates);
+  const auto& cs = r.candidates;
+  for (size_t i = 0; i < cs.size(); ++i) {
+    if (cs[i].verdict == Verdict::kFits) {
+      r.ranked.push_back(i);
+      continue;
+    }
+    auto& entry = r.rejected[RejectionKey(cs[i])];
+    if (entry.first++ == 0) entry.second = cs[i].detail;
+  }
+  auto faster = [&](size_t a, size_t b) {
+    if (cs[a].step_s != cs[b].step_s) return cs[a].step_s < cs[b].step_s;
+    return cs[a].layout.Key() < cs[b].layout.Key();
+  };
+  std::sort(r.ranked.begin(), r.ranked.end(), faster);
+  // Pareto front: by peak ascending (then faster first); keep each layout
+  // strictly faster than every one with a smaller or equal peak.
+  std::vector<size_t> by_peak = r.ranked;
+  std::stable_sort(by_peak.begin(), by_peak.end(), [&](size_t a, size_t b) { return cs[a].max_peak < cs[b].max_peak; });
+  double best = std::numeric_limits<double>::infinity();
+  for (size_t i : by_peak) {
+    if (cs[i].step_s < best) {
+      r.pareto.push_back(i);
+      best = cs[i].step_s;
+    }
+  }
+  return r;
+}
+
+std::string WhyBestBeatsNext(const SearchResult& r) {
+  if (r.ranked.size() < 2) return r.ranked.empty() ? "" : "#1 is the only layout that fits";
+  const Candidate& a = r.candidates[r.ranked[0]];
+  const Candidate& b = r.candidates[r.ranked[1]];
+  struct Term {
+    const char* name;
+    double delta;
+  };
+  // The step is the base step (compute, bubbles, communication) plus the
+  // critical rank's added time; the terms that differ most come first.
+  const double compute_a = a.base_step_s - a.comm_s - a.dp_exposed_s;
+  const double compute_b = b.base_step_s - b.comm_s - b.dp_exposed_s;
+  std::vector<Term> terms{{"compute and bubbles", compute_b - compute_a},
+                          {"TP/CP/EP communication", b.comm_s - a.comm_s},
+                          {"exposed DP reduction", b.dp_exposed_s - a.dp_exposed_s},
+                          {"recompute", b.recompute_s - a.recompute_s},
+                          {"fp8", b.quantize_s - a.quantize_s},
+                          {"exposed transfers", b.exposed_transfer_s - a.exposed_transfer_s}};
+  std::stable_sort(terms.begin(), terms.end(),
+                   [](const Term& x, const Term& y) { return std::abs(x.delta) > std::abs(y.delta); });
+  std::string out = "#1 is " + Ms(b.step_s - a.step_s) + " ms faster than #2";
+  // What differs between the two layouts.
+  const std::string ka = a.layout.Key(), kb = b.layout.Key();
+  std::string differs;
+  {
+    std::vector<std::string> fa, fb;
+    std::string w;
+    std::stringstream sa(ka), sb(kb);
+    while (sa >> w) fa.push_back(w);
+    while (sb >> w) fb.push_back(w);
+    for (size_t i = 0; i < fa.size() && i < fb.size(); ++i) {
+      if (fa[i] != fb[i]) differs += (differs.empty() ? "" : ", ") + fa[i] + " vs " + fb[i].substr(fb[i].find('=') + 1);
+    }
+  }
+  if (!differs.empty()) out += " (" + differs + ")";
+  out += ":";
+  int shown = 0;
+  for (const Term& t : terms) {
+    if (shown == 3 || std::abs(t.delta) < 5e-5) break;
+    out += std::string(shown ? "," : "") + " " + t.name + " " + (t.delta > 0 ? "-" : "+") + Ms(std::abs(t.delta)) +
+           " ms";
+    ++shown;
+  }
+  if (shown == 0) out += " the same terms within 0.05 ms; the key breaks the tie";
+  return out;
+}
+
+OrderedJson SearchToJson(const SearchResult& r) {
+  OrderedJson j;
+  j["schema"] = kSearchSchema;
+  j["model"] = r.model;
+  j["digest"] = r.digest;
+  j["gpus"] = r.gpus;
+  j["budget"] = r.budget;
+  j["global_batch"] = r.global_batch;
+  j["space"] = SpaceJson(r.space);
+  int64_t planned = 0;
+  for (const auto& c : r.candidates) planned += c.verdict == Verdict::kFits || c.verdict == Verdict::kDoesNotFit;
+  j["counts"] = {{"layouts", r.candidates.size()}, {"planned", planned}, {"fit", r.ranked.size()}};
+  OrderedJson ranked = OrderedJson::array();
+  for (size_t i : r.ranked) ranked.push_back(i);
+  j["ranked"] = std::move(ranked);
+  OrderedJson pareto = OrderedJson::array();
+  for (size_t i : r.pareto) pareto.push_back(i);
+  j["pareto"] = std::move(pareto);
+  if (!r.ranked.empty()) {
+    j["best"] = r.ranked.front();
+    j["why"] = WhyBestBeatsNext(r);
+  }
+  OrderedJson rejected = OrderedJson::array();
+  for (const auto& [key, entry] : r.rejected) {
+    rejected.push_back({{"reason", key}, {"count", entry.first}, {"example", entry.second}});
+  }
+  j["rejected"] = std::move(rejected);
+  OrderedJson layouts = OrderedJson::array();
+  for (const auto& c : r.candidates) layouts.push_back(OrderedJson::parse(CandidateToJson(c).dump()));
+  j["layouts"] = std::move(layouts);
+  return j;
+}
+
+std::string RenderSearchTable(const SearchResult& r) {
+  const auto& cs = r.candidates;
+  int64_t planned = 0;
+  for (const auto& c : cs) planned += c.verdict == Verdict::kFits || c.verdict == Verdict::kDoesNotFit;
+  std::string out = "search " + r.model + " on " + std::to_string(r.gpus) + " GPUs, global batch " +
+                    std::to_string(r.global_batch) + " sequences, budget " + FormatBytes(r.budget) + ": " +
+                    std::to_string(cs.size()) + " layouts, " + std::to_string(planned) + " planned, " +
+                    std::to_string(r.ranked.size()) + " fit\n";
+  if (!r.ranked.empty()) {
+    Table t({"#", "tp", "pp", "vp", "cp", "ep", "dp", "mb x n", "zero", "peak GiB", "step ms", "base ms", "comm ms",
+             "dp ms", "recompute ms", "fp8 ms", "transfers ms"});
+    const size_t shown = std::min(r.ranked.size(), static_cast<size_t>(std::max(1, r.top)));
+    for (size_t k = 0; k < shown; ++k) {
+      const Candidate& c = cs[r.ranked[k]];
+      const Layout& l = c.layout;
+      t.AddRow({std::to_string(k + 1), std::to_string(l.tp) + (l.sp ? "+sp" : ""), std::to_string(l.pp),
+                std::to_string(l.vp), std::to_string(l.cp), std::to_string(l.ep), std::to_string(l.dp),
+                LayoutCells(l),
+                std::to_string(l.zero) + (l.pipeline_zero2 ? "+pz2" : "") + (l.grad_offload_host ? "+host" : ""),
+                FormatGiB(c.max_peak), Ms(c.step_s), Ms(c.base_step_s), Ms(c.comm_s), Ms(c.dp_exposed_s),
+                Ms(c.recompute_s), Ms(c.quantize_s), Ms(c.exposed_transfer_s)});
+    }
+    out += "\n" + t.Render();
+    out += "\n" + WhyBestBeatsNext(r) + "\n";
+    out += "\nPareto front (peak memory against step time; nothing both smaller and faster):\n";
+    Table p({"#", "layout", "peak GiB", "step ms"});
+    for (size_t i : r.pareto) {
+      const size_t rank = static_cast<size_t>(std::find(r.ranked.begin(), r.ranked.end(), i) - r.ranked.begin()) + 1;
+      p.AddRow({std::to_string(rank), cs[i].layout.Key(), FormatGiB(cs[i].max_peak), Ms(cs[i].step_s)});
+    }
+    out += p.Render();
+  } else {
+    out += "\nno layout fits the budget\n";
+  }
+  if (!r.rejected.empty()) {
+    out += "\nrejected:\n";
+    Table rej({"layouts", "reason", "example"});
+    for (const auto& [key, entry] : r.rejected) {
+      std::string example = entry.second;
+      if (example.size() > 100) example = example.substr(0, 97) + "...";
+      rej.AddRow({std::to_string(entry.first), RejectionText(key), example});
+    }
+    out += rej.Render();
+  }
+  return out;
+}
+
+}  // namespace memplan::planner

@@ -1,0 +1,44 @@
+// Helpers the verbs share (commands.cc, search_command.cc): one-line
+// errors with their exit code, file-located messages, outputs checked
+// before work and staged all-or-nothing.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "cli.h"
+#include "memplan/common/json_util.h"
+#include "memplan/common/output.h"
+#include "memplan/common/status.h"
+
+namespace memplan::cli {
+
+// Prints "memplan: MESSAGE" on stderr; returns the error's exit code.
+int Fail(const Error& e);
+
+// Every bad-input message names the file and a JSON pointer: a library
+// error raised where no location was known (a total overflowing deep in
+// the accounting, say) is attributed to the whole input file.
+Error Located(Error e, const std::string& file);
+
+// Every output of a command, checked before the command works
+// (OutputFiles::CheckAll: writable, no two the same file); none may be the
+// command's input.
+Expected<bool> CheckOutputs(std::vector<std::string> files, const std::string& input,
+                            std::vector<std::string> directories = {});
+
+// Stages `doc` as `path`; a number JSON cannot spell (NaN, infinity) is a
+// bug upstream and fails the command rather than being written as null.
+template <class J>
+Expected<bool> StageJson(OutputFiles& out, const std::string& path, const J& doc, int indent) {
+  if (auto at = FindNonFinite(doc)) {
+    return Error{ErrorCode::kRuntime, "internal error: " + path + ": " + *at +
+                                          ": a non-finite number would be written; no output written"};
+  }
+  return out.Stage(path, doc.dump(indent) + "\n");
+}
+
+// `memplan search` (search_command.cc).
+int RunSearch(const Command& c);
+
+}  // namespace memplan::cli

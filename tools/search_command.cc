@@ -1,0 +1,143 @@
+// `memplan search`: layouts spread over threads, and under mpirun over
+// processes (layout i on process i mod P); rank 0 gathers every verdict in
+// enumeration order, so the output is the single-process one.
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <mutex>
+
+#include "command_util.h"
+#include "memplan/common/parallel.h"
+#include "memplan/common/schema.h"
+#include "memplan/common/units.h"
+#include "memplan/planner/model.h"
+#include "memplan/planner/search.h"
+#include "memplan/runtime/comm.h"
+
+namespace memplan::cli {
+namespace {
+
+using planner::Candidate;
+using planner::Layout;
+
+// Every process's candidates, as (index, candidate) JSON, merged by index.
+Expected<std::vector<Candidate>> Gather(runtime::Communicator& comm, size_t total,
+                                        const std::vector<std::pair<size_t, Candidate>>& mine) {
+  Json list = Json::array();
+  for (const auto& [i, cand] : mine) list.push_back({{"i", i}, {"c", planner::CandidateToJson(cand)}});
+  const std::vector<std::string> all = comm.AllGather(list.dump());
+  std::vector<Candidate> out(total);
+  std::vector<char> seen(total, 0);
+  for (const auto& text : all) {
+    const Json doc = Json::parse(text, nullptr, false);
+    if (!doc.is_array()) return Error{ErrorCode::kRuntime, "search: a process sent unreadable results"};
+    for (const auto& e : doc) {
+      const size_t i = e.value("i", total);
+      auto cand = planner::CandidateFromJson(e.value("c", Json::object()));
+      if (i >= total || seen[i] || !cand) return Error{ErrorCode::kRuntime, "search: a process sent a bad result"};
+      out[i] = *cand;
+      seen[i] = 1;
+    }
+  }
+  for (size_t i = 0; i < total; ++i) {
+    if (!seen[i]) return Error{ErrorCode::kRuntime, "search: layout " + std::to_string(i) + " was not evaluated"};
+  }
+  return out;
+}
+
+}  // namespace
+
+int RunSearch(const Command& c) {
+  if (auto ok = CheckOutputs({c.output, c.best_model}, c.input); !ok) return Fail(ok.error());
+  auto model = planner::LoadModel(c.input);
+  if (!model) return Fail(Located(model.error(), c.input));
+  planner::SearchOptions options;
+  options.gpus = c.gpus;
+  options.top = c.top;
+  if (!c.budget.empty()) {
+    auto bytes = ParseBytes(c.budget);
+    if (!bytes) return Fail({ErrorCode::kBadInput, "--budget: " + bytes.error().message});
+    options.budget = *bytes;
+  }
+  if (c.global_batch > 0) options.global_batch = c.global_batch;
+  for (const auto& arg : c.space) {
+    if (auto ok = planner::ParseSpaceArgument(arg, &options.space); !ok) return Fail(ok.error());
+  }
+  if (c.threads > 0) SetThreads(c.threads);
+  auto layouts = planner::EnumerateLayouts(*model, options);
+  if (!layouts) return Fail(layouts.error());
+  const int64_t budget = planner::SearchBudget(*model, options);
+
+  std::unique_ptr<runtime::Communicator> comm;
+  if (runtime::LaunchedByMpi()) {
+    auto made = runtime::MakeMpiCommunicator(3600);
+    if (!made) return Fail(made.error());
+    comm = std::move(*made);
+  }
+  const size_t rank = comm ? static_cast<size_t>(comm->rank()) : 0;
+  const size_t procs = comm ? static_cast<size_t>(comm->size()) : 1;
+  std::vector<size_t> mine;
+  for (size_t i = rank; i < layouts->size(); i += procs) mine.push_back(i);
+
+  // Progress on stderr (rank 0, its own share), at most every 2 s.
+  const bool progress = !c.quiet && rank == 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto last = t0;
+  std::mutex progress_mutex;
+  std::atomic<size_t> done{0}, fit{0};
+  std::vector<Candidate> evaluated(mine.size());
+  ParallelFor(mine.size(), [&](size_t k) {
+    evaluated[k] = planner::EvaluateLayout(*model, (*layouts)[mine[k]], budget);
+    fit += evaluated[k].verdict == planner::Verdict::kFits;
+    const size_t n = ++done;
+    if (!progress) return;
+    std::lock_guard<std::mutex> lock(progress_mutex);
+    const auto now = std::chrono::steady_clock::now();
+    if (now - last < std::chrono::seconds(2) && n != mine.size()) return;
+    if (n == mine.size() && last == t0) return;  // short searches print no progress
+    last = now;
+    std::fprintf(stderr, "memplan: search: %zu/%zu layouts%s, %zu fit, %.0f s\n", n, mine.size(),
+                 procs > 1 ? " of rank 0's share" : "", fit.load(),
+                 std::chrono::duration<double>(now - t0).count());
+  });
+
+  std::vector<Candidate> all;
+  if (comm) {
+    std::vector<std::pair<size_t, Candidate>> pairs;
+    for (size_t k = 0; k < mine.size(); ++k) pairs.emplace_back(mine[k], evaluated[k]);
+    auto gathered = Gather(*comm, layouts->size(), pairs);
+    if (!gathered) return Fail(gathered.error());
+    if (rank != 0) return 0;  // rank 0 reports and writes
+    all = std::move(*gathered);
+  } else {
+    all = std::move(evaluated);
+  }
+
+  const planner::SearchResult result = planner::SummarizeSearch(*model, options, std::move(all));
+  OutputFiles out;
+  if (!c.output.empty()) {
+    const OrderedJson doc = planner::SearchToJson(result);
+    if (auto valid = ValidateSchema(Json::parse(doc.dump()), SchemaKind::kSearch, c.output); !valid) {
+      return Fail({ErrorCode::kRuntime, "internal error: " + valid.error().message + "; no output written"});
+    }
+    if (auto st = StageJson(out, c.output, doc, 1); !st) return Fail(st.error());
+  }
+  if (!c.best_model.empty() && !result.ranked.empty()) {
+    const Layout& best = result.candidates[result.ranked.front()].layout;
+    Json best_json = planner::ModelJsonWithLayout(*model, best);
+    if (options.budget) best_json["budget"] = *options.budget;  // the budget it was searched for
+    if (auto st = StageJson(out, c.best_model, best_json, 2); !st) {
+      return Fail(st.error());
+    }
+  }
+  if (auto st = out.Commit(); !st) return Fail(st.error());
+  if (!c.quiet) std::fputs(planner::RenderSearchTable(result).c_str(), stdout);
+  if (result.ranked.empty()) {
+    return Fail({ErrorCode::kInfeasible, "search: none of " + std::to_string(result.candidates.size()) +
+                                             " layouts fits the budget " + FormatBytes(result.budget) +
+                                             (c.best_model.empty() ? "" : "; no best model written")});
+  }
+  return 0;
+}
+
+}  // namespace memplan::cli
