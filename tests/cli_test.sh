@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # End-to-end checks of the memplan command line: exit codes, one-line errors
 # naming file and JSON pointer, no output left behind on failure.
-# Usage: cli_test.sh MEMPLAN [commands|hostile|calibrate] (default: all; the
+# Usage: cli_test.sh MEMPLAN [commands|search|hostile|calibrate] (default: all; the
 # test suite runs them as three tests so that none nears its time limit).
 set -u
 memplan="$1"
@@ -199,6 +199,52 @@ else
 fi
 expect_exit 2 "profile without a command" "$memplan" profile
 
+fi
+
+if want search; then
+# memplan search: the table, SEARCH.json, the best layout as a model file
+# that plans to the same step; the same output on any thread count and
+# under mpirun -np 2; usage errors and an infeasible search.
+expect_exit 0 "search tiny-gpt" "$memplan" search "$root/examples/models/tiny-gpt.json" --gpus 8 \
+  -o "$tmp/s.json" --best-model "$tmp/best.json" --threads 2
+cp "$tmp/out" "$tmp/search.out"
+grep -q "Pareto front" "$tmp/out" && grep -q "^rejected:" "$tmp/out" && grep -q "faster than #2" "$tmp/out" \
+  && ok || bad "search table: $(cat "$tmp/out")"
+expect_exit 0 "plan the best layout" "$memplan" plan "$tmp/best.json" -q -o "$tmp/best.plan.json"
+python3 - "$tmp/s.json" "$tmp/best.plan.json" <<'PY' && ok || bad "SEARCH.json or the best model's plan"
+import json, sys
+s, p = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))
+assert s["schema"] == "memplan.search/1" and s["counts"]["fit"] >= 10, s["counts"]
+best = s["layouts"][s["best"]]
+assert best["step_s"] == p["overhead"]["step_s"], (best["step_s"], p["overhead"]["step_s"])
+assert p["model"]["parallel"]["tp"] == best["layout"]["tp"] and p["model"]["parallel"]["pp"] == best["layout"]["pp"]
+assert sum(r["count"] for r in s["rejected"]) + s["counts"]["fit"] == s["counts"]["layouts"]
+PY
+expect_exit 0 "search --threads 1" "$memplan" search "$root/examples/models/tiny-gpt.json" --gpus 8 \
+  -o "$tmp/s1.json" --threads 1
+cmp -s "$tmp/s.json" "$tmp/s1.json" && cmp -s "$tmp/out" "$tmp/search.out" && ok \
+  || bad "search: one thread and two wrote different results"
+if command -v mpirun >/dev/null; then
+  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+  timeout 60 mpirun --oversubscribe -np 2 "$memplan" search "$root/examples/models/tiny-gpt.json" --gpus 8 \
+    -o "$tmp/s2.json" --threads 1 >"$tmp/out" 2>"$tmp/err"
+  if grep -q "built without MPI" "$tmp/err"; then
+    ok  # nothing to compare in a build without MPI
+  else
+    cmp -s "$tmp/s.json" "$tmp/s2.json" && cmp -s "$tmp/out" "$tmp/search.out" && ok \
+      || bad "search under mpirun -np 2 differs from one process: $(head -3 "$tmp/err")"
+  fi
+fi
+expect_exit 3 "search: nothing fits" "$memplan" search "$root/examples/models/tiny-gpt.json" --gpus 8 \
+  --budget 1MiB -o "$tmp/none.json" --best-model "$tmp/none-best.json"
+[ -e "$tmp/none.json" ] && [ ! -e "$tmp/none-best.json" ] && grep -q "none of" "$tmp/err" && ok \
+  || bad "infeasible search: $(cat "$tmp/err")"
+for args in "--space pq=1" "--space pp=0" "--gpus 0" "--top 0"; do
+  # shellcheck disable=SC2086
+  expect_exit 2 "search $args" "$memplan" search "$root/examples/models/tiny-gpt.json" --gpus 8 $args -o "$tmp/never.json"
+  [ ! -e "$tmp/never.json" ] && [ "$(wc -l <"$tmp/err")" -eq 1 ] && ok || bad "search $args: $(cat "$tmp/err")"
+done
+expect_exit 2 "search without --gpus" "$memplan" search "$root/examples/models/tiny-gpt.json"
 fi
 
 if want hostile || want calibrate; then

@@ -1,0 +1,240 @@
+// `memplan search` (planner/search.h): the best layout against a brute force
+// that plans every layout of the grid, pruning that never drops a layout
+// that fits, the Pareto front's law, and SEARCH.json's round trips.
+#include <doctest/doctest.h>
+
+#include <map>
+#include <set>
+
+#include "memplan/planner/plan.h"
+#include "memplan/planner/search.h"
+#include "json_test_util.h"
+#include "test_util.h"
+
+using namespace memplan;
+using namespace memplan::planner;
+using memplan::test::MustParse;
+using memplan::test::ReadJson;
+
+namespace {
+
+struct Case {
+  const char* file;
+  int64_t gpus;
+  std::vector<std::string> space;
+};
+
+// The any-plan bound of the model's own layout, and keep-all: budgets
+// between them make some layouts fit and others not.
+std::vector<int64_t> Budgets(const Model& m) {
+  auto plan = BuildPlan(m);
+  REQUIRE(plan.ok());
+  int64_t any = 0, keep = 0;
+  for (const auto& r : plan->ranks) {
+    any = std::max(any, r.any_plan_lower_bound);
+    keep = std::max(keep, r.keep_all_lower_bound);
+  }
+  return {any, (any + keep) / 2, keep, m.budget};
+}
+
+SearchOptions SearchFor(const Model& m, const Case& c, int64_t budget) {
+  SearchOptions o;
+  o.gpus = c.gpus;
+  o.budget = budget;
+  for (const auto& a : c.space) REQUIRE(ParseSpaceArgument(a, &o.space).ok());
+  (void)m;
+  return o;
+}
+
+std::vector<Candidate> EvaluateAll(const Model& m, const std::vector<Layout>& layouts, int64_t budget) {
+  std::vector<Candidate> out;
+  for (const auto& l : layouts) out.push_back(EvaluateLayout(m, l, budget));
+  return out;
+}
+
+const Case kCases[] = {
+    {"examples/models/tiny-gpt.json", 8, {}},
+    {"examples/models/tiny-moe.json", 8, {"micro_batch=1,2"}},
+    {"examples/models/tiny-llama.json", 4, {"zero=0,1", "pipeline_zero2=0,1", "grad_offload=none,host"}},
+};
+
+}  // namespace
+
+TEST_CASE("search: the best layout is the brute force's, which plans every combination of the grid") {
+  int grids = 0, planned = 0, fitting_grids = 0;
+  for (const Case& c : kCases) {
+    const Model base = MustParse(ReadJson(c.file));
+    for (int64_t budget : Budgets(base)) {
+      CAPTURE(c.file);
+      CAPTURE(budget);
+      const SearchOptions o = SearchFor(base, c, budget);
+      const SearchSpace s = SearchSpaceDefaults(base, o);
+      const int64_t g = SearchGlobalBatch(base, o);
+      // Brute force: every combination of the space, built and planned with
+      // no pruning; the fastest that fits, ties by key.
+      std::optional<std::pair<double, std::string>> best;
+      std::set<std::string> valid;
+      for (int64_t tp : s.tp)
+        for (int64_t pp : s.pp)
+          for (int64_t vp : s.vp)
+            for (int64_t cp : s.cp)
+              for (int64_t ep : s.ep)
+                for (int64_t mb : s.micro_batch)
+                  for (int64_t zero : s.zero)
+                    for (int64_t pz2 : s.pipeline_zero2)
+                      for (int64_t off : s.grad_offload)
+                        for (int64_t sp : s.sp) {
+                          Layout l;
+                          l.tp = tp, l.pp = pp, l.vp = vp, l.cp = cp, l.ep = ep;
+                          if (c.gpus % (tp * pp * cp) != 0) continue;
+                          l.dp = c.gpus / (tp * pp * cp);
+                          if (g % (mb * l.dp) != 0) continue;
+                          l.micro_batch = mb, l.microbatches = g / (mb * l.dp);
+                          l.zero = static_cast<int>(zero), l.pipeline_zero2 = pz2, l.grad_offload_host = off;
+                          l.sp = sp;
+                          auto m = ModelWithLayout(base, l);
+                          if (!m) continue;
+                          valid.insert(l.Key());
+                          PlanOptions po;
+                          po.budget = budget;
+                          auto plan = BuildPlan(*m, po);
+                          ++planned;
+                          if (!plan) continue;
+                          bool fits = true;
+                          for (const auto& r : plan->ranks) fits = fits && r.fits;
+                          if (!fits) continue;
+                          std::pair<double, std::string> key{plan->overhead.step_s, l.Key()};
+                          if (!best || key < *best) best = key;
+                        }
+      auto layouts = EnumerateLayouts(base, o);
+      REQUIRE(layouts.ok());
+      const SearchResult r = SummarizeSearch(base, o, EvaluateAll(base, *layouts, budget));
+      std::set<std::string> not_invalid;
+      for (const auto& cand : r.candidates) {
+        if (cand.verdict != Verdict::kInvalid) not_invalid.insert(cand.layout.Key());
+      }
+      CHECK(not_invalid == valid);  // enumeration and validation miss no valid layout
+      REQUIRE(r.ranked.empty() == !best.has_value());
+      if (best) {
+        const Candidate& top = r.candidates[r.ranked.front()];
+        CHECK(top.layout.Key() == best->second);
+        CHECK(top.step_s == best->first);
+        ++fitting_grids;
+      }
+      ++grids;
+    }
+  }
+  CHECK(grids == 12);
+  CHECK(fitting_grids >= 9);
+  CHECK(planned >= 150);
+}
+
+TEST_CASE("search: pruning never drops a layout that fits (property over models and budgets)") {
+  int pruned = 0, checked = 0;
+  for (const Case& c : kCases) {
+    const Model base = MustParse(ReadJson(c.file));
+    for (int64_t budget : Budgets(base)) {
+      const SearchOptions o = SearchFor(base, c, budget);
+      auto layouts = EnumerateLayouts(base, o);
+      REQUIRE(layouts.ok());
+      for (const auto& l : *layouts) {
+        const Candidate cand = EvaluateLayout(base, l, budget);
+        ++checked;
+        if (cand.verdict != Verdict::kStaticOverBudget && cand.verdict != Verdict::kAnyPlanOverBudget) continue;
+        CAPTURE(l.Key());
+        CAPTURE(budget);
+        // Planned anyway, with a budget so large nothing is refused: its
+        // peak (every rank) is over the search's budget.
+        auto m = ModelWithLayout(base, l);
+        REQUIRE(m.ok());
+        PlanOptions po;
+        po.budget = int64_t{1} << 50;
+        auto plan = BuildPlan(*m, po);
+        REQUIRE(plan.ok());
+        int64_t lower = 0;
+        for (const auto& r : plan->ranks) lower = std::max(lower, r.any_plan_lower_bound);
+        CHECK(lower > budget);
+        ++pruned;
+      }
+    }
+  }
+  CHECK(pruned >= 20);
+  CHECK(checked >= 200);
+}
+
+TEST_CASE("search: the Pareto front holds every layout no other beats on both peak and step") {
+  const Case& c = kCases[1];
+  const Model base = MustParse(ReadJson(c.file));
+  const auto budgets = Budgets(base);
+  const SearchOptions o = SearchFor(base, c, budgets[2]);
+  auto layouts = EnumerateLayouts(base, o);
+  REQUIRE(layouts.ok());
+  const SearchResult r = SummarizeSearch(base, o, EvaluateAll(base, *layouts, budgets[2]));
+  REQUIRE(r.ranked.size() >= 4);
+  const std::set<size_t> front(r.pareto.begin(), r.pareto.end());
+  int checked = 0;
+  for (size_t i : r.ranked) {
+    bool dominated = false;
+    for (size_t j : r.ranked) {
+      const auto &a = r.candidates[i], &b = r.candidates[j];
+      dominated |= b.max_peak <= a.max_peak && b.step_s <= a.step_s && (b.max_peak < a.max_peak || b.step_s < a.step_s);
+    }
+    // Equal on both: only the first by peak then step is on the front.
+    if (!dominated) {
+      bool twin_before = false;
+      for (size_t j : r.pareto) {
+        twin_before |= j != i && r.candidates[j].max_peak == r.candidates[i].max_peak &&
+                       r.candidates[j].step_s == r.candidates[i].step_s;
+      }
+      CHECK((front.count(i) == 1 || twin_before));
+    } else {
+      CHECK(front.count(i) == 0);
+    }
+    ++checked;
+  }
+  CHECK(checked == static_cast<int>(r.ranked.size()));
+  // Ranked: fastest first.
+  for (size_t k = 1; k < r.ranked.size(); ++k) {
+    CHECK(r.candidates[r.ranked[k - 1]].step_s <= r.candidates[r.ranked[k]].step_s);
+  }
+  CHECK(!WhyBestBeatsNext(r).empty());
+}
+
+TEST_CASE("search: candidates round-trip through JSON; SEARCH.json validates against its schema") {
+  const Case& c = kCases[0];
+  const Model base = MustParse(ReadJson(c.file));
+  const SearchOptions o = SearchFor(base, c, Budgets(base)[0]);
+  auto layouts = EnumerateLayouts(base, o);
+  REQUIRE(layouts.ok());
+  std::vector<Candidate> cands = EvaluateAll(base, *layouts, *o.budget);
+  std::set<Verdict> verdicts;
+  for (const auto& cand : cands) {
+    auto back = CandidateFromJson(CandidateToJson(cand));
+    REQUIRE(back.ok());
+    CHECK(CandidateToJson(*back).dump() == CandidateToJson(cand).dump());
+    CHECK(back->step_s == cand.step_s);
+    verdicts.insert(cand.verdict);
+  }
+  CHECK(verdicts.size() >= 3);  // fits, invalid and a budget rejection at least
+  const OrderedJson j = SearchToJson(SummarizeSearch(base, o, cands));
+#ifdef MEMPLAN_HAVE_VALIJSON
+  CHECK(memplan::test::SchemaErrors("schemas/search.schema.json", Json::parse(j.dump())) == "");
+#endif
+  CHECK(j["counts"]["layouts"] == cands.size());
+  CHECK(!CandidateFromJson(Json{{"layout", 1}}).ok());
+}
+
+TEST_CASE("search: bad --space arguments are one-line usage errors") {
+  SearchSpace s;
+  CHECK(ParseSpaceArgument("pp=1,2,4", &s).ok());
+  CHECK(s.pp == std::vector<int64_t>{1, 2, 4});
+  CHECK(ParseSpaceArgument("grad_offload=host,none", &s).ok());
+  CHECK(s.grad_offload == std::vector<int64_t>{0, 1});
+  for (const char* bad : {"pp", "=1", "pq=1", "pp=", "pp=0", "pp=1,x", "sp=2", "zero=3", "grad_offload=disk", "tp=1.5"}) {
+    CAPTURE(bad);
+    auto r = ParseSpaceArgument(bad, &s);
+    REQUIRE(!r.ok());
+    CHECK(r.error().code == ErrorCode::kBadInput);
+    CHECK(r.error().message.find("--space") == 0);
+  }
+}
