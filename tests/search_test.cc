@@ -4,10 +4,13 @@
 #include <doctest/doctest.h>
 
 #include <map>
+#include <numeric>
 #include <set>
 
+#include "memplan/planner/liveness.h"
 #include "memplan/planner/plan.h"
 #include "memplan/planner/search.h"
+#include "memplan/planner/templates.h"
 #include "json_test_util.h"
 #include "test_util.h"
 
@@ -50,6 +53,12 @@ std::vector<Candidate> EvaluateAll(const Model& m, const std::vector<Layout>& la
   std::vector<Candidate> out;
   for (const auto& l : layouts) out.push_back(EvaluateLayout(m, l, budget));
   return out;
+}
+
+SearchResult MustSummarize(const Model& m, const SearchOptions& o, std::vector<Candidate> cs) {
+  auto r = SummarizeSearch(m, o, std::move(cs));
+  REQUIRE(r.ok());
+  return *r;
 }
 
 const Case kCases[] = {
@@ -108,7 +117,7 @@ TEST_CASE("search: the best layout is the brute force's, which plans every combi
                         }
       auto layouts = EnumerateLayouts(base, o);
       REQUIRE(layouts.ok());
-      const SearchResult r = SummarizeSearch(base, o, EvaluateAll(base, *layouts, budget));
+      const SearchResult r = MustSummarize(base, o, EvaluateAll(base, *layouts, budget));
       std::set<std::string> not_invalid;
       for (const auto& cand : r.candidates) {
         if (cand.verdict != Verdict::kInvalid) not_invalid.insert(cand.layout.Key());
@@ -169,7 +178,7 @@ TEST_CASE("search: the Pareto front holds every layout no other beats on both pe
   const SearchOptions o = SearchFor(base, c, budgets[2]);
   auto layouts = EnumerateLayouts(base, o);
   REQUIRE(layouts.ok());
-  const SearchResult r = SummarizeSearch(base, o, EvaluateAll(base, *layouts, budgets[2]));
+  const SearchResult r = MustSummarize(base, o, EvaluateAll(base, *layouts, budgets[2]));
   REQUIRE(r.ranked.size() >= 4);
   const std::set<size_t> front(r.pareto.begin(), r.pareto.end());
   int checked = 0;
@@ -216,7 +225,7 @@ TEST_CASE("search: candidates round-trip through JSON; SEARCH.json validates aga
     verdicts.insert(cand.verdict);
   }
   CHECK(verdicts.size() >= 3);  // fits, invalid and a budget rejection at least
-  const OrderedJson j = SearchToJson(SummarizeSearch(base, o, cands));
+  const OrderedJson j = SearchToJson(MustSummarize(base, o, cands));
 #ifdef MEMPLAN_HAVE_VALIJSON
   CHECK(memplan::test::SchemaErrors("schemas/search.schema.json", Json::parse(j.dump())) == "");
 #endif
@@ -237,4 +246,67 @@ TEST_CASE("search: bad --space arguments are one-line usage errors") {
     CHECK(r.error().code == ErrorCode::kBadInput);
     CHECK(r.error().message.find("--space") == 0);
   }
+}
+
+TEST_CASE("search: the step bound keeps the top K of an exhaustive search, on any split into shares") {
+  int compared = 0, skipped_total = 0;
+  for (const Case& c : kCases) {
+    const Model base = MustParse(ReadJson(c.file));
+    for (int top : {1, 3}) {
+      CAPTURE(c.file);
+      CAPTURE(top);
+      SearchOptions o = SearchFor(base, c, Budgets(base)[2]);
+      o.top = top;
+      auto layouts = EnumerateLayouts(base, o);
+      REQUIRE(layouts.ok());
+      std::vector<size_t> every(layouts->size());
+      std::iota(every.begin(), every.end(), size_t{0});
+      SearchOptions ex = o;
+      ex.exhaustive = true;
+      const SearchResult full = MustSummarize(base, ex, SearchShare(base, ex, *layouts, every));
+      // One share, and three interleaved shares as three processes would
+      // take them: the same candidates once the bound is applied.
+      std::vector<std::string> dumps;
+      for (size_t shares : {size_t{1}, size_t{3}}) {
+        std::vector<Candidate> all(layouts->size());
+        for (size_t s = 0; s < shares; ++s) {
+          std::vector<size_t> mine;
+          for (size_t i = s; i < layouts->size(); i += shares) mine.push_back(i);
+          auto got = SearchShare(base, o, *layouts, mine);
+          for (size_t k = 0; k < mine.size(); ++k) all[mine[k]] = got[k];
+        }
+        const SearchResult r = MustSummarize(base, o, all);
+        dumps.push_back(SearchToJson(r).dump());
+        // The top K are the exhaustive search's, in the same order.
+        REQUIRE(r.ranked.size() >= std::min<size_t>(static_cast<size_t>(top), full.ranked.size()));
+        for (size_t k = 0; k < static_cast<size_t>(top) && k < full.ranked.size(); ++k) {
+          CHECK(r.ranked[k] == full.ranked[k]);
+        }
+        int skipped = 0;
+        for (const auto& cand : r.candidates) skipped += cand.verdict == Verdict::kStepBound;
+        skipped_total += skipped;
+        ++compared;
+      }
+      CHECK(dumps[0] == dumps[1]);
+    }
+  }
+  CHECK(compared == 12);
+  CHECK(skipped_total >= 20);  // the bound did prune
+}
+
+TEST_CASE("search: the step bound is the plan's base step, exactly") {
+  int checked = 0;
+  for (const char* file : {"examples/models/tiny-gpt.json", "examples/models/tiny-moe.json",
+                           "examples/models/tiny-k3-ep.json", "examples/models/llama3-70b.json"}) {
+    CAPTURE(file);
+    const Model m = MustParse(ReadJson(file));
+    auto layers = ExpandModel(m);
+    REQUIRE(layers.ok());
+    auto plan = BuildPlan(m);
+    REQUIRE(plan.ok());
+    CHECK(BaseStepSeconds(m, *layers) == plan->overhead.base_step_s);
+    CHECK(plan->overhead.step_s >= plan->overhead.base_step_s);
+    ++checked;
+  }
+  CHECK(checked == 4);
 }

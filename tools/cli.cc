@@ -51,6 +51,9 @@ Expected<Command> ParseCommandLine(const std::vector<std::string>& args) {
   search->add_option("--threads", c.threads, "threads (default: MEMPLAN_THREADS, else every core); any count gives "
                                              "the same result")
       ->check(CLI::Range(1, 1024));
+  search->add_flag("--exhaustive", c.exhaustive,
+                   "plan every layout (default: stop planning layouts whose base step exceeds the top K's steps; "
+                   "the best K are the same, the Pareto front then covers every layout)");
   search->add_flag("-q,--quiet", search_quiet, "no table, no progress");
 
   std::string expand_model, expand_out;

@@ -37,6 +37,7 @@ struct Command {
   std::vector<std::string> space;    // "key=v1,v2" each
   int top = 10;
   std::string best_model;            // --best-model
+  bool exhaustive = false;           // --exhaustive
 
   // run, calibrate
   std::string backend = "host";

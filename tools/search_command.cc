@@ -1,7 +1,6 @@
 // `memplan search`: layouts spread over threads, and under mpirun over
 // processes (layout i on process i mod P); rank 0 gathers every verdict in
 // enumeration order, so the output is the single-process one.
-#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <mutex>
@@ -54,6 +53,7 @@ int RunSearch(const Command& c) {
   planner::SearchOptions options;
   options.gpus = c.gpus;
   options.top = c.top;
+  options.exhaustive = c.exhaustive;
   if (!c.budget.empty()) {
     auto bytes = ParseBytes(c.budget);
     if (!bytes) return Fail({ErrorCode::kBadInput, "--budget: " + bytes.error().message});
@@ -66,7 +66,6 @@ int RunSearch(const Command& c) {
   if (c.threads > 0) SetThreads(c.threads);
   auto layouts = planner::EnumerateLayouts(*model, options);
   if (!layouts) return Fail(layouts.error());
-  const int64_t budget = planner::SearchBudget(*model, options);
 
   std::unique_ptr<runtime::Communicator> comm;
   if (runtime::LaunchedByMpi()) {
@@ -84,22 +83,16 @@ int RunSearch(const Command& c) {
   const auto t0 = std::chrono::steady_clock::now();
   auto last = t0;
   std::mutex progress_mutex;
-  std::atomic<size_t> done{0}, fit{0};
-  std::vector<Candidate> evaluated(mine.size());
-  ParallelFor(mine.size(), [&](size_t k) {
-    evaluated[k] = planner::EvaluateLayout(*model, (*layouts)[mine[k]], budget);
-    fit += evaluated[k].verdict == planner::Verdict::kFits;
-    const size_t n = ++done;
+  auto report = [&](size_t n, size_t total, size_t fit) {
     if (!progress) return;
     std::lock_guard<std::mutex> lock(progress_mutex);
     const auto now = std::chrono::steady_clock::now();
-    if (now - last < std::chrono::seconds(2) && n != mine.size()) return;
-    if (n == mine.size() && last == t0) return;  // short searches print no progress
+    if (now - last < std::chrono::seconds(2)) return;
     last = now;
-    std::fprintf(stderr, "memplan: search: %zu/%zu layouts%s, %zu fit, %.0f s\n", n, mine.size(),
-                 procs > 1 ? " of rank 0's share" : "", fit.load(),
-                 std::chrono::duration<double>(now - t0).count());
-  });
+    std::fprintf(stderr, "memplan: search: %zu/%zu layouts%s, %zu fit, %.0f s\n", n, total,
+                 procs > 1 ? " of rank 0's share" : "", fit, std::chrono::duration<double>(now - t0).count());
+  };
+  std::vector<Candidate> evaluated = planner::SearchShare(*model, options, *layouts, mine, report);
 
   std::vector<Candidate> all;
   if (comm) {
@@ -113,7 +106,9 @@ int RunSearch(const Command& c) {
     all = std::move(evaluated);
   }
 
-  const planner::SearchResult result = planner::SummarizeSearch(*model, options, std::move(all));
+  auto summarized = planner::SummarizeSearch(*model, options, std::move(all));
+  if (!summarized) return Fail(summarized.error());
+  const planner::SearchResult& result = *summarized;
   OutputFiles out;
   if (!c.output.empty()) {
     const OrderedJson doc = planner::SearchToJson(result);

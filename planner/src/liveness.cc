@@ -487,6 +487,77 @@ int64_t CopyDoneStep(const RankTimeline& t, const Instance& inst, int64_t bytes,
   return std::max(inst.prod, StepAt(t, inst.prod_end_s + static_cast<double>(bytes) / bw));
 }
 
+namespace {
+
+// The pipeline's timing (pass starts per rank), the per-stage pass times
+// and the base step with each rank's exposed data-parallel reduction, into
+// `p` (stage_fwd_s, stage_bwd_s, makespan_s, pipeline_s).
+std::vector<std::vector<double>> PipelineTiming(const Model& model, const std::vector<LayerGraph>& layers,
+                                                const PipelineLayout& layout, const std::vector<RankSchedule>& schedules,
+                                                const std::vector<LayerInfo>& info, const GroupLinks& links,
+                                                PlanningProblem* out, std::vector<double>* dp_out,
+                                                std::vector<double>* dp_exposed_out) {
+  PlanningProblem& p = *out;
+  const int64_t pp = model.parallel.pp;
+  const int64_t vp = model.parallel.vp;
+  const int64_t mbs = model.train.microbatches;
+  const int64_t stages = pp * vp;
+  std::vector<double> chunk_fwd(static_cast<size_t>(stages), 0), chunk_bwd(static_cast<size_t>(stages), 0);
+  for (int64_t r = 0; r < pp; ++r) {
+    for (int64_t c = 0; c < vp; ++c) {
+      for (int64_t layer : layout.chunks[static_cast<size_t>(r)][static_cast<size_t>(c)]) {
+        chunk_fwd[static_cast<size_t>(c * pp + r)] += info[static_cast<size_t>(layer)].fwd_total;
+        chunk_bwd[static_cast<size_t>(c * pp + r)] += info[static_cast<size_t>(layer)].bwd_total;
+      }
+    }
+  }
+  std::vector<std::vector<double>> pass_start = PassStarts(schedules, pp, vp, mbs, chunk_fwd, chunk_bwd, &p.makespan_s);
+  p.stage_fwd_s = chunk_fwd;
+  p.stage_bwd_s = chunk_bwd;
+  // Data parallelism: a layer's gradients are final after its last
+  // microbatch's backward, so the reduction overlaps the rank's last
+  // backward of every chunk and what remains delays the end of the step.
+  p.pipeline_s = p.makespan_s;
+  std::vector<double>& dp_s = *dp_out;
+  std::vector<double>& dp_exposed_s = *dp_exposed_out;
+  dp_s.assign(static_cast<size_t>(pp), 0);
+  dp_exposed_s.assign(static_cast<size_t>(pp), 0);
+  for (int64_t r = 0; r < pp; ++r) {
+    std::vector<int64_t> rank_layers;
+    double window = 0;
+    for (int64_t c = 0; c < vp; ++c) {
+      const auto& chunk = layout.chunks[static_cast<size_t>(r)][static_cast<size_t>(c)];
+      rank_layers.insert(rank_layers.end(), chunk.begin(), chunk.end());
+      window += chunk_bwd[static_cast<size_t>(c * pp + r)];
+    }
+    const size_t ri = static_cast<size_t>(r);
+    dp_s[ri] = DataParallelSeconds(model, layers, rank_layers, links);
+    dp_exposed_s[ri] = std::max(0.0, dp_s[ri] - window);
+    const auto& sched = schedules[ri];
+    if (sched.empty()) continue;
+    const PassRef& last = sched.back();
+    const size_t stage = static_cast<size_t>(last.chunk * pp + r);
+    const double end = pass_start[ri].back() + (last.forward ? chunk_fwd[stage] : chunk_bwd[stage]);
+    p.makespan_s = std::max(p.makespan_s, end + dp_exposed_s[ri]);
+  }
+  return pass_start;
+}
+
+}  // namespace
+
+double BaseStepSeconds(const Model& model, const std::vector<LayerGraph>& layers) {
+  const PipelineLayout layout = MakePipelineLayout(model);
+  const std::vector<RankSchedule> schedules = BuildSchedules(model.parallel.pp, model.parallel.vp, model.train.microbatches);
+  const GroupLinks links = LinksOf(model.parallel, model.hardware);
+  std::vector<LayerInfo> info;
+  info.reserve(layers.size());
+  for (const auto& g : layers) info.push_back(Analyze(g, &model.hardware, &model.parallel, &links));
+  PlanningProblem p;
+  std::vector<double> dp_s, dp_exposed_s;
+  PipelineTiming(model, layers, layout, schedules, info, links, &p, &dp_s, &dp_exposed_s);
+  return p.makespan_s;
+}
+
 PlanningProblem BuildProblem(const Model& model, std::vector<LayerGraph> layers) {
   PlanningProblem p;
   p.model = &model;
@@ -564,43 +635,9 @@ PlanningProblem BuildProblem(const Model& model, std::vector<LayerGraph> layers)
   }
 
   // --- Pipeline timing ---------------------------------------------------------
-  const int64_t stages = pp * vp;
-  std::vector<double> chunk_fwd(static_cast<size_t>(stages), 0), chunk_bwd(static_cast<size_t>(stages), 0);
-  for (int64_t r = 0; r < pp; ++r) {
-    for (int64_t c = 0; c < vp; ++c) {
-      for (int64_t layer : p.layout.chunks[static_cast<size_t>(r)][static_cast<size_t>(c)]) {
-        chunk_fwd[static_cast<size_t>(c * pp + r)] += info[static_cast<size_t>(layer)].fwd_total;
-        chunk_bwd[static_cast<size_t>(c * pp + r)] += info[static_cast<size_t>(layer)].bwd_total;
-      }
-    }
-  }
+  std::vector<double> dp_s, dp_exposed_s;
   std::vector<std::vector<double>> pass_start =
-      PassStarts(p.schedules, pp, vp, mbs, chunk_fwd, chunk_bwd, &p.makespan_s);
-  p.stage_fwd_s = chunk_fwd;
-  p.stage_bwd_s = chunk_bwd;
-  // Data parallelism: a layer's gradients are final after its last
-  // microbatch's backward, so the reduction overlaps the rank's last
-  // backward of every chunk and what remains delays the end of the step.
-  p.pipeline_s = p.makespan_s;
-  std::vector<double> dp_s(static_cast<size_t>(pp), 0), dp_exposed_s(static_cast<size_t>(pp), 0);
-  for (int64_t r = 0; r < pp; ++r) {
-    std::vector<int64_t> rank_layers;
-    double window = 0;
-    for (int64_t c = 0; c < vp; ++c) {
-      const auto& chunk = p.layout.chunks[static_cast<size_t>(r)][static_cast<size_t>(c)];
-      rank_layers.insert(rank_layers.end(), chunk.begin(), chunk.end());
-      window += chunk_bwd[static_cast<size_t>(c * pp + r)];
-    }
-    const size_t ri = static_cast<size_t>(r);
-    dp_s[ri] = DataParallelSeconds(model, p.layers, rank_layers, links);
-    dp_exposed_s[ri] = std::max(0.0, dp_s[ri] - window);
-    const auto& sched = p.schedules[ri];
-    if (sched.empty()) continue;
-    const PassRef& last = sched.back();
-    const size_t stage = static_cast<size_t>(last.chunk * pp + r);
-    const double end = pass_start[ri].back() + (last.forward ? chunk_fwd[stage] : chunk_bwd[stage]);
-    p.makespan_s = std::max(p.makespan_s, end + dp_exposed_s[ri]);
-  }
+      PipelineTiming(model, p.layers, p.layout, p.schedules, info, links, &p, &dp_s, &dp_exposed_s);
 
   // --- Steps and instances -------------------------------------------------------
   p.timelines.resize(static_cast<size_t>(pp));

@@ -3,12 +3,18 @@
 #include "memplan/planner/search.h"
 
 #include <algorithm>
+#include <atomic>
+#include <limits>
+#include <mutex>
+#include <numeric>
 #include <set>
 #include <sstream>
 
+#include "memplan/common/parallel.h"
 #include "memplan/common/units.h"
 #include "memplan/planner/accounting.h"
 #include "memplan/planner/layout.h"
+#include "memplan/planner/liveness.h"
 #include "memplan/planner/plan.h"
 #include "memplan/planner/templates.h"
 
@@ -193,7 +199,9 @@ std::string_view VerdictName(Verdict v) {
     case Verdict::kStaticOverBudget: return "static_over_budget";
     case Verdict::kAnyPlanOverBudget: return "any_plan_over_budget";
     case Verdict::kDoesNotFit: return "does_not_fit";
+    case Verdict::kStepBound: return "step_bound";
     case Verdict::kError: return "error";
+    case Verdict::kPending: return "pending";
   }
   return "error";
 }
@@ -225,7 +233,7 @@ Expected<Model> ModelWithLayout(const Model& base, const Layout& layout) {
   return ParseModel(ModelJsonWithLayout(base, layout), base.file);
 }
 
-Candidate EvaluateLayout(const Model& base, const Layout& layout, int64_t budget) {
+Candidate PrepareLayout(const Model& base, const Layout& layout, int64_t budget) {
   Candidate c;
   c.layout = layout;
   auto model = ModelWithLayout(base, layout);
@@ -249,13 +257,27 @@ Candidate EvaluateLayout(const Model& base, const Layout& layout, int64_t budget
       c.detail = "static memory " + FormatBytes(c.max_static) + " exceeds the budget " + FormatBytes(budget);
       return c;
     }
+    c.base_bound_s = BaseStepSeconds(*model, *layers);
+    c.verdict = Verdict::kPending;
+  } catch (const ErrorException& e) {
+    c.verdict = Verdict::kError;
+    c.detail = e.error().message;
+  }
+  return c;
+}
+
+void PlanLayout(const Model& base, int64_t budget, Candidate* out) {
+  Candidate& c = *out;
+  try {
+    auto model = ModelWithLayout(base, c.layout);
+    if (!model) throw ErrorException(model.error());
     PlanOptions po;
     po.budget = budget;
     auto plan = BuildPlan(*model, po);
     if (!plan) {
       c.verdict = plan.error().code == ErrorCode::kInfeasible ? Verdict::kAnyPlanOverBudget : Verdict::kError;
       c.detail = plan.error().message;
-      return c;
+      return;
     }
     bool fits = true;
     for (const auto& r : plan->ranks) {
@@ -277,7 +299,124 @@ Candidate EvaluateLayout(const Model& base, const Layout& layout, int64_t budget
     c.verdict = Verdict::kError;
     c.detail = e.error().message;
   }
+}
+
+Candidate EvaluateLayout(const Model& base, const Layout& layout, int64_t budget) {
+  Candidate c = PrepareLayout(base, layout, budget);
+  if (c.verdict == Verdict::kPending) PlanLayout(base, budget, &c);
   return c;
+}
+
+namespace {
+
+// Candidates that passed the static check, by (bound, key): the order in
+// which the step bound is applied.
+std::vector<size_t> BoundOrder(const std::vector<Candidate>& cs, const std::vector<size_t>& among) {
+  std::vector<size_t> order;
+  std::vector<std::string> keys(cs.size());
+  for (size_t i : among) {
+    if (cs[i].base_bound_s > 0) {
+      order.push_back(i);
+      keys[i] = cs[i].layout.Key();
+    }
+  }
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    if (cs[a].base_bound_s != cs[b].base_bound_s) return cs[a].base_bound_s < cs[b].base_bound_s;
+    return keys[a] < keys[b];
+  });
+  return order;
+}
+
+// The top-th smallest step among `steps`, or infinity when fewer.
+double KthStep(std::vector<double> steps, int top) {
+  if (top < 1 || steps.size() < static_cast<size_t>(top)) return std::numeric_limits<double>::infinity();
+  std::nth_element(steps.begin(), steps.begin() + (top - 1), steps.end());
+  return steps[static_cast<size_t>(top - 1)];
+}
+
+void MarkStepBound(Candidate* c, double kth) {
+  const Layout l = c->layout;
+  const double bound = c->base_bound_s;
+  const int64_t st = c->max_static;
+  *c = Candidate{};
+  c->layout = l;
+  c->base_bound_s = bound;
+  c->max_static = st;
+  c->verdict = Verdict::kStepBound;
+  c->detail = "its base step " + std::to_string(bound * 1e3) + " ms already exceeds the top layouts' (" +
+              std::to_string(kth * 1e3) + " ms): not planned";
+}
+
+}  // namespace
+
+std::vector<Candidate> SearchShare(const Model& base, const SearchOptions& options, const std::vector<Layout>& layouts,
+                                   const std::vector<size_t>& share,
+                                   const std::function<void(size_t, size_t, size_t)>& progress) {
+  const int64_t budget = SearchBudget(base, options);
+  std::vector<Candidate> cs(share.size());
+  std::atomic<size_t> done{0}, fit{0};
+  ParallelFor(share.size(), [&](size_t k) {
+    cs[k] = PrepareLayout(base, layouts[share[k]], budget);
+    if (cs[k].verdict != Verdict::kPending) {
+      const size_t n = ++done;
+      if (progress) progress(n, share.size(), fit.load());
+    }
+  });
+  std::vector<size_t> all(share.size());
+  std::iota(all.begin(), all.end(), size_t{0});
+  const std::vector<size_t> order = BoundOrder(cs, all);
+  std::mutex mutex;
+  std::vector<char> finished(order.size(), 0);
+  ParallelFor(order.size(), [&](size_t pos) {
+    Candidate& c = cs[order[pos]];
+    if (!options.exhaustive) {
+      std::vector<double> steps;
+      {
+        std::lock_guard<std::mutex> lock(mutex);
+        for (size_t q = 0; q < pos; ++q) {
+          const Candidate& e = cs[order[q]];
+          if (finished[q] && e.verdict == Verdict::kFits) steps.push_back(e.step_s);
+        }
+      }
+      const double kth = KthStep(std::move(steps), options.top);
+      if (c.base_bound_s > kth) {
+        std::lock_guard<std::mutex> lock(mutex);
+        MarkStepBound(&c, kth);
+        finished[pos] = 1;
+      }
+    }
+    if (c.verdict == Verdict::kPending) {
+      Candidate planned = c;
+      PlanLayout(base, budget, &planned);
+      std::lock_guard<std::mutex> lock(mutex);
+      c = std::move(planned);
+      finished[pos] = 1;
+    }
+    if (c.verdict == Verdict::kFits) ++fit;
+    const size_t n = ++done;
+    if (progress) progress(n, share.size(), fit.load());
+  });
+  return cs;
+}
+
+Expected<bool> ApplyStepBound(std::vector<Candidate>* candidates, int top) {
+  std::vector<Candidate>& cs = *candidates;
+  std::vector<size_t> all(cs.size());
+  std::iota(all.begin(), all.end(), size_t{0});
+  std::vector<double> steps;
+  for (size_t i : BoundOrder(cs, all)) {
+    const double kth = KthStep(steps, top);
+    if (cs[i].base_bound_s > kth) {
+      MarkStepBound(&cs[i], kth);  // again: a share's message names its own bound
+      continue;
+    }
+    if (cs[i].verdict == Verdict::kStepBound || cs[i].verdict == Verdict::kPending) {
+      return Error{ErrorCode::kRuntime, "internal error: search: " + cs[i].layout.Key() +
+                                            " was not planned, though the step bound keeps it"};
+    }
+    if (cs[i].verdict == Verdict::kFits) steps.push_back(cs[i].step_s);
+  }
+  return true;
 }
 
 Json CandidateToJson(const Candidate& c) {
@@ -300,6 +439,7 @@ Json CandidateToJson(const Candidate& c) {
   if (!c.reason.empty()) j["reason"] = c.reason;
   if (!c.detail.empty()) j["detail"] = c.detail;
   if (c.max_static > 0) j["max_static"] = c.max_static;
+  if (c.base_bound_s > 0) j["base_bound_s"] = c.base_bound_s;
   if (c.verdict == Verdict::kFits || c.verdict == Verdict::kDoesNotFit) {
     j["max_peak"] = c.max_peak;
     j["max_any_plan_lower_bound"] = c.max_any_plan;
@@ -333,13 +473,14 @@ Expected<Candidate> CandidateFromJson(const Json& j) {
     const std::string v = j.at("verdict").get<std::string>();
     bool known = false;
     for (Verdict k : {Verdict::kFits, Verdict::kInvalid, Verdict::kStaticOverBudget, Verdict::kAnyPlanOverBudget,
-                      Verdict::kDoesNotFit, Verdict::kError}) {
+                      Verdict::kDoesNotFit, Verdict::kStepBound, Verdict::kError}) {
       if (VerdictName(k) == v) c.verdict = k, known = true;
     }
     if (!known) return Error{ErrorCode::kBadInput, "candidate: unknown verdict \"" + v + "\""};
     c.reason = j.value("reason", "");
     c.detail = j.value("detail", "");
     c.max_static = j.value("max_static", int64_t{0});
+    c.base_bound_s = j.value("base_bound_s", 0.0);
     c.max_peak = j.value("max_peak", int64_t{0});
     c.max_any_plan = j.value("max_any_plan_lower_bound", int64_t{0});
     c.step_s = j.value("step_s", 0.0);

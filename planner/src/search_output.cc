@@ -44,6 +44,7 @@ std::string RejectionText(const std::string& key) {
   if (key == "static_over_budget") return "static memory alone over the budget";
   if (key == "any_plan_over_budget") return "any-plan lower bound over the budget";
   if (key == "does_not_fit") return "planned, does not fit";
+  if (key == "step_bound") return "base step above the top layouts' steps: not planned";
   return "planner error";
 }
 
@@ -53,7 +54,11 @@ std::string LayoutCells(const Layout& l) {
 
 }  // namespace
 
-SearchResult SummarizeSearch(const Model& base, const SearchOptions& options, std::vector<Candidate> candidates) {
+Expected<SearchResult> SummarizeSearch(const Model& base, const SearchOptions& options,
+                                       std::vector<Candidate> candidates) {
+  if (!options.exhaustive) {
+    if (auto ok = ApplyStepBound(&candidates, options.top); !ok) return ok.error();
+  }
   SearchResult r;
   r.model = base.name;
   r.digest = ModelDigest(base);
@@ -62,6 +67,7 @@ SearchResult SummarizeSearch(const Model& base, const SearchOptions& options, st
   r.global_batch = SearchGlobalBatch(base, options);
   r.space = SearchSpaceDefaults(base, options);
   r.top = options.top;
+  r.exhaustive = options.exhaustive;
   r.candidates = std::move(candidates);
   const auto& cs = r.candidates;
   for (size_t i = 0; i < cs.size(); ++i) {
@@ -146,6 +152,8 @@ OrderedJson SearchToJson(const SearchResult& r) {
   j["gpus"] = r.gpus;
   j["budget"] = r.budget;
   j["global_batch"] = r.global_batch;
+  j["top"] = r.top;
+  j["exhaustive"] = r.exhaustive;
   j["space"] = SpaceJson(r.space);
   int64_t planned = 0;
   for (const auto& c : r.candidates) planned += c.verdict == Verdict::kFits || c.verdict == Verdict::kDoesNotFit;
@@ -195,7 +203,7 @@ std::string RenderSearchTable(const SearchResult& r) {
     }
     out += "\n" + t.Render();
     out += "\n" + WhyBestBeatsNext(r) + "\n";
-    out += "\nPareto front (peak memory against step time; nothing both smaller and faster):\n";
+    out += "\nPareto front of the planned layouts (peak memory against step time; nothing both smaller and faster):\n";
     Table p({"#", "layout", "peak GiB", "step ms"});
     for (size_t i : r.pareto) {
       const size_t rank = static_cast<size_t>(std::find(r.ranked.begin(), r.ranked.end(), i) - r.ranked.begin()) + 1;

@@ -257,6 +257,11 @@ OffloadCapacity HostCapacity(const PlanningProblem& p, int32_t rank);
 // Throws ErrorException on bad input (e.g. overflowing sizes).
 PlanningProblem BuildProblem(const Model& model, std::vector<LayerGraph> layers);
 
+// The base step BuildProblem computes (makespan_s: pipeline, communication
+// and exposed DP reduction), without the instances: a lower bound of any
+// plan's step_s, in milliseconds even at K3 scale (`memplan search`).
+double BaseStepSeconds(const Model& model, const std::vector<LayerGraph>& layers);
+
 // Storage decision per rank and tensor, plus the target rank of remote ones.
 struct Assignment {
   std::vector<std::vector<Storage>> storage;

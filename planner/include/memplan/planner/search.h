@@ -19,6 +19,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -61,6 +62,8 @@ struct SearchOptions {
   std::optional<int64_t> global_batch;  // sequences; default: the model's
   SearchSpace space;
   int top = 10;
+  // Plan every layout instead of stopping at the step bound (below).
+  bool exhaustive = false;
 };
 
 // The space actually searched: defaults filled from the model and N.
@@ -74,7 +77,10 @@ int64_t SearchGlobalBatch(const Model& base, const SearchOptions& options);
 // (explicit per-device graphs) or gpus < 1.
 Expected<std::vector<Layout>> EnumerateLayouts(const Model& base, const SearchOptions& options);
 
-enum class Verdict { kFits, kInvalid, kStaticOverBudget, kAnyPlanOverBudget, kDoesNotFit, kError };
+// kStepBound: not planned, because its base step (a lower bound of its
+// step: BaseStepSeconds) exceeds the steps of `top` layouts already found
+// to fit, so it cannot enter the table. kPending: prepared, not yet planned.
+enum class Verdict { kFits, kInvalid, kStaticOverBudget, kAnyPlanOverBudget, kDoesNotFit, kStepBound, kError, kPending };
 std::string_view VerdictName(Verdict v);
 
 struct Candidate {
@@ -83,6 +89,7 @@ struct Candidate {
   std::string reason;  // kInvalid: the JSON pointer the model file refused
   std::string detail;  // the refusal or planner message
   int64_t max_static = 0, max_any_plan = 0, max_peak = 0;  // bytes, largest rank
+  double base_bound_s = 0;  // BaseStepSeconds: set once the layout passed the static check
   double step_s = 0, base_step_s = 0, recompute_s = 0, quantize_s = 0, exposed_transfer_s = 0, comm_s = 0,
          dp_exposed_s = 0;
 };
@@ -92,8 +99,31 @@ struct Candidate {
 Expected<Model> ModelWithLayout(const Model& base, const Layout& layout);
 Json ModelJsonWithLayout(const Model& base, const Layout& layout);
 
-// Never fails: every outcome is a verdict.
+// Never fails: every outcome is a verdict. PrepareLayout checks validity
+// and static memory and computes the step bound (kPending when the layout
+// needs planning); PlanLayout plans a pending one; EvaluateLayout does both.
+Candidate PrepareLayout(const Model& base, const Layout& layout, int64_t budget);
+void PlanLayout(const Model& base, int64_t budget, Candidate* c);
 Candidate EvaluateLayout(const Model& base, const Layout& layout, int64_t budget);
+
+// The candidates of `share` (indices into `layouts`), in share order: all
+// prepared (on threads), then the pending ones planned in order of their
+// step bound, skipping (kStepBound) a layout whose bound exceeds the
+// options.top fastest steps found among the share's earlier ones (never
+// with options.exhaustive). That bound only ever exceeds the one
+// ApplyStepBound computes on the whole search, so a layout skipped here is
+// skipped there too, and the result does not depend on threads or
+// processes. `progress(done, total, fit)` after each layout (any thread).
+std::vector<Candidate> SearchShare(const Model& base, const SearchOptions& options, const std::vector<Layout>& layouts,
+                                   const std::vector<size_t>& share,
+                                   const std::function<void(size_t, size_t, size_t)>& progress = nullptr);
+
+// The step bound over the whole search, deterministically: in order of
+// (base_bound_s, key), a prepared layout is kStepBound when options.top
+// layouts before it fit with steps all below its bound; its plan, if a
+// share computed one, is dropped. Errors: kRuntime when a layout this
+// keeps was skipped by a share (a broken invariant).
+Expected<bool> ApplyStepBound(std::vector<Candidate>* candidates, int top);
 
 // Round trip for gathering candidates between processes.
 Json CandidateToJson(const Candidate& c);
@@ -105,14 +135,18 @@ struct SearchResult {
   SearchSpace space;
   std::vector<Candidate> candidates;  // enumeration order
   std::vector<size_t> ranked;         // fitting candidates, fastest first
-  std::vector<size_t> pareto;         // by peak ascending, each faster than the previous
+  std::vector<size_t> pareto;         // planned layouts by peak ascending, each faster than the previous
   // Per verdict other than kFits (and per JSON pointer for kInvalid): count
   // and one example's message.
   std::map<std::string, std::pair<int64_t, std::string>> rejected;
   int top = 10;
+  bool exhaustive = false;
 };
 
-SearchResult SummarizeSearch(const Model& base, const SearchOptions& options, std::vector<Candidate> candidates);
+// Applies the step bound (unless options.exhaustive), ranks, finds the
+// Pareto front among the planned layouts and counts the rejections.
+Expected<SearchResult> SummarizeSearch(const Model& base, const SearchOptions& options,
+                                       std::vector<Candidate> candidates);
 
 // SEARCH.json (memplan.search/1; schemas/search.schema.json).
 OrderedJson SearchToJson(const SearchResult& result);
