@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "memplan/common/parallel.h"
+#include "memplan/common/table.h"
 #include "memplan/common/units.h"
 #include "memplan/planner/accounting.h"
 #include "memplan/planner/layout.h"
@@ -343,8 +344,8 @@ void MarkStepBound(Candidate* c, double kth) {
   c->base_bound_s = bound;
   c->max_static = st;
   c->verdict = Verdict::kStepBound;
-  c->detail = "its base step " + std::to_string(bound * 1e3) + " ms already exceeds the top layouts' (" +
-              std::to_string(kth * 1e3) + " ms): not planned";
+  c->detail = "its base step " + FormatFixed(bound * 1e3, 1) + " ms exceeds the top layouts' steps (up to " +
+              FormatFixed(kth * 1e3, 1) + " ms): not planned";
 }
 
 }  // namespace

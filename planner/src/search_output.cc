@@ -187,8 +187,16 @@ std::string RenderSearchTable(const SearchResult& r) {
                     std::to_string(r.global_batch) + " sequences, budget " + FormatBytes(r.budget) + ": " +
                     std::to_string(cs.size()) + " layouts, " + std::to_string(planned) + " planned, " +
                     std::to_string(r.ranked.size()) + " fit\n";
+  // GiB, or MiB when every planned peak is under 1 GiB (tiny models).
+  int64_t largest = 0;
+  for (size_t i : r.ranked) largest = std::max(largest, cs[i].max_peak);
+  const bool mib = largest < (int64_t{1} << 30);
+  const std::string peak_header = mib ? "peak MiB" : "peak GiB";
+  auto peak = [&](int64_t bytes) {
+    return mib ? FormatFixed(static_cast<double>(bytes) / (1 << 20), 2) : FormatGiB(bytes);
+  };
   if (!r.ranked.empty()) {
-    Table t({"#", "tp", "pp", "vp", "cp", "ep", "dp", "mb x n", "zero", "peak GiB", "step ms", "base ms", "comm ms",
+    Table t({"#", "tp", "pp", "vp", "cp", "ep", "dp", "mb x n", "zero", peak_header, "step ms", "base ms", "comm ms",
              "dp ms", "recompute ms", "fp8 ms", "transfers ms"});
     const size_t shown = std::min(r.ranked.size(), static_cast<size_t>(std::max(1, r.top)));
     for (size_t k = 0; k < shown; ++k) {
@@ -198,16 +206,16 @@ std::string RenderSearchTable(const SearchResult& r) {
                 std::to_string(l.vp), std::to_string(l.cp), std::to_string(l.ep), std::to_string(l.dp),
                 LayoutCells(l),
                 std::to_string(l.zero) + (l.pipeline_zero2 ? "+pz2" : "") + (l.grad_offload_host ? "+host" : ""),
-                FormatGiB(c.max_peak), Ms(c.step_s), Ms(c.base_step_s), Ms(c.comm_s), Ms(c.dp_exposed_s),
+                peak(c.max_peak), Ms(c.step_s), Ms(c.base_step_s), Ms(c.comm_s), Ms(c.dp_exposed_s),
                 Ms(c.recompute_s), Ms(c.quantize_s), Ms(c.exposed_transfer_s)});
     }
     out += "\n" + t.Render();
     out += "\n" + WhyBestBeatsNext(r) + "\n";
     out += "\nPareto front of the planned layouts (peak memory against step time; nothing both smaller and faster):\n";
-    Table p({"#", "layout", "peak GiB", "step ms"});
+    Table p({"#", "layout", peak_header, "step ms"});
     for (size_t i : r.pareto) {
       const size_t rank = static_cast<size_t>(std::find(r.ranked.begin(), r.ranked.end(), i) - r.ranked.begin()) + 1;
-      p.AddRow({std::to_string(rank), cs[i].layout.Key(), FormatGiB(cs[i].max_peak), Ms(cs[i].step_s)});
+      p.AddRow({std::to_string(rank), cs[i].layout.Key(), peak(cs[i].max_peak), Ms(cs[i].step_s)});
     }
     out += p.Render();
   } else {
