@@ -1,6 +1,8 @@
 #include "memplan/planner/accounting.h"
 
 #include <algorithm>
+#include <functional>
+#include <map>
 #include <tuple>
 
 #include "memplan/common/units.h"
@@ -25,19 +27,15 @@ int64_t DataParallelGroup(const Model& m, const ParamSpec& p) {
 
 namespace {
 
-struct Matrix {
-  int64_t elements;
-  std::string name;
-};
-
 // Muon's gather for one chunk. allgather: the whole gathered fp32 buffer of
 // the chunk's Muon weights. p2p: only the matrices this DP rank owns
 // (matrices assigned to owners in decreasing size, round robin; DP rank 0
-// owns the most), double-buffered.
+// owns the most), double-buffered. Only the sizes matter: the matrices are
+// counted per size (an expert layer has thousands of equal ones).
 int64_t MuonGatherBytes(const Model& m, const std::vector<LayerGraph>& layers,
                         const std::vector<int64_t>& chunk) {
   int64_t all = 0;
-  std::vector<Matrix> groups[2];  // 0: dense (dp*cp), 1: experts (dp*cp/ep)
+  std::map<int64_t, int64_t, std::greater<>> sizes[2];  // elements -> matrices; 0: dense (dp*cp), 1: experts
   for (int64_t layer : chunk) {
     for (const auto& p : layers[static_cast<size_t>(layer)].params) {
       if (!UsesMuon(m, p)) continue;
@@ -45,19 +43,22 @@ int64_t MuonGatherBytes(const Model& m, const std::vector<LayerGraph>& layers,
       if (DataParallelGroup(m, p) <= 1) continue;  // not partitioned: no gather
       all += local;
       int64_t matrices = std::max<int64_t>(1, p.Matrices() / (IsExpert(p) ? m.parallel.ep : 1));
-      for (int64_t i = 0; i < matrices; ++i) {
-        groups[IsExpert(p) ? 1 : 0].push_back({local / matrices, p.name});
-      }
+      sizes[IsExpert(p) ? 1 : 0][local / matrices] += matrices;
     }
   }
   if (!m.parallel.muon_gather_p2p) return CheckedMul(all, 4, "muon gather buffer");
   int64_t owned = 0;
   for (int g = 0; g < 2; ++g) {
-    auto& mats = groups[g];
-    std::stable_sort(mats.begin(), mats.end(),
-                     [](const Matrix& a, const Matrix& b) { return a.elements > b.elements; });
-    int64_t owners = g == 0 ? m.parallel.dp * m.parallel.cp : m.parallel.dp * m.parallel.cp / m.parallel.ep;
-    for (size_t i = 0; i < mats.size(); i += static_cast<size_t>(owners)) owned += mats[i].elements;
+    const int64_t owners = g == 0 ? m.parallel.dp * m.parallel.cp : m.parallel.dp * m.parallel.cp / m.parallel.ep;
+    // DP rank 0 owns positions 0, owners, 2 owners, ... of the sizes in
+    // decreasing order: of a run of `count` equal sizes starting at `pos`,
+    // those with pos <= k owners < pos + count.
+    int64_t pos = 0;
+    for (const auto& [elements, count] : sizes[g]) {
+      const int64_t first = (pos + owners - 1) / owners, end = (pos + count + owners - 1) / owners;
+      owned += elements * (end - first);
+      pos += count;
+    }
   }
   return CheckedMul(2 * owned, 4, "muon gather buffer");
 }
