@@ -245,6 +245,18 @@ for args in "--space pq=1" "--space pp=0" "--gpus 0" "--top 0"; do
   [ ! -e "$tmp/never.json" ] && [ "$(wc -l <"$tmp/err")" -eq 1 ] && ok || bad "search $args: $(cat "$tmp/err")"
 done
 expect_exit 2 "search without --gpus" "$memplan" search "$root/examples/models/tiny-gpt.json"
+# A model the search cannot read, or cannot vary: one line naming the file.
+printf '{"schema": "memplan.model/1", "name": 3}' >"$tmp/badmodel.json"
+expect_exit 2 "search a bad model" "$memplan" search "$tmp/badmodel.json" --gpus 8 -o "$tmp/never.json"
+[ ! -e "$tmp/never.json" ] && [ "$(wc -l <"$tmp/err")" -eq 1 ] && grep -q "badmodel.json" "$tmp/err" && ok \
+  || bad "search a bad model: $(cat "$tmp/err")"
+"$memplan" expand "$root/examples/models/tiny-gpt.json" -o "$tmp/expanded.json"
+expect_exit 2 "search an explicit graph" "$memplan" search "$tmp/expanded.json" --gpus 8
+grep -q "/graph" "$tmp/err" && ok || bad "search an explicit graph: $(cat "$tmp/err")"
+# The search's output is the input: refused before any work.
+expect_exit 2 "search -o onto its input" "$memplan" search "$tmp/expanded.json" --gpus 8 -o "$tmp/expanded.json"
+MEMPLAN_TIMING=1 "$memplan" plan "$root/examples/models/tiny-gpt.json" -q 2>"$tmp/err" && grep -q "peak RSS" "$tmp/err" && ok \
+  || bad "MEMPLAN_TIMING without the planner's memory: $(cat "$tmp/err")"
 fi
 
 if want hostile || want calibrate; then

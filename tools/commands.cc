@@ -4,6 +4,7 @@
 // output path is checked before any work, and nothing is written unless
 // the whole command succeeds.
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -91,6 +92,13 @@ int RunPlan(const Command& c) {
     };
   }
   auto plan = planner::BuildPlan(*model, options);
+  if (std::getenv("MEMPLAN_TIMING")) {
+    // The planner's own memory: the process's peak resident set so far.
+    struct rusage usage {};
+    if (::getrusage(RUSAGE_SELF, &usage) == 0) {
+      std::fprintf(stderr, "memplan: timing: %-13s %8.1f MiB\n", "peak RSS", static_cast<double>(usage.ru_maxrss) / 1024);
+    }
+  }
   if (!plan) return Fail(plan.error().code == ErrorCode::kBadInput ? Located(plan.error(), c.input) : plan.error());
   for (const auto& w : plan->warnings) std::fprintf(stderr, "memplan: warning: %s\n", w.c_str());
   if (c.verify && !plan->verify_errors.empty()) {
