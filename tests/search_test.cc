@@ -25,7 +25,14 @@ struct Case {
   const char* file;
   int64_t gpus;
   std::vector<std::string> space;
+  int64_t layers = 0;  // when not 0: the model with this many layers
 };
+
+Model Load(const Case& c) {
+  Json j = ReadJson(c.file);
+  if (c.layers > 0) j["arch"]["layers"] = c.layers;
+  return MustParse(j);
+}
 
 // The any-plan bound of the model's own layout, and keep-all: budgets
 // between them make some layouts fit and others not.
@@ -65,6 +72,7 @@ const Case kCases[] = {
     {"examples/models/tiny-gpt.json", 8, {}},
     {"examples/models/tiny-moe.json", 8, {"micro_batch=1,2"}},
     {"examples/models/tiny-llama.json", 4, {"zero=0,1", "pipeline_zero2=0,1", "grad_offload=none,host"}},
+    {"examples/models/tiny-llama.json", 4, {"pp=1,4", "vp=1,2", "lighter_ends=0,1,2"}, 12},
 };
 
 }  // namespace
@@ -72,7 +80,7 @@ const Case kCases[] = {
 TEST_CASE("search: the best layout is the brute force's, which plans every combination of the grid") {
   int grids = 0, planned = 0, fitting_grids = 0;
   for (const Case& c : kCases) {
-    const Model base = MustParse(ReadJson(c.file));
+    const Model base = Load(c);
     for (int64_t budget : Budgets(base)) {
       CAPTURE(c.file);
       CAPTURE(budget);
@@ -92,8 +100,11 @@ TEST_CASE("search: the best layout is the brute force's, which plans every combi
                   for (int64_t zero : s.zero)
                     for (int64_t pz2 : s.pipeline_zero2)
                       for (int64_t off : s.grad_offload)
-                        for (int64_t sp : s.sp) {
+                        for (int64_t sp : s.sp)
+                          for (int64_t ends : s.lighter_ends) {
+                          if (ends > 0 && !LighterEndsLayout(base.arch.layers, pp, vp, ends)) continue;
                           Layout l;
+                          l.lighter_ends = ends;
                           l.tp = tp, l.pp = pp, l.vp = vp, l.cp = cp, l.ep = ep;
                           if (c.gpus % (tp * pp * cp) != 0) continue;
                           l.dp = c.gpus / (tp * pp * cp);
@@ -133,15 +144,15 @@ TEST_CASE("search: the best layout is the brute force's, which plans every combi
       ++grids;
     }
   }
-  CHECK(grids == 12);
-  CHECK(fitting_grids >= 9);
+  CHECK(grids == 16);
+  CHECK(fitting_grids >= 12);
   CHECK(planned >= 150);
 }
 
 TEST_CASE("search: pruning never drops a layout that fits (property over models and budgets)") {
   int pruned = 0, checked = 0;
   for (const Case& c : kCases) {
-    const Model base = MustParse(ReadJson(c.file));
+    const Model base = Load(c);
     for (int64_t budget : Budgets(base)) {
       const SearchOptions o = SearchFor(base, c, budget);
       auto layouts = EnumerateLayouts(base, o);
@@ -173,7 +184,7 @@ TEST_CASE("search: pruning never drops a layout that fits (property over models 
 
 TEST_CASE("search: the Pareto front holds every layout no other beats on both peak and step") {
   const Case& c = kCases[1];
-  const Model base = MustParse(ReadJson(c.file));
+  const Model base = Load(c);
   const auto budgets = Budgets(base);
   const SearchOptions o = SearchFor(base, c, budgets[2]);
   auto layouts = EnumerateLayouts(base, o);
@@ -211,7 +222,7 @@ TEST_CASE("search: the Pareto front holds every layout no other beats on both pe
 
 TEST_CASE("search: candidates round-trip through JSON; SEARCH.json validates against its schema") {
   const Case& c = kCases[0];
-  const Model base = MustParse(ReadJson(c.file));
+  const Model base = Load(c);
   const SearchOptions o = SearchFor(base, c, Budgets(base)[0]);
   auto layouts = EnumerateLayouts(base, o);
   REQUIRE(layouts.ok());
@@ -251,7 +262,7 @@ TEST_CASE("search: bad --space arguments are one-line usage errors") {
 TEST_CASE("search: the step bound keeps the top K of an exhaustive search, on any split into shares") {
   int compared = 0, skipped_total = 0;
   for (const Case& c : kCases) {
-    const Model base = MustParse(ReadJson(c.file));
+    const Model base = Load(c);
     for (int top : {1, 3}) {
       CAPTURE(c.file);
       CAPTURE(top);
@@ -290,7 +301,7 @@ TEST_CASE("search: the step bound keeps the top K of an exhaustive search, on an
       CHECK(dumps[0] == dumps[1]);
     }
   }
-  CHECK(compared == 12);
+  CHECK(compared == 16);
   CHECK(skipped_total >= 20);  // the bound did prune
 }
 
@@ -309,4 +320,27 @@ TEST_CASE("search: the step bound is the plan's base step, exactly") {
     ++checked;
   }
   CHECK(checked == 4);
+}
+
+TEST_CASE("search: lighter pipeline ends move layers from the first and last rank to the inner ones") {
+  CHECK(LighterEndsLayout(12, 4, 1, 1) == std::vector<int64_t>{2, 4, 4, 2});
+  CHECK(LighterEndsLayout(12, 4, 1, 2) == std::vector<int64_t>{1, 5, 5, 1});
+  CHECK(LighterEndsLayout(12, 4, 2, 1) == std::vector<int64_t>{2, 4, 4, 2});
+  CHECK(!LighterEndsLayout(12, 4, 2, 2));  // an end would hold 1 < vp layers
+  CHECK(!LighterEndsLayout(12, 2, 1, 1));  // no inner rank
+  // Default [4, 6 x 14, 5]; each end gives one more to the first inner ranks.
+  CHECK(LighterEndsLayout(93, 16, 2, 1) == std::optional<std::vector<int64_t>>(
+                                               {3, 7, 7, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 4}));
+  int sums = 0;
+  for (int64_t layers : {9, 12, 31, 93}) {
+    for (int64_t pp : {3, 4, 8}) {
+      for (int64_t k : {1, 2}) {
+        auto l = LighterEndsLayout(layers, pp, 1, k);
+        if (!l) continue;
+        CHECK(std::accumulate(l->begin(), l->end(), int64_t{0}) == layers);
+        ++sums;
+      }
+    }
+  }
+  CHECK(sums >= 15);
 }

@@ -43,7 +43,7 @@ Expected<Command> ParseCommandLine(const std::vector<std::string>& args) {
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
   search->add_option("--space", c.space,
                      "values to try, e.g. pp=1,2,4 vp=1,2 tp=1,2 cp=1 ep=1,8 dp=... micro_batch=1,2 zero=0,1 sp=0,1 "
-                     "pipeline_zero2=0,1 grad_offload=none,host (default: from the model and --gpus)")
+                     "pipeline_zero2=0,1 grad_offload=none,host lighter_ends=0,1,2 (default: from the model and --gpus)")
       ->expected(1, 64);
   search->add_option("--top", c.top, "layouts in the table (default 10)")->check(CLI::Range(1, 1000));
   search->add_option("-o,--output", search_out, "write SEARCH.json (memplan.search/1)");

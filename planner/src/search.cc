@@ -57,7 +57,7 @@ Expected<std::vector<int64_t>> ParseValues(const std::string& key, const std::st
     }
     const bool flag = key == "sp" || key == "pipeline_zero2";
     const int64_t hi = flag ? 1 : key == "zero" ? 2 : 1 << 20;
-    const int64_t lo = flag || key == "zero" ? 0 : 1;
+    const int64_t lo = flag || key == "zero" || key == "lighter_ends" ? 0 : 1;
     if (item.empty() || used != item.size() || v < lo || v > hi) {
       return Error{ErrorCode::kBadInput, "--space " + key + ": expected integers in " + std::to_string(lo) + ".." +
                                              std::to_string(hi) + " separated by commas, got \"" + item + "\""};
@@ -83,14 +83,28 @@ std::string Layout::Key() const {
          " cp=" + std::to_string(cp) + " ep=" + std::to_string(ep) + " dp=" + std::to_string(dp) +
          " mb=" + std::to_string(micro_batch) + "x" + std::to_string(microbatches) + " zero=" + std::to_string(zero) +
          " sp=" + (sp ? "1" : "0") + " pz2=" + (pipeline_zero2 ? "1" : "0") +
-         " offload=" + (grad_offload_host ? "host" : "none");
+         " offload=" + (grad_offload_host ? "host" : "none") + " ends=" + std::to_string(lighter_ends);
+}
+
+std::optional<std::vector<int64_t>> LighterEndsLayout(int64_t layers, int64_t pp, int64_t vp, int64_t k) {
+  if (pp < 3 || k < 1 || layers < pp * vp) return std::nullopt;
+  std::vector<int64_t> out = DefaultPipelineLayout(layers, pp, vp);
+  for (size_t end : {size_t{0}, static_cast<size_t>(pp - 1)}) {
+    if (out[end] - k < vp) return std::nullopt;
+    out[end] -= k;
+    for (int64_t moved = 0; moved < k; ++moved) {
+      auto inner = std::min_element(out.begin() + 1, out.end() - 1);
+      ++*inner;
+    }
+  }
+  return out;
 }
 
 Expected<bool> ParseSpaceArgument(const std::string& arg, SearchSpace* space) {
   const size_t eq = arg.find('=');
   if (eq == std::string::npos || eq == 0) {
     return Error{ErrorCode::kBadInput, "--space: expected key=v1,v2,... (keys tp, pp, vp, cp, ep, dp, micro_batch, "
-                                       "zero, sp, pipeline_zero2, grad_offload), got \"" + arg + "\""};
+                                       "zero, sp, pipeline_zero2, grad_offload, lighter_ends), got \"" + arg + "\""};
   }
   const std::string key = arg.substr(0, eq);
   std::map<std::string, std::vector<int64_t>*> fields{
@@ -99,11 +113,11 @@ Expected<bool> ParseSpaceArgument(const std::string& arg, SearchSpace* space) {
       {"ep", &space->ep},     {"dp", &space->dp},
       {"micro_batch", &space->micro_batch}, {"zero", &space->zero},
       {"sp", &space->sp},     {"pipeline_zero2", &space->pipeline_zero2},
-      {"grad_offload", &space->grad_offload}};
+      {"grad_offload", &space->grad_offload}, {"lighter_ends", &space->lighter_ends}};
   auto it = fields.find(key);
   if (it == fields.end()) {
     return Error{ErrorCode::kBadInput, "--space: unknown key \"" + key + "\" (expected tp, pp, vp, cp, ep, dp, "
-                                       "micro_batch, zero, sp, pipeline_zero2 or grad_offload)"};
+                                       "micro_batch, zero, sp, pipeline_zero2, grad_offload or lighter_ends)"};
   }
   auto values = ParseValues(key, arg.substr(eq + 1));
   if (!values) return values.error();
@@ -139,6 +153,7 @@ SearchSpace SearchSpaceDefaults(const Model& base, const SearchOptions& o) {
   fill(s.sp, {p.sp ? 1 : 0});
   fill(s.pipeline_zero2, {p.pipeline_zero2 ? 1 : 0});
   fill(s.grad_offload, {p.grad_offload_host ? 1 : 0});
+  fill(s.lighter_ends, {0, 1});
   return s;  // dp stays as given: empty means every value that completes the grid
 }
 
@@ -176,6 +191,8 @@ Expected<std::vector<Layout>> EnumerateLayouts(const Model& base, const SearchOp
                   for (int64_t pz2 : s.pipeline_zero2)
                     for (int64_t off : s.grad_offload) {
                       if (off && !pz2) continue;  // host gradient offload is pipeline ZeRO-2's
+                      for (int64_t ends : s.lighter_ends) {
+                      if (ends > 0 && !LighterEndsLayout(base.arch.layers, pp, vp, ends)) continue;
                       Layout l;
                       l.tp = tp, l.pp = pp, l.vp = vp, l.cp = cp, l.ep = ep, l.dp = dp;
                       l.micro_batch = mb;
@@ -184,7 +201,9 @@ Expected<std::vector<Layout>> EnumerateLayouts(const Model& base, const SearchOp
                       l.sp = sp != 0;
                       l.pipeline_zero2 = pz2 != 0;
                       l.grad_offload_host = off != 0;
+                      l.lighter_ends = ends;
                       out.push_back(l);
+                      }
                     }
               }
           }
@@ -212,6 +231,9 @@ Json ModelJsonWithLayout(const Model& base, const Layout& l) {
   Json& p = j["parallel"];
   const bool same_stages = l.pp == base.parallel.pp && l.vp == base.parallel.vp;
   if (!same_stages || !base.parallel.pp_layout_given) p.erase("pp_layout");
+  if (l.lighter_ends > 0) {
+    if (auto layout = LighterEndsLayout(base.arch.layers, l.pp, l.vp, l.lighter_ends)) p["pp_layout"] = *layout;
+  }
   p["tp"] = l.tp;
   p["sp"] = l.sp;
   p["pp"] = l.pp;
@@ -434,7 +456,8 @@ Json CandidateToJson(const Candidate& c) {
            {"zero", l.zero},
            {"sp", l.sp},
            {"pipeline_zero2", l.pipeline_zero2},
-           {"grad_offload", l.grad_offload_host ? "host" : "none"}}},
+           {"grad_offload", l.grad_offload_host ? "host" : "none"},
+           {"lighter_ends", l.lighter_ends}}},
          {"key", l.Key()},
          {"verdict", VerdictName(c.verdict)}};
   if (!c.reason.empty()) j["reason"] = c.reason;
@@ -471,6 +494,7 @@ Expected<Candidate> CandidateFromJson(const Json& j) {
     c.layout.sp = l.at("sp").get<bool>();
     c.layout.pipeline_zero2 = l.at("pipeline_zero2").get<bool>();
     c.layout.grad_offload_host = l.at("grad_offload").get<std::string>() == "host";
+    c.layout.lighter_ends = l.at("lighter_ends").get<int64_t>();
     const std::string v = j.at("verdict").get<std::string>();
     bool known = false;
     for (Verdict k : {Verdict::kFits, Verdict::kInvalid, Verdict::kStaticOverBudget, Verdict::kAnyPlanOverBudget,

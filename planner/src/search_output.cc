@@ -27,6 +27,7 @@ OrderedJson SpaceJson(const SearchSpace& s) {
   put("sp", s.sp);
   put("pipeline_zero2", s.pipeline_zero2);
   put("grad_offload", s.grad_offload);
+  put("lighter_ends", s.lighter_ends);
   return j;
 }
 
@@ -196,13 +197,14 @@ std::string RenderSearchTable(const SearchResult& r) {
     return mib ? FormatFixed(static_cast<double>(bytes) / (1 << 20), 2) : FormatGiB(bytes);
   };
   if (!r.ranked.empty()) {
-    Table t({"#", "tp", "pp", "vp", "cp", "ep", "dp", "mb x n", "zero", peak_header, "step ms", "base ms", "comm ms",
+    Table t({"#", "tp", "pp", "ends", "vp", "cp", "ep", "dp", "mb x n", "zero", peak_header, "step ms", "base ms", "comm ms",
              "dp ms", "recompute ms", "fp8 ms", "transfers ms"});
     const size_t shown = std::min(r.ranked.size(), static_cast<size_t>(std::max(1, r.top)));
     for (size_t k = 0; k < shown; ++k) {
       const Candidate& c = cs[r.ranked[k]];
       const Layout& l = c.layout;
       t.AddRow({std::to_string(k + 1), std::to_string(l.tp) + (l.sp ? "+sp" : ""), std::to_string(l.pp),
+                l.lighter_ends ? "-" + std::to_string(l.lighter_ends) : "0",
                 std::to_string(l.vp), std::to_string(l.cp), std::to_string(l.ep), std::to_string(l.dp),
                 LayoutCells(l),
                 std::to_string(l.zero) + (l.pipeline_zero2 ? "+pz2" : "") + (l.grad_offload_host ? "+host" : ""),

@@ -39,7 +39,11 @@ struct Layout {
   int64_t micro_batch = 1, microbatches = 1;
   int zero = 0;
   bool sp = false, pipeline_zero2 = false, grad_offload_host = false;
-  // "tp=1 pp=4 vp=2 cp=1 ep=8 dp=16 mb=1x64 zero=1 sp=0 pz2=1 offload=host":
+  // Layers the first and the last pipeline rank give up to the inner ones
+  // (they also hold the embedding and the head; Megatron-LM's
+  // --decoder-first/last-pipeline-num-layers): 0 is the default layout.
+  int64_t lighter_ends = 0;
+  // "tp=1 pp=4 vp=2 cp=1 ep=8 dp=16 mb=1x64 zero=1 sp=0 pz2=1 offload=host ends=0":
   // unique per layout; ties in step time are broken by it.
   std::string Key() const;
 };
@@ -49,7 +53,14 @@ struct Layout {
 struct SearchSpace {
   std::vector<int64_t> tp, pp, vp, cp, ep, dp, micro_batch;
   std::vector<int64_t> zero, sp, pipeline_zero2, grad_offload;  // 0/1 (grad_offload: 1 = host)
+  std::vector<int64_t> lighter_ends;
 };
+
+// The default pipeline layout (DefaultPipelineLayout) with `k` more layers
+// moved from the first and the last rank each to the inner ranks (those
+// with the fewest first); nullopt when pp < 3 or an end would hold fewer
+// than vp layers.
+std::optional<std::vector<int64_t>> LighterEndsLayout(int64_t layers, int64_t pp, int64_t vp, int64_t k);
 
 // "key=v1,v2,..." for one dimension; keys are the fields of SearchSpace
 // (booleans as 0/1, grad_offload as none/host). Errors: kBadInput naming
