@@ -250,7 +250,10 @@ TEST_CASE("search: bad --space arguments are one-line usage errors") {
   CHECK(s.pp == std::vector<int64_t>{1, 2, 4});
   CHECK(ParseSpaceArgument("grad_offload=host,none", &s).ok());
   CHECK(s.grad_offload == std::vector<int64_t>{0, 1});
-  for (const char* bad : {"pp", "=1", "pq=1", "pp=", "pp=0", "pp=1,x", "sp=2", "zero=3", "grad_offload=disk", "tp=1.5"}) {
+  std::string many = "tp=1";
+  for (int v = 2; v <= 65; ++v) many += "," + std::to_string(v);
+  for (const std::string bad : {"pp", "=1", "pq=1", "pp=", "pp=0", "pp=1,x", "sp=2", "zero=3", "grad_offload=disk",
+                                "tp=1.5", many.c_str()}) {
     CAPTURE(bad);
     auto r = ParseSpaceArgument(bad, &s);
     REQUIRE(!r.ok());
@@ -343,4 +346,19 @@ TEST_CASE("search: lighter pipeline ends move layers from the first and last ran
     }
   }
   CHECK(sums >= 15);
+}
+
+TEST_CASE("search: a space too large to enumerate is refused before any work") {
+  const Model m = MustParse(ReadJson("examples/models/tiny-moe.json"));
+  SearchOptions o;
+  o.gpus = 1 << 20;
+  for (const char* dim : {"tp", "pp", "vp", "cp", "ep"}) {
+    std::string arg = std::string(dim) + "=1";
+    for (int v = 2; v <= 60; ++v) arg += "," + std::to_string(v);
+    REQUIRE(ParseSpaceArgument(arg, &o.space).ok());
+  }
+  auto layouts = EnumerateLayouts(m, o);
+  REQUIRE(!layouts.ok());
+  CHECK(layouts.error().code == ErrorCode::kBadInput);
+  CHECK(layouts.error().message.find("combinations") != std::string::npos);
 }

@@ -22,6 +22,11 @@
 namespace memplan::planner {
 namespace {
 
+// Bounds on a search (hostile or mistaken --space lists): values per
+// dimension, and combinations the enumeration may visit.
+constexpr size_t kMaxSpaceValues = 64;
+constexpr double kMaxCombinations = 2e6;
+
 std::vector<int64_t> Sorted(std::vector<int64_t> v) {
   std::sort(v.begin(), v.end());
   v.erase(std::unique(v.begin(), v.end()), v.end());
@@ -65,7 +70,12 @@ Expected<std::vector<int64_t>> ParseValues(const std::string& key, const std::st
     out.push_back(v);
   }
   if (out.empty()) return Error{ErrorCode::kBadInput, "--space " + key + ": expected at least one value"};
-  return Sorted(out);
+  out = Sorted(out);
+  if (out.size() > kMaxSpaceValues) {
+    return Error{ErrorCode::kBadInput, "--space " + key + ": " + std::to_string(out.size()) + " values; at most " +
+                                           std::to_string(kMaxSpaceValues) + " per dimension"};
+  }
+  return out;
 }
 
 // "FILE: /pointer: message" -> "/pointer".
@@ -172,6 +182,15 @@ Expected<std::vector<Layout>> EnumerateLayouts(const Model& base, const SearchOp
   const SearchSpace s = SearchSpaceDefaults(base, o);
   const int64_t g = SearchGlobalBatch(base, o);
   if (g < 1) return Error{ErrorCode::kBadInput, "--global-batch: expected at least 1 sequence"};
+  double combinations = 1;
+  for (const auto* v : {&s.tp, &s.sp, &s.pp, &s.vp, &s.cp, &s.ep, &s.micro_batch, &s.zero, &s.pipeline_zero2,
+                        &s.grad_offload, &s.lighter_ends}) {
+    combinations *= static_cast<double>(v->size());
+  }
+  if (combinations > kMaxCombinations) {
+    return Error{ErrorCode::kBadInput, "--space: " + FormatFixed(combinations, 0) + " combinations of values; at most " +
+                                           FormatFixed(kMaxCombinations, 0) + " (narrow the lists)"};
+  }
   std::vector<Layout> out;
   for (int64_t tp : s.tp)
     for (int64_t sp : s.sp) {
