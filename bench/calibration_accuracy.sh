@@ -63,26 +63,6 @@ done
 for mb in 1 4; do
   row "tiny-llama, micro-batch $mb" examples/models/tiny-llama.json "" "m['train']['micro_batch'] = $mb"
 done
-python3 - "$tmp/pairs" <<'PY'
-import sys
-pairs = [tuple(map(float, line.split())) for line in open(sys.argv[1])]
-def ranks(v):
-    order = sorted(range(len(v)), key=lambda i: v[i])
-    r = [0.0] * len(v)
-    i = 0
-    while i < len(order):  # ties share their mean rank
-        j = i
-        while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
-            j += 1
-        for k in range(i, j + 1):
-            r[order[k]] = (i + j) / 2
-        i = j + 1
-    return r
-p, m = ranks([a for a, _ in pairs]), ranks([b for _, b in pairs])
-n = len(pairs)
-mp, mm = sum(p) / n, sum(m) / n
-cov = sum((a - mp) * (b - mm) for a, b in zip(p, m))
-sd = (sum((a - mp) ** 2 for a in p) * sum((b - mm) ** 2 for b in m)) ** 0.5
-print(f"Spearman rho over {n} rows: {cov / sd:.3f} (goal >= 0.9)")
-PY
+read -r rho rows < <(python3 bench/spearman.py "$tmp/pairs")
+echo "Spearman rho over $rows rows: $rho (goal >= 0.9)"
 

@@ -59,23 +59,10 @@ rows = []
 for line in open(sys.argv[1]):
     c = [x.strip() for x in line.strip().strip("|").split("|")]
     rows.append((int(c[0]), int(c[1]), int(c[2]), float(c[3]), float(c[4].split()[0])))
-def ranks(v):
-    order = sorted(range(len(v)), key=lambda i: v[i])
-    r = [0.0] * len(v)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
-            j += 1
-        for k in range(i, j + 1):
-            r[order[k]] = (i + j) / 2
-        i = j + 1
-    return r
-rp, rm = ranks([r[3] for r in rows]), ranks([r[4] for r in rows])
+sys.path.insert(0, "bench")
+from spearman import spearman
 n = len(rows)
-mp, mm = sum(rp) / n, sum(rm) / n
-cov = sum((a - mp) * (b - mm) for a, b in zip(rp, rm))
-rho = cov / (sum((a - mp) ** 2 for a in rp) * sum((b - mm) ** 2 for b in rm)) ** 0.5
+rho = spearman([r[3] for r in rows], [r[4] for r in rows])
 print(f"\nSpearman's rho (predicted step against measured median) over {n} rows: {rho:.3f}")
 # Speed-up of pp 2 over pp 1 at the same microbatches: a perfect pipeline
 # halves the step; 1F1B's bubble leaves m / (m + p - 1) of that.
