@@ -5,6 +5,7 @@
 
 #include <map>
 #include <numeric>
+#include <random>
 #include <set>
 
 #include "memplan/planner/liveness.h"
@@ -361,4 +362,65 @@ TEST_CASE("search: a space too large to enumerate is refused before any work") {
   REQUIRE(!layouts.ok());
   CHECK(layouts.error().code == ErrorCode::kBadInput);
   CHECK(layouts.error().message.find("combinations") != std::string::npos);
+}
+
+TEST_CASE("search: on random small models and budgets, the bounded search finds the exhaustive best, and pruning drops nothing that fits") {
+  std::mt19937 rng(20261203);
+  auto pick = [&](std::vector<int64_t> v) { return v[std::uniform_int_distribution<size_t>(0, v.size() - 1)(rng)]; };
+  int models = 0, layouts_checked = 0, pruned_checked = 0, best_compared = 0;
+  for (int trial = 0; trial < 8; ++trial) {
+    Json j = ReadJson(trial % 2 ? "examples/models/tiny-moe.json" : "examples/models/tiny-llama.json");
+    j["arch"]["layers"] = pick({4, 6, 8});
+    j["train"]["micro_batch"] = pick({1, 2});
+    j["train"]["microbatches"] = pick({2, 4, 8});
+    j["parallel"]["pp"] = 1;
+    j["parallel"]["vp"] = 1;
+    j["parallel"]["dp"] = 1;
+    j["parallel"]["ep"] = 1;
+    j.erase("budget");
+    const Model base = MustParse(j);
+    const std::vector<int64_t> budgets = Budgets(base);
+    const int64_t lo = budgets[0] * 3 / 4, hi = budgets[2];
+    SearchOptions o;
+    o.gpus = pick({2, 4, 8});
+    o.budget = std::uniform_int_distribution<int64_t>(lo, hi)(rng);
+    o.top = static_cast<int>(pick({1, 2, 5}));
+    CAPTURE(trial);
+    CAPTURE(*o.budget);
+    auto layouts = EnumerateLayouts(base, o);
+    REQUIRE(layouts.ok());
+    std::optional<std::pair<double, std::string>> best;
+    for (const auto& l : *layouts) {
+      const Candidate c = EvaluateLayout(base, l, *o.budget);
+      ++layouts_checked;
+      if (c.verdict == Verdict::kFits) {
+        std::pair<double, std::string> key{c.step_s, l.Key()};
+        if (!best || key < *best) best = key;
+      }
+      if (c.verdict != Verdict::kStaticOverBudget && c.verdict != Verdict::kAnyPlanOverBudget) continue;
+      auto m = ModelWithLayout(base, l);
+      REQUIRE(m.ok());
+      PlanOptions po;
+      po.budget = int64_t{1} << 50;
+      auto plan = BuildPlan(*m, po);
+      REQUIRE(plan.ok());
+      int64_t lower = 0;
+      for (const auto& r : plan->ranks) lower = std::max(lower, r.any_plan_lower_bound);
+      CHECK(lower > *o.budget);
+      ++pruned_checked;
+    }
+    std::vector<size_t> every(layouts->size());
+    std::iota(every.begin(), every.end(), size_t{0});
+    const SearchResult r = MustSummarize(base, o, SearchShare(base, o, *layouts, every));
+    REQUIRE(r.ranked.empty() == !best.has_value());
+    if (best) {
+      CHECK(r.candidates[r.ranked.front()].layout.Key() == best->second);
+      ++best_compared;
+    }
+    ++models;
+  }
+  CHECK(models == 8);
+  CHECK(layouts_checked >= 100);
+  CHECK(best_compared >= 5);
+  CHECK(pruned_checked >= 5);
 }
