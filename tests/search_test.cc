@@ -63,6 +63,20 @@ std::vector<Candidate> EvaluateAll(const Model& m, const std::vector<Layout>& la
   return out;
 }
 
+// The largest any-plan lower bound over ranks of `l`, planned with a
+// budget so large that nothing is refused: what pruning must stay under.
+int64_t AnyPlanBound(const Model& base, const Layout& l) {
+  auto m = ModelWithLayout(base, l);
+  REQUIRE(m.ok());
+  PlanOptions po;
+  po.budget = int64_t{1} << 50;
+  auto plan = BuildPlan(*m, po);
+  REQUIRE(plan.ok());
+  int64_t lower = 0;
+  for (const auto& r : plan->ranks) lower = std::max(lower, r.any_plan_lower_bound);
+  return lower;
+}
+
 SearchResult MustSummarize(const Model& m, const SearchOptions& o, std::vector<Candidate> cs) {
   auto r = SummarizeSearch(m, o, std::move(cs));
   REQUIRE(r.ok());
@@ -164,17 +178,8 @@ TEST_CASE("search: pruning never drops a layout that fits (property over models 
         if (cand.verdict != Verdict::kStaticOverBudget && cand.verdict != Verdict::kAnyPlanOverBudget) continue;
         CAPTURE(l.Key());
         CAPTURE(budget);
-        // Planned anyway, with a budget so large nothing is refused: its
-        // peak (every rank) is over the search's budget.
-        auto m = ModelWithLayout(base, l);
-        REQUIRE(m.ok());
-        PlanOptions po;
-        po.budget = int64_t{1} << 50;
-        auto plan = BuildPlan(*m, po);
-        REQUIRE(plan.ok());
-        int64_t lower = 0;
-        for (const auto& r : plan->ranks) lower = std::max(lower, r.any_plan_lower_bound);
-        CHECK(lower > budget);
+        // Planned anyway: no plan of it fits the search's budget.
+        CHECK(AnyPlanBound(base, l) > budget);
         ++pruned;
       }
     }
@@ -398,15 +403,7 @@ TEST_CASE("search: on random small models and budgets, the bounded search finds 
         if (!best || key < *best) best = key;
       }
       if (c.verdict != Verdict::kStaticOverBudget && c.verdict != Verdict::kAnyPlanOverBudget) continue;
-      auto m = ModelWithLayout(base, l);
-      REQUIRE(m.ok());
-      PlanOptions po;
-      po.budget = int64_t{1} << 50;
-      auto plan = BuildPlan(*m, po);
-      REQUIRE(plan.ok());
-      int64_t lower = 0;
-      for (const auto& r : plan->ranks) lower = std::max(lower, r.any_plan_lower_bound);
-      CHECK(lower > *o.budget);
+      CHECK(AnyPlanBound(base, l) > *o.budget);
       ++pruned_checked;
     }
     std::vector<size_t> every(layouts->size());

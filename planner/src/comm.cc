@@ -66,26 +66,16 @@ OpComm OpCommunication(const LayerGraph& g, const OpSpec& op, const Parallel& pa
       if (in == nullptr || out == nullptr) break;
       const bool row = (op.op == OpKind::kEmbedding || TpSharded(*in)) && !TpSharded(*out);
       const bool column = op.op == OpKind::kLinear && !TpSharded(*in) && TpSharded(*out);
-      if (row) {
-        // Forward: the partial sums are all-reduced (sp: reduce-scattered;
-        // its backward all-gathers the output gradient).
-        const double whole = Whole(*out, par.tp);
-        if (par.sp) {
-          c.fwd_s = AllGatherSeconds(whole, par.tp, links.tp);
-          c.bwd_s = c.fwd_s;
-        } else {
-          c.fwd_s = AllReduceSeconds(whole, par.tp, links.tp);
-        }
-      } else if (column) {
-        // Backward: the input gradient's partial sums (sp: the forward
-        // all-gathers the input, the backward reduce-scatters its gradient).
-        const double whole = Whole(*in, par.tp);
-        if (par.sp) {
-          c.fwd_s = AllGatherSeconds(whole, par.tp, links.tp);
-          c.bwd_s = c.fwd_s;
-        } else {
-          c.bwd_s = AllReduceSeconds(whole, par.tp, links.tp);
-        }
+      if (!row && !column) break;
+      // Row-parallel: the forward all-reduces the output's partial sums.
+      // Column-parallel: the backward all-reduces the input gradient's. With
+      // SP each becomes an all-gather one way and a reduce-scatter the other
+      // (one forward, one backward) of the whole tensor.
+      const double whole = Whole(row ? *out : *in, par.tp);
+      if (par.sp) {
+        c.fwd_s = c.bwd_s = AllGatherSeconds(whole, par.tp, links.tp);
+      } else {
+        (row ? c.fwd_s : c.bwd_s) = AllReduceSeconds(whole, par.tp, links.tp);
       }
       break;
     }

@@ -489,73 +489,67 @@ int64_t CopyDoneStep(const RankTimeline& t, const Instance& inst, int64_t bytes,
 
 namespace {
 
-// The pipeline's timing (pass starts per rank), the per-stage pass times
-// and the base step with each rank's exposed data-parallel reduction, into
-// `p` (stage_fwd_s, stage_bwd_s, makespan_s, pipeline_s).
-std::vector<std::vector<double>> PipelineTiming(const Model& model, const std::vector<LayerGraph>& layers,
-                                                const PipelineLayout& layout, const std::vector<RankSchedule>& schedules,
-                                                const std::vector<LayerInfo>& info, const GroupLinks& links,
-                                                PlanningProblem* out, std::vector<double>* dp_out,
-                                                std::vector<double>* dp_exposed_out) {
-  PlanningProblem& p = *out;
+// The pipeline's timing: per virtual stage one microbatch's pass times,
+// per rank its passes' start times and the data-parallel reduction left
+// after its last backward, and the base step (the pipeline, then each
+// rank's exposed reduction).
+struct PipelineTimes {
+  std::vector<double> stage_fwd_s, stage_bwd_s;
+  std::vector<std::vector<double>> pass_start;
+  std::vector<double> dp_exposed_s;
+  double makespan_s = 0;
+};
+
+PipelineTimes PipelineTiming(const Model& model, const std::vector<LayerGraph>& layers, const PipelineLayout& layout,
+                             const std::vector<RankSchedule>& schedules, const std::vector<LayerInfo>& info,
+                             const GroupLinks& links) {
   const int64_t pp = model.parallel.pp;
   const int64_t vp = model.parallel.vp;
-  const int64_t mbs = model.train.microbatches;
-  const int64_t stages = pp * vp;
-  std::vector<double> chunk_fwd(static_cast<size_t>(stages), 0), chunk_bwd(static_cast<size_t>(stages), 0);
+  PipelineTimes t;
+  t.stage_fwd_s.assign(static_cast<size_t>(pp * vp), 0);
+  t.stage_bwd_s.assign(static_cast<size_t>(pp * vp), 0);
   for (int64_t r = 0; r < pp; ++r) {
     for (int64_t c = 0; c < vp; ++c) {
       for (int64_t layer : layout.chunks[static_cast<size_t>(r)][static_cast<size_t>(c)]) {
-        chunk_fwd[static_cast<size_t>(c * pp + r)] += info[static_cast<size_t>(layer)].fwd_total;
-        chunk_bwd[static_cast<size_t>(c * pp + r)] += info[static_cast<size_t>(layer)].bwd_total;
+        t.stage_fwd_s[static_cast<size_t>(c * pp + r)] += info[static_cast<size_t>(layer)].fwd_total;
+        t.stage_bwd_s[static_cast<size_t>(c * pp + r)] += info[static_cast<size_t>(layer)].bwd_total;
       }
     }
   }
-  std::vector<std::vector<double>> pass_start = PassStarts(schedules, pp, vp, mbs, chunk_fwd, chunk_bwd, &p.makespan_s);
-  p.stage_fwd_s = chunk_fwd;
-  p.stage_bwd_s = chunk_bwd;
+  t.pass_start = PassStarts(schedules, pp, vp, model.train.microbatches, t.stage_fwd_s, t.stage_bwd_s, &t.makespan_s);
   // Data parallelism: a layer's gradients are final after its last
   // microbatch's backward, so the reduction overlaps the rank's last
   // backward of every chunk and what remains delays the end of the step.
-  p.pipeline_s = p.makespan_s;
-  std::vector<double>& dp_s = *dp_out;
-  std::vector<double>& dp_exposed_s = *dp_exposed_out;
-  dp_s.assign(static_cast<size_t>(pp), 0);
-  dp_exposed_s.assign(static_cast<size_t>(pp), 0);
+  t.dp_exposed_s.assign(static_cast<size_t>(pp), 0);
   for (int64_t r = 0; r < pp; ++r) {
     std::vector<int64_t> rank_layers;
     double window = 0;
     for (int64_t c = 0; c < vp; ++c) {
       const auto& chunk = layout.chunks[static_cast<size_t>(r)][static_cast<size_t>(c)];
       rank_layers.insert(rank_layers.end(), chunk.begin(), chunk.end());
-      window += chunk_bwd[static_cast<size_t>(c * pp + r)];
+      window += t.stage_bwd_s[static_cast<size_t>(c * pp + r)];
     }
     const size_t ri = static_cast<size_t>(r);
-    dp_s[ri] = DataParallelSeconds(model, layers, rank_layers, links);
-    dp_exposed_s[ri] = std::max(0.0, dp_s[ri] - window);
+    t.dp_exposed_s[ri] = std::max(0.0, DataParallelSeconds(model, layers, rank_layers, links) - window);
     const auto& sched = schedules[ri];
     if (sched.empty()) continue;
     const PassRef& last = sched.back();
     const size_t stage = static_cast<size_t>(last.chunk * pp + r);
-    const double end = pass_start[ri].back() + (last.forward ? chunk_fwd[stage] : chunk_bwd[stage]);
-    p.makespan_s = std::max(p.makespan_s, end + dp_exposed_s[ri]);
+    const double end = t.pass_start[ri].back() + (last.forward ? t.stage_fwd_s[stage] : t.stage_bwd_s[stage]);
+    t.makespan_s = std::max(t.makespan_s, end + t.dp_exposed_s[ri]);
   }
-  return pass_start;
+  return t;
 }
 
 }  // namespace
 
 double BaseStepSeconds(const Model& model, const std::vector<LayerGraph>& layers) {
-  const PipelineLayout layout = MakePipelineLayout(model);
-  const std::vector<RankSchedule> schedules = BuildSchedules(model.parallel.pp, model.parallel.vp, model.train.microbatches);
   const GroupLinks links = LinksOf(model.parallel, model.hardware);
   std::vector<LayerInfo> info;
   info.reserve(layers.size());
   for (const auto& g : layers) info.push_back(Analyze(g, &model.hardware, &model.parallel, &links));
-  PlanningProblem p;
-  std::vector<double> dp_s, dp_exposed_s;
-  PipelineTiming(model, layers, layout, schedules, info, links, &p, &dp_s, &dp_exposed_s);
-  return p.makespan_s;
+  const auto schedules = BuildSchedules(model.parallel.pp, model.parallel.vp, model.train.microbatches);
+  return PipelineTiming(model, layers, MakePipelineLayout(model), schedules, info, links).makespan_s;
 }
 
 PlanningProblem BuildProblem(const Model& model, std::vector<LayerGraph> layers) {
@@ -635,9 +629,11 @@ PlanningProblem BuildProblem(const Model& model, std::vector<LayerGraph> layers)
   }
 
   // --- Pipeline timing ---------------------------------------------------------
-  std::vector<double> dp_s, dp_exposed_s;
-  std::vector<std::vector<double>> pass_start =
-      PipelineTiming(model, p.layers, p.layout, p.schedules, info, links, &p, &dp_s, &dp_exposed_s);
+  PipelineTimes times = PipelineTiming(model, p.layers, p.layout, p.schedules, info, links);
+  p.makespan_s = times.makespan_s;
+  p.stage_fwd_s = times.stage_fwd_s;
+  p.stage_bwd_s = times.stage_bwd_s;
+  const std::vector<std::vector<double>>& pass_start = times.pass_start;
 
   // --- Steps and instances -------------------------------------------------------
   p.timelines.resize(static_cast<size_t>(pp));
@@ -659,8 +655,7 @@ PlanningProblem BuildProblem(const Model& model, std::vector<LayerGraph> layers)
       }
     }
     RankTimeline& tl = p.timelines[static_cast<size_t>(r)];
-    tl.dp_s = dp_s[rank_index];
-    tl.dp_exposed_s = dp_exposed_s[rank_index];
+    tl.dp_exposed_s = times.dp_exposed_s[rank_index];
     const auto& sched = p.schedules[static_cast<size_t>(r)];
     int64_t prev_block_first = 0;
     for (size_t pi = 0; pi < sched.size(); ++pi) {

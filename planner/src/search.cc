@@ -7,7 +7,6 @@
 #include <limits>
 #include <mutex>
 #include <numeric>
-#include <set>
 #include <sstream>
 
 #include "memplan/common/parallel.h"

@@ -2,7 +2,8 @@
 // (search.h).
 #include <algorithm>
 #include <cmath>
-#include <numeric>
+#include <limits>
+#include <sstream>
 
 #include "memplan/common/table.h"
 #include "memplan/common/units.h"

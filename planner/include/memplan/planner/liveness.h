@@ -183,9 +183,9 @@ struct RankTimeline {
   std::vector<int32_t> step_pass;          // index into the rank's schedule
   double compute_s = 0;                    // sum of op times, without communication
   double comm_s = 0;                       // time its steps wait on TP / CP / EP groups (comm.h)
-  // The data-parallel gradient reduction after its last backward, before
-  // and after overlap with that microbatch's backward passes (comm.h).
-  double dp_s = 0, dp_exposed_s = 0;
+  // The data-parallel gradient reduction left after overlap with its last
+  // microbatch's backward passes (comm.h).
+  double dp_exposed_s = 0;
 };
 
 // A buffer that spans blocks and is the same under every storage decision
@@ -225,9 +225,8 @@ struct PlanningProblem {
   std::vector<std::vector<Instance>> instances;     // per rank, grouped by tensor
   std::vector<std::vector<int32_t>> first_instance;  // per rank, per tensor; one past the end appended
   // Base step time: the pipeline, then each rank's exposed data-parallel
-  // reduction (pipeline_s: the pipeline alone).
+  // reduction.
   double makespan_s = 0;
-  double pipeline_s = 0;
   // Per virtual stage (chunk * pp + rank): one microbatch's forward and
   // backward pass times.
   std::vector<double> stage_fwd_s, stage_bwd_s;
