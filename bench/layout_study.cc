@@ -20,6 +20,12 @@
 //                rank: cheap at any microbatch count), with the pass-local
 //                buffers (transients, staging, fetched, restored) best fit
 //                on a region of their own;
+//   stack layout one ring of slots of the largest set, each set filling its
+//                slot bottom-up in forward and draining it top-down in
+//                backward; a block's pass-local buffers use what its own set
+//                leaves free and spill into one overflow region (ideal
+//                packing inside a block: a bound on what such a layout can
+//                reach, not a placement); landed payloads best fit apart;
 // and whether best fit's offsets ever repeat: the share of instances placed
 // at the offset of the same tensor's instance c microbatches later, for the
 // best c in 1..32 that at least half the instances have a translate for,
@@ -43,7 +49,7 @@ namespace {
 using namespace memplan::planner;
 
 struct RankStudy {
-  int64_t lower_bound = 0, best_fit = 0, class_rings = 0, set_layout = 0;
+  int64_t lower_bound = 0, best_fit = 0, class_rings = 0, set_layout = 0, stack_layout = 0;
   double repeating = 0;  // share of instances at the offset of their translate
 };
 
@@ -96,6 +102,11 @@ RankStudy StudyRank(const PlanningProblem& p, const Evaluation& e, int32_t rank)
     int64_t best, rest, pass_local;  // -1: not in that heap
   };
   std::vector<Offsets> placed;  // per buffer, by ProgramBuffer::tag
+  // Stack layout: the rank's own sets' members per (chunk, microbatch),
+  // what is neither (pass-local) per step, landed payloads apart.
+  std::map<std::pair<int32_t, int32_t>, std::vector<Span>> members;
+  std::vector<int64_t> pass_diff(static_cast<size_t>(tl.steps) + 1, 0);
+  std::vector<Span> landed;
   ProgramWalker walk(p, rank, e.intervals, mine);
   while (walk.Next()) {
     for (ProgramBuffer& b : walk.allocations()) {
@@ -114,12 +125,21 @@ RankStudy StudyRank(const PlanningProblem& p, const Evaluation& e, int32_t rank)
         }
         const bool kept_full = iv.part == IntervalPart::kFull && iv.rank == iv.owner_rank && iv.last >= in.b_first;
         set = ring && (kept_full || iv.part == IntervalPart::kCompact || iv.part == IntervalPart::kLanded);
+        if (set && iv.part != IntervalPart::kLanded) {
+          members[{t.chunk, in.microbatch}].push_back({b.first, b.last, best.AlignedSize(b.bytes)});
+        }
         if (set) {
           Span& s = sets[{iv.owner_rank, t.chunk, in.microbatch, iv.part == IntervalPart::kLanded ? t.layer : -1}];
           s.first = std::min(s.first, b.first);
           s.last = std::max(s.last, b.last);
           s.bytes += best.AlignedSize(b.bytes);
         }
+      }
+      if (!set) {
+        pass_diff[static_cast<size_t>(b.first)] += best.AlignedSize(b.bytes);
+        pass_diff[static_cast<size_t>(b.last) + 1] -= best.AlignedSize(b.bytes);
+      } else if (e.intervals[static_cast<size_t>(b.interval)].part == IntervalPart::kLanded) {
+        landed.push_back({b.first, b.last, best.AlignedSize(b.bytes)});
       }
       b.tag = static_cast<int64_t>(placed.size());
       placed.push_back({best_offset, ring ? -1 : rest.Allocate(b.bytes), set ? -1 : pass_local.Allocate(b.bytes)});
@@ -148,6 +168,53 @@ RankStudy StudyRank(const PlanningProblem& p, const Evaluation& e, int32_t rank)
   std::vector<Span> spans;
   for (const auto& [k, s] : sets) spans.push_back(s);
   out.set_layout = PlaceSpans(spans) + pass_local.high_water();
+  // Stack layout (ideal packing inside one block's template): one ring of
+  // slots of the largest set, a set filling from the bottom of its slot in
+  // forward and draining from the top in backward; the pass-local buffers
+  // of a block use what its own (active) set leaves of its slot and spill
+  // into one overflow region above the ring.
+  {
+    std::map<int64_t, int32_t> chunk_of_layer;
+    for (const SavedTensor& t : p.tensors[ri]) chunk_of_layer[t.layer] = t.chunk;
+    int64_t slot = 0;
+    std::vector<Span> spans;
+    for (auto& [key, v] : members) {
+      Span whole;
+      for (const Span& m : v) {
+        whole.first = std::min(whole.first, m.first);
+        whole.last = std::max(whole.last, m.last);
+        whole.bytes += m.bytes;
+      }
+      slot = std::max(slot, whole.bytes);
+      spans.push_back(whole);
+    }
+    std::vector<std::pair<int64_t, int>> events;
+    for (const Span& w : spans) {
+      events.emplace_back(w.first, 1);
+      events.emplace_back(w.last + 1, -1);
+    }
+    std::sort(events.begin(), events.end());
+    int64_t live = 0, slots = 0;
+    for (auto [step, d] : events) slots = std::max(slots, live += d);
+    // Per step: the active set's live members + pass-local bytes, beyond a slot.
+    std::vector<int64_t> active(static_cast<size_t>(tl.steps), 0);
+    int64_t run = 0;
+    for (size_t st = 0; st < active.size(); ++st) active[st] = run += pass_diff[st];
+    for (size_t bi = 0; bi < tl.blocks.size(); ++bi) {
+      const Block& bl = tl.blocks[bi];
+      const int64_t end = bi + 1 < tl.blocks.size() ? tl.blocks[bi + 1].first : tl.steps;
+      auto it = members.find({chunk_of_layer.count(bl.layer) ? chunk_of_layer[bl.layer] : 0, bl.microbatch});
+      if (it == members.end()) continue;
+      for (const Span& m : it->second) {
+        for (int64_t st = std::max(m.first, bl.first); st <= std::min(m.last, end - 1); ++st) {
+          active[static_cast<size_t>(st)] += m.bytes;
+        }
+      }
+    }
+    int64_t overflow = 0;
+    for (int64_t a : active) overflow = std::max(overflow, a - slot);
+    out.stack_layout = slots * slot + std::max<int64_t>(0, overflow) + PlaceSpans(landed);
+  }
   // Does best fit repeat with some cycle of c microbatches?
   for (int c = 1; c <= 32; ++c) {
     int64_t same = 0, pairs = 0;
@@ -175,10 +242,10 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "usage: layout_study MODEL.json [MODEL.json ...]\n");
     return 2;
   }
-  std::printf("%-22s %5s %10s %10s %14s %14s %10s\n", "model", "ranks", "best fit", "vs bound", "class rings",
-              "set layout", "repeating");
-  std::printf("%-22s %5s %10s %10s %14s %14s %10s\n", "", "", "worst GB", "mean", "mean / worst", "mean / worst",
-              "mean");
+  std::printf("%-20s %5s %9s %9s %16s %16s %16s %10s\n", "model", "ranks", "best fit", "vs bound", "class rings",
+              "set layout", "stack layout", "repeating");
+  std::printf("%-20s %5s %9s %9s %16s %16s %16s %10s\n", "", "", "worst GB", "mean", "mean / worst", "mean / worst",
+              "mean / worst", "mean");
   for (int i = 1; i < argc; ++i) {
     auto model = LoadModel(argv[i]);
     auto plan = model ? BuildPlan(*model) : memplan::Expected<Plan>(model.error());
@@ -196,7 +263,7 @@ int main(int argc, char** argv) {
       return 1;
     }
     const Evaluation e = Evaluate(p, *a, false);
-    double bound = 0, rings = 0, sets = 0, rings_worst = -1e9, sets_worst = -1e9, repeat = 0, worst_fit = 0;
+    double bound = 0, rings = 0, sets = 0, stack = 0, rings_worst = -1e9, sets_worst = -1e9, stack_worst = -1e9, repeat = 0, worst_fit = 0;
     const auto ranks = static_cast<int32_t>(p.tensors.size());
     for (int32_t r = 0; r < ranks; ++r) {
       const RankStudy s = StudyRank(p, e, r);
@@ -205,16 +272,19 @@ int main(int argc, char** argv) {
       sets += Over(s.set_layout, s.best_fit);
       rings_worst = std::max(rings_worst, Over(s.class_rings, s.best_fit));
       sets_worst = std::max(sets_worst, Over(s.set_layout, s.best_fit));
+      stack += Over(s.stack_layout, s.best_fit);
+      stack_worst = std::max(stack_worst, Over(s.stack_layout, s.best_fit));
       repeat += s.repeating / ranks;
       worst_fit = std::max(worst_fit, static_cast<double>(s.best_fit) / 1e9);
     }
     std::string name = argv[i];
     name = name.substr(name.find_last_of('/') + 1);
-    char r_cell[32], s_cell[32];
+    char r_cell[32], s_cell[32], k_cell[32];
+    std::snprintf(k_cell, sizeof k_cell, "%+.1f / %+.1f %%", stack / ranks, stack_worst);
     std::snprintf(r_cell, sizeof r_cell, "%+.1f / %+.1f %%", rings / ranks, rings_worst);
     std::snprintf(s_cell, sizeof s_cell, "%+.1f / %+.1f %%", sets / ranks, sets_worst);
-    std::printf("%-22s %5d %10.2f %9.1f%% %14s %14s %9.0f%%\n", name.c_str(), ranks, worst_fit, bound / ranks,
-                r_cell, s_cell, 100 * repeat);
+    std::printf("%-20s %5d %9.2f %8.1f%% %16s %16s %16s %9.0f%%\n", name.c_str(), ranks, worst_fit, bound / ranks,
+                r_cell, s_cell, k_cell, 100 * repeat);
   }
   return 0;
 }
