@@ -22,7 +22,11 @@ Expected<Command> ParseCommandLine(const std::vector<std::string>& args) {
   plan->add_option("--solver", c.solver, "heuristic (default) or exact (MILP through CBC; small models)")
       ->check(CLI::IsMember({"heuristic", "exact"}));
   plan->add_flag("--sweep", c.sweep, "also print the budget / added step time trade-off curve");
-  plan->add_flag("--verify", c.verify, "verify the plan (every instance resident when read; no placed buffers overlap)");
+  plan->add_flag("--verify", c.verify,
+                 "verify the plan (every instance resident when read; no placed buffers overlap; a periodic window's "
+                 "numbers equal every microbatch simulated)");
+  plan->add_flag("--full-simulation", c.full_simulation,
+                 "simulate every microbatch instead of a periodic window of them (slower; the same numbers)");
   plan->add_option("--threads", c.threads,
                    "threads for the per-rank stages (default: MEMPLAN_THREADS, else every core); any count gives the "
                    "same plan")

@@ -30,6 +30,7 @@ struct Command {
   int threads = 0;  // --threads (0: the default, common/parallel.h)
   bool sweep = false;
   bool verify = false;
+  bool full_simulation = false;
 
   // search (and --budget, --threads, -o, -q above)
   int64_t gpus = 0;

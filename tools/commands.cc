@@ -85,6 +85,7 @@ int RunPlan(const Command& c) {
   options.solver = c.solver == "exact" ? planner::SolverKind::kExact : planner::SolverKind::kHeuristic;
   options.sweep = c.sweep;
   options.verify = c.verify;
+  options.full_simulation = c.full_simulation;
   if (c.threads > 0) SetThreads(c.threads);
   if (std::getenv("MEMPLAN_TIMING")) {
     options.on_stage = [](std::string_view stage, double ms) {

@@ -1,7 +1,9 @@
 #include "memplan/planner/bounds.h"
 
 #include <algorithm>
+#include <functional>
 #include <map>
+#include <optional>
 
 #include "memplan/common/best_fit_heap.h"
 #include "memplan/common/parallel.h"
@@ -10,6 +12,8 @@
 
 namespace memplan::planner {
 namespace {
+
+int64_t g_periodic_skew = 0;  // testing::SkewPeriodicExpansion
 
 struct Placed {
   int64_t first, last, offset, size;
@@ -41,6 +45,82 @@ int64_t Place(const PlanningProblem& p, int32_t rank, const std::vector<Interval
     }
     for (const ProgramBuffer& b : walk.Frees()) {
       if (b.tag >= 0) heap.Free(b.tag, b.bytes);
+    }
+  }
+  return heap.high_water();
+}
+
+// The model's memory program streamed from its periodic window's (period.h):
+// the window's allocations before the cut, the period before the cut
+// `periods` more times, then the rest, each buffer's last step moved with
+// its first (a buffer from before the repeated period does not move), placed by the same best fit as Place in the window's memory. Returns
+// nullopt when the window's period after the cut is not the period before
+// it translated (then the window does not stand for the model).
+std::optional<int64_t> PlacePeriodic(const PlanningProblem& p, int32_t rank, const std::vector<Interval>& ivs,
+                                     const std::vector<size_t>& mine) {
+  const auto [cut, period] = p.period_steps[static_cast<size_t>(rank)];
+  const int64_t steps = p.timelines[static_cast<size_t>(rank)].steps;
+  const int64_t copies = p.window->periods;
+  if (period <= 0 || cut - period < 0 || cut + period > steps) return std::nullopt;
+  struct Alloc {
+    int64_t last, bytes;
+  };
+  std::vector<Alloc> allocs;
+  std::vector<size_t> begin(static_cast<size_t>(steps) + 1, 0);  // per window step, its first allocation
+  {
+    ProgramWalker walk(p, rank, ivs, mine);
+    int64_t next = 0;
+    while (walk.Next()) {
+      for (; next <= walk.step(); ++next) begin[static_cast<size_t>(next)] = allocs.size();
+      for (const ProgramBuffer& b : walk.allocations()) allocs.push_back({b.last, b.bytes});
+      walk.Frees();
+    }
+    for (; next <= steps; ++next) begin[static_cast<size_t>(next)] = allocs.size();
+  }
+  // The evidence: the period after the cut is the period before it, moved.
+  for (int64_t s = cut; s < cut + period; ++s) {
+    const size_t a = begin[static_cast<size_t>(s)], b = begin[static_cast<size_t>(s - period)];
+    if (begin[static_cast<size_t>(s) + 1] - a != begin[static_cast<size_t>(s - period) + 1] - b) return std::nullopt;
+    for (size_t k = 0; a + k < begin[static_cast<size_t>(s) + 1]; ++k) {
+      if (allocs[a + k].bytes != allocs[b + k].bytes || allocs[a + k].last - period != allocs[b + k].last) {
+        return std::nullopt;
+      }
+    }
+  }
+  BestFitHeap heap(256, /*track_allocations=*/false);
+  struct Live {
+    int64_t last, seq, offset, bytes;
+    bool operator>(const Live& o) const { return last != o.last ? last > o.last : seq > o.seq; }
+  };
+  std::vector<Live> live;  // a min-heap by last step
+  int64_t seq = 0;
+  const int64_t repeated = copies * period;
+  for (int64_t t = 0; t < steps + repeated; ++t) {
+    int64_t w = t, shift = 0;  // the window's step, and how far its buffers' last steps move
+    if (t >= cut + repeated) {
+      w = t - repeated;
+      shift = repeated;
+    } else if (t >= cut) {
+      w = cut - period + (t - cut) % period;
+      shift = ((t - cut) / period + 1) * period;
+    }
+    const size_t lo = begin[static_cast<size_t>(w)], hi = begin[static_cast<size_t>(w) + 1];
+    for (size_t i = lo; i < hi; ++i) {
+      // A buffer from before the repeated period ends where it ends in the
+      // window: the window's period after the cut is the model's first
+      // inserted one (checked above). The others move with their step.
+      const int64_t last = allocs[i].last + (w < cut - period ? g_periodic_skew : shift);
+      if (i + 1 == hi && last == t) {
+        heap.AllocateAndFree(allocs[i].bytes);  // as Place: nothing else lives with it
+        continue;
+      }
+      live.push_back({last, seq++, heap.Allocate(allocs[i].bytes), allocs[i].bytes});
+      std::push_heap(live.begin(), live.end(), std::greater<>());
+    }
+    while (!live.empty() && live.front().last <= t) {
+      heap.Free(live.front().offset, live.front().bytes);
+      std::pop_heap(live.begin(), live.end(), std::greater<>());
+      live.pop_back();
     }
   }
   return heap.high_water();
@@ -79,6 +159,10 @@ void VerifyPlacement(const std::vector<Placed>& placed, int32_t rank, std::vecto
 
 std::vector<int64_t> AnyPlanLowerBounds(const PlanningProblem& p) { return p.any_plan_lower_bound; }
 
+namespace testing {
+void SkewPeriodicExpansion(int64_t steps) { g_periodic_skew = steps; }
+}  // namespace testing
+
 Evaluation Evaluate(const PlanningProblem& p, const Assignment& a, bool verify, const Evaluation* reuse,
                     const std::vector<bool>* changed) {
   Evaluation e;
@@ -102,9 +186,9 @@ Evaluation Evaluate(const PlanningProblem& p, const Assignment& a, bool verify, 
     const auto& insts = p.instances[ri];
     for (size_t i = 0; i < insts.size(); ++i) {
       Storage s = a.storage[ri][static_cast<size_t>(insts[i].tensor)];
-      double c = InstanceCost(p, r, static_cast<int32_t>(i), s);
-      if (s == Storage::kRecompute) b.recompute_s += c;
-      if (IsFp8(s)) b.quantize_s += InstanceCost(p, r, static_cast<int32_t>(i), Storage::kFp8);
+      const auto w = static_cast<double>(InstanceWeight(p, r, static_cast<int32_t>(i)));
+      if (s == Storage::kRecompute) b.recompute_s += w * InstanceCost(p, r, static_cast<int32_t>(i), s);
+      if (IsFp8(s)) b.quantize_s += w * InstanceCost(p, r, static_cast<int32_t>(i), Storage::kFp8);
     }
   });
   for (auto& v : own) {
@@ -129,6 +213,11 @@ Evaluation Evaluate(const PlanningProblem& p, const Assignment& a, bool verify, 
     std::vector<Placed> placed;
     if (reuse && changed && !(*changed)[ri] && !verify) {
       b.peak = reuse->ranks[ri].peak;
+      b.periodic = reuse->ranks[ri].periodic;
+    } else if (p.window && !verify) {
+      const std::optional<int64_t> high = PlacePeriodic(p, r, e.intervals, mine[ri]);
+      b.periodic = high.has_value();
+      b.peak = stat + (high ? *high : Place(p, r, e.intervals, mine[ri], nullptr));
     } else {
       b.peak = stat + Place(p, r, e.intervals, mine[ri], verify ? &placed : nullptr);
     }

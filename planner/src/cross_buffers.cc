@@ -14,7 +14,7 @@ namespace memplan::planner {
 std::vector<std::vector<CrossBuffer>> CrossBuffers(const PlanningProblem& p,
                                                    const std::vector<std::vector<int32_t>>& tensor_base) {
   const int64_t pp = static_cast<int64_t>(p.timelines.size());
-  const int32_t mbs = static_cast<int32_t>(p.model->train.microbatches);
+  const int32_t mbs = static_cast<int32_t>(p.microbatches);
   std::vector<std::vector<CrossBuffer>> out(static_cast<size_t>(pp));
   // Per layer, once: for each op (topological position), the shared
   // instances its inputs are, as (owner layer, rank-local saved index of

@@ -176,7 +176,8 @@ void InstanceIntervals(const PlanningProblem& p, const Assignment& a, int32_t ra
     q = start + static_cast<double>(MovedBytes(t, s)) / (remote ? hw.pp_link_bw : hw.h2d_bw);
     arrive[static_cast<size_t>(i)] = q;
     if (stats) {
-      stats->exposed_s += t.cost_offload_s ? *t.cost_offload_s : std::max(0.0, q - in.need_s);
+      stats->exposed_s += static_cast<double>(InstanceWeight(p, rank, i)) *
+                          (t.cost_offload_s ? *t.cost_offload_s : std::max(0.0, q - in.need_s));
     }
   }
   for (int32_t i : offloaded) {
@@ -185,7 +186,9 @@ void InstanceIntervals(const PlanningProblem& p, const Assignment& a, int32_t ra
     EmitInstance(p, rank, i, st[static_cast<size_t>(in.tensor)], a.target[static_cast<size_t>(rank)][static_cast<size_t>(in.tensor)],
                  done[static_cast<size_t>(i)], arrive[static_cast<size_t>(i)], out);
     if (stats) {
-      for (size_t k = before; k < out->size(); ++k) stats->late_copies += (*out)[k].transfer_late;
+      for (size_t k = before; k < out->size(); ++k) {
+        stats->late_copies += (*out)[k].transfer_late ? InstanceWeight(p, rank, i) : 0;
+      }
     }
   }
 }

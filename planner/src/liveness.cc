@@ -552,15 +552,21 @@ double BaseStepSeconds(const Model& model, const std::vector<LayerGraph>& layers
   return PipelineTiming(model, layers, MakePipelineLayout(model), schedules, info, links).makespan_s;
 }
 
-PlanningProblem BuildProblem(const Model& model, std::vector<LayerGraph> layers) {
+int64_t InstanceWeight(const PlanningProblem& p, int32_t rank, int32_t instance) {
+  if (!p.window) return 1;
+  const Instance& in = p.instances[static_cast<size_t>(rank)][static_cast<size_t>(instance)];
+  const SavedTensor& t = p.tensors[static_cast<size_t>(rank)][static_cast<size_t>(in.tensor)];
+  return p.window->Weight(rank, t.chunk, in.microbatch);
+}
+
+PlanningProblem BuildProblem(const Model& model, std::vector<LayerGraph> layers, Simulation simulation) {
   PlanningProblem p;
   p.model = &model;
   p.layers = std::move(layers);
   p.layout = MakePipelineLayout(model);
   const int64_t pp = model.parallel.pp;
   const int64_t vp = model.parallel.vp;
-  const int64_t mbs = model.train.microbatches;
-  p.schedules = BuildSchedules(pp, vp, mbs);
+  p.schedules = BuildSchedules(pp, vp, model.train.microbatches);
   const Hardware& hw = model.hardware;
 
   std::vector<LayerInfo> info;
@@ -633,7 +639,22 @@ PlanningProblem BuildProblem(const Model& model, std::vector<LayerGraph> layers)
   p.makespan_s = times.makespan_s;
   p.stage_fwd_s = times.stage_fwd_s;
   p.stage_bwd_s = times.stage_bwd_s;
-  const std::vector<std::vector<double>>& pass_start = times.pass_start;
+  std::vector<std::vector<double>> pass_start = std::move(times.pass_start);
+  // The periodic window (period.h): simulate a few microbatches for all.
+  std::vector<RankSchedule> full_schedules;
+  if (simulation == Simulation::kPeriodic) {
+    double pipeline_s = 0;  // the passes alone, as FindWindow simulates them
+    PassStarts(p.schedules, pp, vp, model.train.microbatches, p.stage_fwd_s, p.stage_bwd_s, &pipeline_s);
+    p.window = FindWindow(pp, vp, model.train.microbatches, p.stage_fwd_s, p.stage_bwd_s, p.schedules, pass_start,
+                          pipeline_s);
+    if (p.window) {
+      full_schedules = std::move(p.schedules);
+      p.schedules = p.window->schedules;
+      pass_start = p.window->starts;
+    }
+  }
+  const int64_t mbs = p.window ? p.window->simulated : model.train.microbatches;
+  p.microbatches = mbs;
 
   // --- Steps and instances -------------------------------------------------------
   p.timelines.resize(static_cast<size_t>(pp));
@@ -775,6 +796,34 @@ PlanningProblem BuildProblem(const Model& model, std::vector<LayerGraph> layers)
       in.need_s = tl.start_s[static_cast<size_t>(in.b_first)];
     }
   });
+  if (p.window) {
+    for (int64_t r = 0; r < pp; ++r) {
+      RankTimeline& tl = p.timelines[static_cast<size_t>(r)];
+      // The model's sums, added in the model's order (the same bits as
+      // simulating every microbatch): every op of every pass.
+      tl.compute_s = tl.comm_s = 0;
+      for (const PassRef& pr : full_schedules[static_cast<size_t>(r)]) {
+        const auto& chunk = p.layout.chunks[static_cast<size_t>(r)][static_cast<size_t>(pr.chunk)];
+        for (size_t j = 0; j < chunk.size(); ++j) {
+          const LayerInfo& li = info[static_cast<size_t>(pr.forward ? chunk[j] : chunk[chunk.size() - 1 - j])];
+          const size_t n = li.fwd_s.size();
+          for (size_t k = 0; k < n; ++k) {
+            const size_t pos = pr.forward ? k : n - 1 - k;
+            const double dur = pr.forward ? li.fwd_s[pos] : li.bwd_s[pos];
+            const double comm = pr.forward ? li.fwd_comm_s[pos] : li.bwd_comm_s[pos];
+            tl.compute_s += dur - comm;
+            tl.comm_s += comm;
+          }
+        }
+      }
+      auto first_step_of = [&](int64_t pass) {
+        return static_cast<int64_t>(std::lower_bound(tl.step_pass.begin(), tl.step_pass.end(), pass) - tl.step_pass.begin());
+      };
+      const int64_t h = p.window->cut_pass[static_cast<size_t>(r)];
+      const int64_t cut = first_step_of(h);
+      p.period_steps.push_back({cut, cut - first_step_of(h - p.window->period_passes)});
+    }
+  }
   p.cross = CrossBuffers(p, tensor_base);
   for (int64_t r = 0; r < pp; ++r) {
     RankTimeline& tl = p.timelines[static_cast<size_t>(r)];
@@ -796,7 +845,8 @@ PlanningProblem BuildProblem(const Model& model, std::vector<LayerGraph> layers)
       for (int s = 0; s < kStorageCount; ++s) {
         double c = 0;
         for (int32_t i = first[t]; i < first[t + 1]; ++i) {
-          c += InstanceCost(p, static_cast<int32_t>(r), i, static_cast<Storage>(s));
+          c += static_cast<double>(InstanceWeight(p, static_cast<int32_t>(r), i)) *
+               InstanceCost(p, static_cast<int32_t>(r), i, static_cast<Storage>(s));
         }
         table[t][static_cast<size_t>(s)] = c;
       }

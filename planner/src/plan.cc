@@ -3,6 +3,7 @@
 #include <fnmatch.h>
 
 #include <algorithm>
+#include <cmath>
 #include <chrono>
 #include <functional>
 #include <map>
@@ -47,6 +48,30 @@ class StageClock {
   std::function<void(std::string_view, double)> on_stage_;
   std::chrono::steady_clock::time_point last_ = std::chrono::steady_clock::now();
 };
+
+// --verify on a periodic window: simulate every microbatch with the same
+// decisions, run the verifier there, and require the window's numbers to be
+// the full simulation's.
+void VerifyWindow(const PlanningProblem& window, const Assignment& a, Evaluation* e) {
+  const PlanningProblem full = BuildProblem(*window.model, std::vector<LayerGraph>(window.layers), Simulation::kFull);
+  const Evaluation all = Evaluate(full, a, true);
+  for (const auto& err : all.verify_errors) e->verify_errors.push_back("every microbatch: " + err);
+  for (size_t r = 0; r < all.ranks.size(); ++r) {
+    const RankBounds& w = e->ranks[r];
+    const RankBounds& f = all.ranks[r];
+    auto differs = [&](const char* what, double x, double y) {
+      if (std::abs(x - y) <= 1e-9 * std::max(std::abs(x), std::abs(y))) return;
+      e->verify_errors.push_back("pp rank " + std::to_string(r) + ": the periodic window's " + what + " " +
+                                 std::to_string(x) + " differs from every microbatch's " + std::to_string(y));
+    };
+    differs("lower bound", static_cast<double>(w.lower_bound), static_cast<double>(f.lower_bound));
+    differs("peak", static_cast<double>(w.peak), static_cast<double>(f.peak));
+    differs("recompute seconds", w.recompute_s, f.recompute_s);
+    differs("quantize seconds", w.quantize_s, f.quantize_s);
+    differs("exposed transfer seconds", w.exposed_transfer_s, f.exposed_transfer_s);
+    differs("resident offloads", static_cast<double>(w.resident_offloads), static_cast<double>(f.resident_offloads));
+  }
+}
 
 // Stages 6-8 for one budget: decide, rebalance across pipeline ranks
 // (pp_balance, pp > 1) and decide again if tensors moved, then bound;
@@ -101,8 +126,23 @@ Solved SolveForBudget(const PlanningProblem& problem, int64_t budget, const Plan
     out.eval = std::move(next);
     clock.Mark("fragmentation");
   }
-  if (options.verify) out.eval = Evaluate(problem, out.assignment, true);
+  if (options.verify) {
+    Evaluation verified = Evaluate(problem, out.assignment, true);
+    if (problem.window) {
+      for (size_t r = 0; r < verified.ranks.size(); ++r) {
+        verified.ranks[r].peak = out.eval.ranks[r].peak;  // the model's, streamed (bounds.cc)
+        verified.ranks[r].periodic = out.eval.ranks[r].periodic;
+      }
+      VerifyWindow(problem, out.assignment, &verified);
+    }
+    out.eval = std::move(verified);
+  }
   return out;
+}
+
+// Whether every rank's window stood for the model (RankBounds::periodic).
+bool Periodic(const Evaluation& e) {
+  return std::all_of(e.ranks.begin(), e.ranks.end(), [](const RankBounds& b) { return b.periodic; });
 }
 
 Overhead OverheadOf(const PlanningProblem& problem, const Evaluation& e) {
@@ -177,11 +217,16 @@ Plan BuildPlanOrThrow(const Model& input, const PlanOptions& options) {
       }
     }
   }
-  PlanningProblem problem = BuildProblem(model, std::move(*expanded));
+  PlanningProblem problem = BuildProblem(model, std::move(*expanded),
+                                         options.full_simulation ? Simulation::kFull : Simulation::kPeriodic);
   clock.Mark("liveness");
   const std::vector<LayerGraph>& layers = problem.layers;
   const PipelineLayout& layout = problem.layout;
-  plan.schedules = problem.schedules;
+  plan.schedules = problem.window ? BuildSchedules(model.parallel.pp, model.parallel.vp, model.train.microbatches)
+                                  : problem.schedules;
+  plan.simulation.microbatches = model.train.microbatches;
+  plan.simulation.simulated = problem.microbatches;
+  plan.simulation.period_microbatches = problem.window ? problem.window->unit : 0;
 
   // Infeasible: some rank cannot fit whatever the policies.
   std::vector<int64_t> any = AnyPlanLowerBounds(problem);
@@ -202,6 +247,21 @@ Plan BuildPlanOrThrow(const Model& input, const PlanOptions& options) {
   std::vector<int64_t> keep_all = LowerBounds(problem, Assignment::KeepAll(problem));
   clock.Mark("keep-all");
   Solved solved = SolveForBudget(problem, model.budget, options, clock);
+  if (problem.window && !Periodic(solved.eval)) {
+    // The window's period after its cut is not the one before it: it does
+    // not stand for the model. Simulate every microbatch.
+    for (size_t r = 0; r < solved.eval.ranks.size(); ++r) {
+      if (solved.eval.ranks[r].periodic) continue;
+      plan.simulation.fallback = "pp rank " + std::to_string(r) + "'s memory program does not repeat its period";
+      break;
+    }
+    problem = BuildProblem(model, std::vector<LayerGraph>(problem.layers), Simulation::kFull);
+    plan.simulation.simulated = problem.microbatches;
+    plan.simulation.period_microbatches = 0;
+    keep_all = LowerBounds(problem, Assignment::KeepAll(problem));
+    solved = SolveForBudget(problem, model.budget, options, clock);
+    clock.Mark("full simulation");
+  }
   const Evaluation& e = solved.eval;
   // Never write a plan the runtime refuses: every decision passes the one
   // storage rule (liveness.h), --verify or not.
@@ -262,11 +322,22 @@ Plan BuildPlanOrThrow(const Model& input, const PlanOptions& options) {
     rp.quantize_s = b.quantize_s;
     rp.exposed_transfer_s = b.exposed_transfer_s;
     rp.remote_offload = b.remote_offload;
+    // Offloads that stay resident, in instance order (tensor, then microbatch).
+    std::vector<std::pair<int32_t, int32_t>> late;  // (tensor, model microbatch)
     for (const Interval& iv : e.intervals) {
       if (!iv.transfer_late || iv.owner_rank != r) continue;
       const Instance& in = problem.instances[ri][static_cast<size_t>(iv.instance)];
-      rp.resident_offloads.emplace_back(problem.tensors[ri][static_cast<size_t>(in.tensor)].name, in.microbatch);
+      if (!problem.window) {
+        late.emplace_back(in.tensor, in.microbatch);
+        continue;
+      }
+      const int32_t chunk = problem.tensors[ri][static_cast<size_t>(in.tensor)].chunk;
+      for (int32_t mb : problem.window->ModelMicrobatches(static_cast<int32_t>(r), chunk, in.microbatch)) {
+        late.emplace_back(in.tensor, mb);
+      }
     }
+    if (problem.window) std::stable_sort(late.begin(), late.end());
+    for (const auto& [t, mb] : late) rp.resident_offloads.emplace_back(problem.tensors[ri][static_cast<size_t>(t)].name, mb);
     plan.ranks.push_back(std::move(rp));
   }
 
@@ -453,6 +524,12 @@ OrderedJson PlanToJson(const Plan& plan) {
     schedule.push_back(std::move(list));
   }
   j["schedule"] = std::move(schedule);
+  {
+    OrderedJson sim{{"microbatches", plan.simulation.microbatches}, {"simulated", plan.simulation.simulated}};
+    if (plan.simulation.period_microbatches > 0) sim["period_microbatches"] = plan.simulation.period_microbatches;
+    if (!plan.simulation.fallback.empty()) sim["fallback"] = plan.simulation.fallback;
+    j["simulation"] = std::move(sim);
+  }
   if (!plan.sweep.empty()) {
     OrderedJson sweep = OrderedJson::array();
     for (const auto& pt : plan.sweep) {

@@ -40,6 +40,9 @@ struct RankBounds {
   double exposed_transfer_s = 0;
   int64_t resident_offloads = 0;  // offloaded instances whose window is too short: kept resident
   std::vector<std::pair<int32_t, int64_t>> remote_offload;  // (to rank, max bytes held there)
+  // A periodic window's rank whose period after the cut is the period before
+  // it (period.h): `peak` is then the model's; otherwise only the window's.
+  bool periodic = true;
 };
 
 struct Evaluation {

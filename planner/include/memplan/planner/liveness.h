@@ -49,6 +49,7 @@
 #include "memplan/planner/graph.h"
 #include "memplan/planner/layout.h"
 #include "memplan/planner/model.h"
+#include "memplan/planner/period.h"
 #include "memplan/planner/schedule.h"
 
 namespace memplan::planner {
@@ -238,7 +239,22 @@ struct PlanningProblem {
   std::vector<LayerBuffers> layer_buffers;  // per global layer
   // Per rank, sorted by first step (included in the timelines' transient).
   std::vector<std::vector<CrossBuffer>> cross;
+  // Microbatches simulated: the model's, or its periodic window's (period.h).
+  int64_t microbatches = 0;
+  // The periodic window, when the problem simulates one; per rank, the
+  // window's step where the left-out periods go (`cut`) and the steps of
+  // one period: the model's steps are the window's before the cut, the
+  // period before it `window->periods` more times, then the rest.
+  std::optional<PeriodicWindow> window;
+  struct PeriodSteps {
+    int64_t cut = 0, period = 0;
+  };
+  std::vector<PeriodSteps> period_steps;
 };
+
+// How many of the model's instances instance `instance` of `rank` stands
+// for: 1, or 1 + periods in a periodic window's repeated period.
+int64_t InstanceWeight(const PlanningProblem& p, int32_t rank, int32_t instance);
 
 // Host-offload capacity of a rank, so that copies hide behind compute: the
 // prefetches of one layer's instances must fit its prefetch window at h2d
@@ -253,8 +269,13 @@ struct OffloadCapacity {
 };
 OffloadCapacity HostCapacity(const PlanningProblem& p, int32_t rank);
 
-// Throws ErrorException on bad input (e.g. overflowing sizes).
-PlanningProblem BuildProblem(const Model& model, std::vector<LayerGraph> layers);
+// Throws ErrorException on bad input (e.g. overflowing sizes). kPeriodic
+// simulates a periodic window of the microbatches when the model has one
+// (period.h), kFull every microbatch (the oracle, and what the runtime
+// executes).
+enum class Simulation : uint8_t { kFull, kPeriodic };
+PlanningProblem BuildProblem(const Model& model, std::vector<LayerGraph> layers,
+                             Simulation simulation = Simulation::kFull);
 
 // The base step BuildProblem computes (makespan_s: pipeline, communication
 // and exposed DP reduction), without the instances: a lower bound of any

@@ -34,6 +34,9 @@ struct PlanOptions {
   SolverKind solver = SolverKind::kHeuristic;
   bool sweep = false;   // also compute the budget / step-time trade-off curve
   bool verify = false;  // run the plan verifier (always on in tests)
+  // Simulate every microbatch even where a periodic window stands for them
+  // (period.h): the oracle, and what the periodic window is checked against.
+  bool full_simulation = false;
   int sweep_points = 12;
   // Called after each planner stage with its name and wall time (ms).
   std::function<void(std::string_view stage, double ms)> on_stage = nullptr;
@@ -103,8 +106,18 @@ struct TensorEntry {
   int32_t to_pp_rank = -1;  // remote offload target
 };
 
+// What the liveness simulated (docs/planner.md, "Periodic window").
+struct PlanSimulation {
+  int64_t microbatches = 0;         // the model's
+  int64_t simulated = 0;            // the periodic window's, or all of them
+  int64_t period_microbatches = 0;  // 0: no window
+  // Why every microbatch was simulated although a window was found, or empty.
+  std::string fallback;
+};
+
 struct Plan {
   Model model;  // with options applied (budget override)
+  PlanSimulation simulation;
   std::string digest;
   ModelTotals totals;
   std::vector<RankPlan> ranks;

@@ -119,6 +119,10 @@ namespace testing {
 // step), as a planner with a liveness bug would. Not a user setting.
 void PerturbLiveness(const std::string& tensor, IntervalPart part, int64_t steps);
 void ClearLivenessPerturbation();
+// Test-only: while non-zero, the periodic placement (bounds.cc) moves the
+// last step of every buffer from before a window's repeated period by this
+// many steps, as an expansion with a wrong rule would.
+void SkewPeriodicExpansion(int64_t steps);
 }  // namespace testing
 
 }  // namespace memplan::planner
