@@ -72,13 +72,14 @@ while IFS='|' read -r what edit want_rc pattern; do
   echo "size: $what: exit $rc in $took s"
   rm -f "$tmp/size.plan.json"
 done <<'CASES'
-1e6 microbatches (past the limit)|m["train"]["microbatches"] = 10**6|2|size.json: /train/microbatches: expected an integer in \[1, 50000\]
+1e6 microbatches (past the limit)|m["train"]["microbatches"] = 10**6|2|size.json: /train/microbatches: expected an integer in \[1, 200000\]
 100 000 layers (past the limit)|m["arch"]["layers"] = 100000|2|size.json: /arch/layers: expected an integer in \[1, 10000\]
-5000 layers x 11 microbatches|m["arch"]["layers"] = 5000; m["train"]["microbatches"] = 11|2|size.json: /train/microbatches: 11 microbatches of 5000 layers is 55000 layer-microbatches; the planner's limit is 50000
+5000 layers x 41 microbatches|m["arch"]["layers"] = 5000; m["train"]["microbatches"] = 41|2|size.json: /train/microbatches: 41 microbatches of 5000 layers is 205000 layer-microbatches; the planner's limit is 200000
+5000 layers x 11 microbatches (a periodic window of 10)|m["arch"]["layers"] = 5000; m["train"]["microbatches"] = 11|0|
 10 000 layers over budget in statics|m["arch"]["layers"] = 10000; m["arch"]["hidden"] = 4096; m["arch"]["ffn_hidden"] = 16384; m["parallel"]["pp"] = 2|3|infeasible: pp rank 0's static memory alone is
-12 500 microbatches of 4 layers (at the limit)|m["train"]["microbatches"] = 12500; m["budget"] = 2**50|0|
+50 000 microbatches of 4 layers (at the limit, a periodic window)|m["train"]["microbatches"] = 50000; m["budget"] = 2**50|0|
 CASES
-[ "$sizes" -eq 5 ] && ok
+[ "$sizes" -eq 6 ] && ok
 
 # 5. Tight budgets with keep annotations: whatever `plan` writes, `run`
 #    executes. Every tensor but the ones later layers read in place is

@@ -169,3 +169,20 @@ TEST_CASE("periodic window: too few microbatches for a steady state simulate eve
     CHECK(!out["simulation"].contains("period_microbatches"));
   }
 }
+
+TEST_CASE("periodic window: past the simulated limit a window is required, and --full-simulation is refused there") {
+  Json j = ReadJson("examples/models/tiny-gpt.json");
+  j["train"]["microbatches"] = 20000;  // 80 000 layer-microbatches
+  j["budget"] = "1TiB";
+  const Model m = MustParse(j);
+  const auto windowed = BuildPlan(m);
+  REQUIRE(windowed.ok());
+  CHECK(windowed->simulation.simulated < 100);
+  PlanOptions full;
+  full.full_simulation = true;
+  const auto refused = BuildPlan(m, full);
+  REQUIRE(!refused.ok());
+  CHECK(refused.error().code == ErrorCode::kBadInput);
+  CHECK(refused.error().message.find("test.json: /train/microbatches: 20000 microbatches of 4 layers is 80000 "
+                                     "layer-microbatches to simulate one by one, over the limit of 50000") == 0);
+}

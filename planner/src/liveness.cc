@@ -655,6 +655,19 @@ PlanningProblem BuildProblem(const Model& model, std::vector<LayerGraph> layers,
   }
   const int64_t mbs = p.window ? p.window->simulated : model.train.microbatches;
   p.microbatches = mbs;
+  // Every microbatch simulated: instances and steps grow with layers x
+  // microbatches (model.h).
+  if (static_cast<int64_t>(p.layers.size()) * mbs > kMaxSimulatedLayerMicrobatches) {
+    ThrowError(ErrorCode::kBadInput,
+               model.file + ": /train/microbatches: " + std::to_string(mbs) + " microbatches of " +
+                   std::to_string(p.layers.size()) + " layers is " +
+                   std::to_string(static_cast<int64_t>(p.layers.size()) * mbs) +
+                   " layer-microbatches to simulate one by one, over the limit of " +
+                   std::to_string(kMaxSimulatedLayerMicrobatches) +
+                   (simulation == Simulation::kFull
+                        ? std::string(" (every microbatch simulated)")
+                        : std::string(" (this pipeline's timing has no periodic window to stand for them)")));
+  }
 
   // --- Steps and instances -------------------------------------------------------
   p.timelines.resize(static_cast<size_t>(pp));

@@ -439,17 +439,18 @@ Model ParseModelOrThrow(const Json& doc, const std::string& file) {
   {
     ObjectReader t(r.Required("train"), r.At("train"));
     ParseTrain(t, m);
-    // The planner's work grows with layers x microbatches (every saved
-    // tensor of every microbatch is an instance with its own interval): the
-    // stated limit is one it meets within seconds and a bounded memory
-    // (docs/design.md, "Input limits and hostile input").
+    // The planner's work grows with layers x microbatches (a periodic
+    // window's placement streams every microbatch's buffers; without a
+    // window every saved tensor of every microbatch is an instance with its
+    // own interval, limited further in BuildProblem): the stated limit is
+    // one it meets within seconds and a bounded memory (docs/design.md,
+    // "Input limits and hostile input").
     if (m.arch.layers * m.train.microbatches > kMaxLayerMicrobatches) {
       ThrowAt(t.At("microbatches"), std::to_string(m.train.microbatches) + " microbatches of " +
                                         std::to_string(m.arch.layers) + " layers is " +
                                         std::to_string(m.arch.layers * m.train.microbatches) +
                                         " layer-microbatches; the planner's limit is " +
-                                        std::to_string(kMaxLayerMicrobatches) +
-                                        " (the peak repeats after a few times pp microbatches: plan fewer)");
+                                        std::to_string(kMaxLayerMicrobatches));
     }
   }
   // Parallel checks read arch and train, so it comes after both.

@@ -316,8 +316,15 @@ void PlanLayout(const Model& base, int64_t budget, Candidate* out) {
     po.budget = budget;
     auto plan = BuildPlan(*model, po);
     if (!plan) {
-      c.verdict = plan.error().code == ErrorCode::kInfeasible ? Verdict::kAnyPlanOverBudget : Verdict::kError;
+      c.verdict = plan.error().code == ErrorCode::kInfeasible ? Verdict::kAnyPlanOverBudget
+                  : plan.error().code == ErrorCode::kBadInput ? Verdict::kInvalid
+                                                              : Verdict::kError;
       c.detail = plan.error().message;
+      if (c.verdict == Verdict::kInvalid) {
+        // Too many microbatches to simulate without a periodic window.
+        c.reason = PointerOf(c.detail, base.file);
+        if (c.detail.rfind(base.file + ": ", 0) == 0) c.detail = c.detail.substr(base.file.size() + 2);
+      }
       return;
     }
     bool fits = true;

@@ -28,7 +28,13 @@ inline constexpr std::string_view kModelSchema = "memplan.model/1";
 // seconds and at most about 1 GiB (docs/design.md, "Input limits and
 // hostile input"; measured by tests/hostile_surfaces_test.sh).
 inline constexpr int64_t kMaxLayers = 10'000;
-inline constexpr int64_t kMaxLayerMicrobatches = 50'000;
+// Layers x microbatches: at most kMaxLayerMicrobatches in a model file; the
+// planner simulates a periodic window of them (period.h) in the memory of
+// a few, and every microbatch only up to kMaxSimulatedLayerMicrobatches
+// (BuildProblem refuses more: where the pipeline has no window, or with
+// --full-simulation, and in `memplan run`).
+inline constexpr int64_t kMaxLayerMicrobatches = 200'000;
+inline constexpr int64_t kMaxSimulatedLayerMicrobatches = 50'000;
 inline constexpr int64_t kMaxHidden = 1 << 20;
 inline constexpr int64_t kMaxHeads = 1 << 16;
 inline constexpr int64_t kMaxVocab = 1 << 24;
