@@ -196,6 +196,18 @@ python3 -c "import json, sys; p = json.load(open(sys.argv[1])); p['ranks'] = 'x'
 "$memplan" viz "$tmp/bad-plan.json" -o "$tmp/never.html" >/dev/null 2>"$tmp/err"
 rc=$?
 [ "$rc" -eq 2 ] && grep -q "/ranks" "$tmp/err" && [ ! -e "$tmp/never.html" ] && ok || bad "malformed plan: exit $rc: $(cat "$tmp/err")"
+# A plan of more microbatches than can be drawn one by one (a periodic
+# window, docs/planner.md): the report draws the window and says so.
+python3 - "$root/examples/models/tiny-gpt.json" "$tmp/many.json" <<'PY'
+import json, sys
+m = json.load(open(sys.argv[1]))
+m["train"]["microbatches"] = 20000
+json.dump(m, open(sys.argv[2], "w"))
+PY
+"$memplan" plan "$tmp/many.json" -q -o "$tmp/many.plan.json" 2>/dev/null \
+  && "$memplan" viz "$tmp/many.plan.json" -o "$tmp/many.html" >/dev/null 2>"$tmp/err" \
+  && grep -q "periodic window of [0-9]* microbatches standing for the plan's 20000" "$tmp/err" && [ -s "$tmp/many.html" ] \
+  && ok || bad "a plan with a periodic window of 20000 microbatches: $(cat "$tmp/err")"
 
 fi
 

@@ -285,9 +285,20 @@ Expected<Json> BuildReportData(const ReportOptions& o, std::vector<std::string>*
   if (!layers) return layers.error();
   planner::PlanningProblem p;
   try {
-    p = planner::BuildProblem(*model, std::move(*layers));
+    p = planner::BuildProblem(*model, std::vector<planner::LayerGraph>(*layers));
   } catch (const ErrorException& e) {
-    return e.error();
+    // Too many microbatches to draw one by one: draw the plan's periodic
+    // window (docs/planner.md, "Periodic window"), when it has one.
+    try {
+      p = planner::BuildProblem(*model, std::move(*layers), planner::Simulation::kPeriodic);
+    } catch (const ErrorException&) {
+      return e.error();
+    }
+    if (!p.window) return e.error();
+    warnings->push_back("memory over the step and the schedule show the periodic window of " +
+                        std::to_string(p.microbatches) + " microbatches standing for the plan's " +
+                        std::to_string(model->train.microbatches) +
+                        " (too many to draw one by one); peaks and bounds are the plan's");
   }
   auto assigned = planner::ReadPlanAssignment(*plan, o.plan_file, p);
   if (!assigned) return assigned.error();
