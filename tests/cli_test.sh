@@ -132,6 +132,25 @@ for f in measured-missing-rank measured-unknown-key measured-bad-value; do
 done
 expect_exit 2 "check swapped" "$memplan" check "$d/measured-pass.json" "$d/plan.json"
 
+# 9b. A plan with a periodic window (docs/planner.md): the arena's measured
+# peak, placing every microbatch, is the peak the planner streamed from the
+# window's program.
+python3 - "$root/examples/models/tiny-gpt.json" "$tmp/window.json" <<'PY'
+import json, sys
+m = json.load(open(sys.argv[1]))
+m["train"]["microbatches"] = 16
+json.dump(m, open(sys.argv[2], "w"))
+PY
+expect_exit 0 "plan with a window" "$memplan" plan "$tmp/window.json" -o "$tmp/window.plan.json" -q
+expect_exit 0 "run a windowed plan" "$memplan" run "$tmp/window.plan.json" -o "$tmp/window.measured.json" -q
+python3 - "$tmp/window.plan.json" "$tmp/window.measured.json" <<'PY' && ok || bad "windowed plan: measured peaks differ"
+import json, sys
+p, m = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))
+assert p["simulation"]["simulated"] < p["simulation"]["microbatches"] == 16, p["simulation"]
+assert m["allocator"] == "arena"
+assert [r["peak"] for r in p["ranks"]] == [r["peak"] for r in m["ranks"]], ([r["peak"] for r in p["ranks"]], [r["peak"] for r in m["ranks"]])
+PY
+
 # 10. memplan run: execute a plan, measure, check; refusals exit 2 and write nothing.
 expect_exit 0 "plan tiny-llama" "$memplan" plan "$root/examples/models/tiny-llama.json" -o "$tmp/llama.plan.json" -q
 expect_exit 0 "run host" "$memplan" run "$tmp/llama.plan.json" -o "$tmp/llama.measured.json" --trace "$tmp/llama.trace.json" --dump "$tmp/dump"
