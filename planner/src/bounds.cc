@@ -53,7 +53,8 @@ int64_t Place(const PlanningProblem& p, int32_t rank, const std::vector<Interval
 // The model's memory program streamed from its periodic window's (period.h):
 // the window's allocations before the cut, the period before the cut
 // `periods` more times, then the rest, each buffer's last step moved with
-// its first (a buffer from before the repeated period does not move), placed by the same best fit as Place in the window's memory. Returns
+// its first (a buffer from before the repeated period does not move),
+// placed by the same best fit as Place in the window's memory. Returns
 // nullopt when the window's period after the cut is not the period before
 // it translated (then the window does not stand for the model).
 std::optional<int64_t> PlacePeriodic(const PlanningProblem& p, int32_t rank, const std::vector<Interval>& ivs,

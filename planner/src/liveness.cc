@@ -108,6 +108,16 @@ bool GradAccumulates(OpKind kind) { return GetOpDef(kind).grad_accumulates; }
 
 namespace {
 
+// Step k of a layer's block in a forward or backward pass: its time and the
+// part of it spent waiting on TP / CP / EP groups.
+struct StepTime {
+  double dur, comm;
+};
+StepTime StepTimeOf(const LayerInfo& li, bool forward, size_t k) {
+  const size_t n = li.fwd_s.size();
+  const size_t pos = forward ? k : n - 1 - k;
+  return forward ? StepTime{li.fwd_s[pos], li.fwd_comm_s[pos]} : StepTime{li.bwd_s[pos], li.bwd_comm_s[pos]};
+}
 
 // `hw` null: no times (tests of the structure). `par`, `links`: the
 // communication around each op (comm.h), in the op's time.
@@ -503,9 +513,7 @@ PlanningProblem BuildProblem(const Model& model, std::vector<LayerGraph> layers,
         tl.blocks.push_back(blk);
         size_t n = li.fwd_s.size();
         for (size_t k = 0; k < n; ++k) {
-          size_t pos = pr.forward ? k : n - 1 - k;
-          double dur = pr.forward ? li.fwd_s[pos] : li.bwd_s[pos];
-          double comm = pr.forward ? li.fwd_comm_s[pos] : li.bwd_comm_s[pos];
+          const auto [dur, comm] = StepTimeOf(li, pr.forward, k);
           tl.start_s.push_back(now);
           now += dur;
           tl.end_s.push_back(now);
@@ -612,11 +620,8 @@ PlanningProblem BuildProblem(const Model& model, std::vector<LayerGraph> layers,
         const auto& chunk = p.layout.chunks[static_cast<size_t>(r)][static_cast<size_t>(pr.chunk)];
         for (size_t j = 0; j < chunk.size(); ++j) {
           const LayerInfo& li = info[static_cast<size_t>(pr.forward ? chunk[j] : chunk[chunk.size() - 1 - j])];
-          const size_t n = li.fwd_s.size();
-          for (size_t k = 0; k < n; ++k) {
-            const size_t pos = pr.forward ? k : n - 1 - k;
-            const double dur = pr.forward ? li.fwd_s[pos] : li.bwd_s[pos];
-            const double comm = pr.forward ? li.fwd_comm_s[pos] : li.bwd_comm_s[pos];
+          for (size_t k = 0; k < li.fwd_s.size(); ++k) {
+            const auto [dur, comm] = StepTimeOf(li, pr.forward, k);
             tl.compute_s += dur - comm;
             tl.comm_s += comm;
           }

@@ -336,7 +336,7 @@ Plan BuildPlanOrThrow(const Model& input, const PlanOptions& options) {
         late.emplace_back(in.tensor, mb);
       }
     }
-    if (problem.window) std::stable_sort(late.begin(), late.end());
+    std::sort(late.begin(), late.end());
     for (const auto& [t, mb] : late) rp.resident_offloads.emplace_back(problem.tensors[ri][static_cast<size_t>(t)].name, mb);
     plan.ranks.push_back(std::move(rp));
   }

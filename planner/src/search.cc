@@ -85,6 +85,14 @@ std::string PointerOf(const std::string& message, const std::string& file) {
   return rest.substr(0, rest.find(": "));
 }
 
+// Refused by the model file's own checks: the JSON pointer is the reason.
+void MarkInvalid(const std::string& message, const std::string& file, Candidate* c) {
+  c->verdict = Verdict::kInvalid;
+  c->reason = PointerOf(message, file);
+  c->detail = message;
+  if (c->detail.rfind(file + ": ", 0) == 0) c->detail = c->detail.substr(file.size() + 2);
+}
+
 }  // namespace
 
 std::string Layout::Key() const {
@@ -279,10 +287,7 @@ Candidate PrepareLayout(const Model& base, const Layout& layout, int64_t budget)
   c.layout = layout;
   auto model = ModelWithLayout(base, layout);
   if (!model) {
-    c.verdict = Verdict::kInvalid;
-    c.reason = PointerOf(model.error().message, base.file);
-    c.detail = model.error().message;
-    if (c.detail.rfind(base.file + ": ", 0) == 0) c.detail = c.detail.substr(base.file.size() + 2);
+    MarkInvalid(model.error().message, base.file, &c);
     return c;
   }
   try {
@@ -316,15 +321,13 @@ void PlanLayout(const Model& base, int64_t budget, Candidate* out) {
     po.budget = budget;
     auto plan = BuildPlan(*model, po);
     if (!plan) {
-      c.verdict = plan.error().code == ErrorCode::kInfeasible ? Verdict::kAnyPlanOverBudget
-                  : plan.error().code == ErrorCode::kBadInput ? Verdict::kInvalid
-                                                              : Verdict::kError;
-      c.detail = plan.error().message;
-      if (c.verdict == Verdict::kInvalid) {
+      if (plan.error().code == ErrorCode::kBadInput) {
         // Too many microbatches to simulate without a periodic window.
-        c.reason = PointerOf(c.detail, base.file);
-        if (c.detail.rfind(base.file + ": ", 0) == 0) c.detail = c.detail.substr(base.file.size() + 2);
+        MarkInvalid(plan.error().message, base.file, &c);
+        return;
       }
+      c.verdict = plan.error().code == ErrorCode::kInfeasible ? Verdict::kAnyPlanOverBudget : Verdict::kError;
+      c.detail = plan.error().message;
       return;
     }
     bool fits = true;

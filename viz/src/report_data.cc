@@ -283,18 +283,19 @@ Expected<Json> BuildReportData(const ReportOptions& o, std::vector<std::string>*
   if (!model) return model.error();
   auto layers = planner::ExpandModel(*model);
   if (!layers) return layers.error();
+  // Too many microbatches to draw one by one: draw the plan's periodic
+  // window (docs/planner.md, "Periodic window"); without one, BuildProblem
+  // refuses at /train/microbatches.
+  const bool too_many = static_cast<int64_t>(layers->size()) * model->train.microbatches >
+                        planner::kMaxSimulatedLayerMicrobatches;
   planner::PlanningProblem p;
   try {
-    p = planner::BuildProblem(*model, std::vector<planner::LayerGraph>(*layers));
+    p = planner::BuildProblem(*model, std::move(*layers),
+                              too_many ? planner::Simulation::kPeriodic : planner::Simulation::kFull);
   } catch (const ErrorException& e) {
-    // Too many microbatches to draw one by one: draw the plan's periodic
-    // window (docs/planner.md, "Periodic window"), when it has one.
-    try {
-      p = planner::BuildProblem(*model, std::move(*layers), planner::Simulation::kPeriodic);
-    } catch (const ErrorException&) {
-      return e.error();
-    }
-    if (!p.window) return e.error();
+    return e.error();
+  }
+  if (p.window) {
     warnings->push_back("memory over the step and the schedule show the periodic window of " +
                         std::to_string(p.microbatches) + " microbatches standing for the plan's " +
                         std::to_string(model->train.microbatches) +
