@@ -186,3 +186,17 @@ TEST_CASE("periodic window: past the simulated limit a window is required, and -
   CHECK(refused.error().message.find("test.json: /train/microbatches: 20000 microbatches of 4 layers is 80000 "
                                      "layer-microbatches to simulate one by one, over the limit of 50000") == 0);
 }
+
+TEST_CASE("periodic window: where best fit's state recurs, placement jumps over the repeating periods, exactly") {
+  // tiny-gpt's best fit settles into a cycle of two periods within a few
+  // hundred (bench: big models never do, and stream every period).
+  Json j = ReadJson("examples/models/tiny-gpt.json");
+  j["train"]["microbatches"] = 2000;
+  const Model m = MustParse(j);
+  const int64_t jumps = testing::PeriodicJumps();
+  const Plan windowed = MustPlan(m, Verified());  // --verify: every number equals every microbatch's
+  CHECK(testing::PeriodicJumps() > jumps);
+  CHECK(windowed.simulation.simulated < 100);
+  CHECK(windowed.verify_errors.empty());
+  CHECK(CompareWithOracle(windowed, MustPlan(m, Full())) > 20);
+}

@@ -1,6 +1,8 @@
 #include "memplan/planner/bounds.h"
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <functional>
 #include <map>
 #include <optional>
@@ -14,6 +16,7 @@ namespace memplan::planner {
 namespace {
 
 int64_t g_periodic_skew = 0;  // testing::SkewPeriodicExpansion
+std::atomic<int64_t> g_periodic_jumps{0};  // testing::PeriodicJumps
 
 struct Placed {
   int64_t first, last, offset, size;
@@ -96,7 +99,41 @@ std::optional<int64_t> PlacePeriodic(const PlanningProblem& p, int32_t rank, con
   std::vector<Live> live;  // a min-heap by last step
   int64_t seq = 0;
   const int64_t repeated = copies * period;
+  // Best fit is deterministic and its free lists are the gaps between the
+  // live blocks, so the heap after a copy of the period is a function of
+  // the live blocks (offset, bytes, steps left) before it. Once that state
+  // recurs (Brent's cycle detection at copy boundaries), every further
+  // cycle of copies repeats it with the same high-water mark: jump over
+  // them, exactly. Small models settle within a few hundred periods; the
+  // bundled large ones never do (docs/planner.md) and stream every copy.
+  using State = std::vector<std::array<int64_t, 3>>;
+  auto state_at = [&](int64_t t) {
+    State s;
+    s.reserve(live.size());
+    for (const Live& l : live) s.push_back({l.offset, l.bytes, l.last - t});
+    std::sort(s.begin(), s.end());
+    return s;
+  };
+  State saved;
+  int64_t saved_copy = -1, power = 1;
+  bool jumped = false;
   for (int64_t t = 0; t < steps + repeated; ++t) {
+    if (!jumped && t >= cut && t < cut + repeated && (t - cut) % period == 0) {
+      const int64_t k = (t - cut) / period;  // copies placed so far
+      State now = state_at(t);
+      if (saved_copy >= 0 && now == saved) {
+        const int64_t cycle = k - saved_copy;
+        const int64_t skip = (copies - k) / cycle * cycle * period;
+        for (Live& l : live) l.last += skip;
+        t += skip;
+        jumped = true;
+        g_periodic_jumps.fetch_add(1, std::memory_order_relaxed);
+      } else if (saved_copy < 0 || k - saved_copy == power) {
+        if (saved_copy >= 0) power *= 2;
+        saved = std::move(now);
+        saved_copy = k;
+      }
+    }
     int64_t w = t, shift = 0;  // the window's step, and how far its buffers' last steps move
     if (t >= cut + repeated) {
       w = t - repeated;
@@ -162,6 +199,7 @@ std::vector<int64_t> AnyPlanLowerBounds(const PlanningProblem& p) { return p.any
 
 namespace testing {
 void SkewPeriodicExpansion(int64_t steps) { g_periodic_skew = steps; }
+int64_t PeriodicJumps() { return g_periodic_jumps.load(); }
 }  // namespace testing
 
 Evaluation Evaluate(const PlanningProblem& p, const Assignment& a, bool verify, const Evaluation* reuse,

@@ -123,6 +123,9 @@ void ClearLivenessPerturbation();
 // last step of every buffer from before a window's repeated period by this
 // many steps, as an expansion with a wrong rule would.
 void SkewPeriodicExpansion(int64_t steps);
+// How many times the periodic placement has found its best-fit state
+// recurring and jumped over the repeating copies (bounds.cc), in this process.
+int64_t PeriodicJumps();
 }  // namespace testing
 
 }  // namespace memplan::planner
