@@ -60,6 +60,38 @@ Expected<Command> ParseCommandLine(const std::vector<std::string>& args) {
                    "the best K are the same, the Pareto front then covers every layout)");
   search->add_flag("-q,--quiet", search_quiet, "no table, no progress");
 
+  std::string import_in, import_out;
+  auto* import = app.add_subcommand(
+      "import", "Write a model file from a Hugging Face config.json or a Megatron-LM argument list");
+  import->require_subcommand(1);
+  auto* hf = import->add_subcommand("hf", "From a Hugging Face config.json and the run's layout");
+  hf->add_option("config", import_in, "config.json")->required();
+  hf->add_option("--gpus", c.gpus, "GPUs in the run (tp x pp x cp x dp)")->required()->check(CLI::Range(1, 1 << 20));
+  hf->add_option("--global-batch", c.global_batch, "sequences per optimizer step")
+      ->required()
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
+  hf->add_option("--seq", c.seq, "sequence length")->required()->check(CLI::Range(1, 1 << 24));
+  hf->add_option("--micro-batch", c.micro_batch, "sequences per microbatch (default 1)")->check(CLI::Range(1, 1 << 16));
+  for (auto [flag, field] : {std::pair{"--tp", &c.tp}, {"--pp", &c.pp}, {"--vp", &c.vp}, {"--ep", &c.ep}, {"--cp", &c.cp}}) {
+    hf->add_option(flag, *field, std::string(flag + 2) + " size (default 1)")->check(CLI::Range(1, 1 << 20));
+  }
+  hf->add_flag("--sp", c.sp, "sequence parallelism with tp");
+  hf->add_option("--zero", c.zero, "ZeRO stage 0, 1 (default: the distributed optimizer) or 2")->check(CLI::Range(0, 2));
+  hf->add_option("--optimizer", c.optimizer, "adam (default) or muon")->check(CLI::IsMember({"adam", "muon"}));
+  hf->add_option("--hardware", c.hardware, "h100 (default), h200, b200")->check(CLI::IsMember({"h100", "h200", "b200"}));
+  hf->add_flag("--no-mtp", c.no_mtp, "plan without the checkpoint's multi-token-prediction layers");
+  hf->add_option("--name", c.name, "the model's name (default: the config's _name_or_path, else the file's)");
+  hf->add_option("-o,--output", import_out, "write MODEL.json (default: stdout)");
+  auto* megatron = import->add_subcommand("megatron", "From a Megatron-LM argument list (pretrain_gpt.py's)");
+  megatron->add_option("args", import_in, "a file of arguments")->required();
+  megatron->add_option("--gpus", c.gpus, "the world size (Megatron takes it from its launcher)")
+      ->required()
+      ->check(CLI::Range(1, 1 << 20));
+  megatron->add_option("--hardware", c.hardware, "h100 (default), h200, b200")
+      ->check(CLI::IsMember({"h100", "h200", "b200"}));
+  megatron->add_option("--name", c.name, "the model's name (default: the file's)");
+  megatron->add_option("-o,--output", import_out, "write MODEL.json (default: stdout)");
+
   std::string expand_model, expand_out;
   auto* expand = app.add_subcommand("expand", "Print the model with every layer's graph expanded");
   expand->add_option("model", expand_model, "model file (memplan.model/1)")->required();
@@ -140,7 +172,7 @@ Expected<Command> ParseCommandLine(const std::vector<std::string>& args) {
   }
   // An empty path is a mistake (a shell variable that was not set), not
   // "no output".
-  for (const auto* app_part : {plan, expand, check, run, profile, calibrate, viz, search}) {
+  for (const auto* app_part : {plan, expand, check, run, profile, calibrate, viz, search, hf, megatron}) {
     for (const CLI::Option* opt : app_part->get_options()) {
       if (opt->count() == 0 || opt->get_type_size() == 0) continue;
       for (const std::string& v : opt->results()) {
@@ -160,6 +192,11 @@ Expected<Command> ParseCommandLine(const std::vector<std::string>& args) {
     c.input = search_model;
     c.output = search_out;
     c.quiet = search_quiet;
+  } else if (import->parsed()) {
+    c.verb = Verb::kImport;
+    c.import_kind = hf->parsed() ? "hf" : "megatron";
+    c.input = import_in;
+    c.output = import_out;
   } else if (expand->parsed()) {
     c.verb = Verb::kExpand;
     c.input = expand_model;

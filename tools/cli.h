@@ -12,7 +12,7 @@
 
 namespace memplan::cli {
 
-enum class Verb { kPlan, kExpand, kRun, kCheck, kProfile, kCalibrate, kViz, kSearch, kPrint };
+enum class Verb { kPlan, kExpand, kRun, kCheck, kProfile, kCalibrate, kViz, kSearch, kImport, kPrint };
 
 struct Command {
   Verb verb = Verb::kPrint;
@@ -39,6 +39,19 @@ struct Command {
   int top = 10;
   std::string best_model;            // --best-model
   bool exhaustive = false;           // --exhaustive
+
+  // import: "hf" or "megatron" (input: CONFIG.json or ARGS.txt; --gpus,
+  // --global-batch above); the layout of an hf import
+  std::string import_kind;
+  int64_t seq = 0;
+  int64_t micro_batch = 1;
+  int64_t tp = 1, pp = 1, vp = 1, ep = 1, cp = 1;
+  bool sp = false;
+  int zero = 1;
+  std::string optimizer = "adam";
+  std::string hardware = "h100";
+  bool no_mtp = false;
+  std::string name;
 
   // run, calibrate
   std::string backend = "host";

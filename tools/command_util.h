@@ -41,4 +41,7 @@ Expected<bool> StageJson(OutputFiles& out, const std::string& path, const J& doc
 // `memplan search` (search_command.cc).
 int RunSearch(const Command& c);
 
+// `memplan import` (import_command.cc).
+int RunImport(const Command& c);
+
 }  // namespace memplan::cli

@@ -531,6 +531,7 @@ int RunCommand(const Command& c) {
       case Verb::kProfile: return RunProfile(c);
       case Verb::kCalibrate: return RunCalibrate(c);
       case Verb::kSearch: return RunSearch(c);
+      case Verb::kImport: return RunImport(c);
     }
   } catch (const std::bad_alloc&) {
     return Fail({ErrorCode::kRuntime, "out of host memory"});

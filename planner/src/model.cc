@@ -10,7 +10,8 @@
 namespace memplan::planner {
 
 bool Arch::IsMoeLayer(int64_t layer) const {
-  return moe.has_value() && layer >= moe->first_dense_layers;
+  return moe.has_value() && layer >= moe->first_dense_layers &&
+         !std::binary_search(moe->dense_layers.begin(), moe->dense_layers.end(), layer);
 }
 
 bool Arch::IsLinearAttentionLayer(int64_t layer) const {
@@ -176,6 +177,7 @@ void ParseArch(ObjectReader& r, Model& m) {
   a.dropout = r.Bool("dropout", false);
   a.vocab = r.Int("vocab", 1, kMaxVocab);
   a.tied_embeddings = r.Bool("tied_embeddings", false);
+  a.position_embeddings = r.Int("position_embeddings", 0, kMaxSeqLen, 0);
 
   if (const Json* v = r.Get("mla")) {
     ObjectReader o(*v, r.At("mla"));
@@ -210,6 +212,21 @@ void ParseArch(ObjectReader& r, Model& m) {
     c.shared_experts = o.Int("shared_experts", 0, 1024, 0);
     c.shared_ffn_hidden = o.Int("shared_ffn_hidden", 1, kMaxHidden * 64, c.expert_ffn_hidden);
     c.first_dense_layers = o.Int("first_dense_layers", 0, a.layers, 0);
+    if (const Json* d = o.Get("dense_layers")) {
+      const JsonLocation at = o.At("dense_layers");
+      if (!d->is_array() || d->size() > static_cast<size_t>(a.layers)) {
+        ThrowAt(at, "expected an array of at most arch.layers (" + std::to_string(a.layers) + ") layer indices");
+      }
+      for (size_t i = 0; i < d->size(); ++i) {
+        const Json& v = (*d)[i];
+        if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() >= a.layers ||
+            (!c.dense_layers.empty() && v.get<int64_t>() <= c.dense_layers.back())) {
+          ThrowAt(at.Child(std::to_string(i)), "expected ascending layer indices in [0, " +
+                                                   std::to_string(a.layers - 1) + "], got " + v.dump());
+        }
+        c.dense_layers.push_back(v.get<int64_t>());
+      }
+    }
     c.latent_dim = o.OptIntNullable("latent_dim", 1, kMaxHidden);
     c.capacity_factor = o.Number("capacity_factor", 1e-3, 64, 1.0);
     c.router = o.Enum("router", {"softmax", "sigmoid"}, "softmax") == "sigmoid" ? Router::kSigmoid
@@ -234,7 +251,7 @@ void ParseArch(ObjectReader& r, Model& m) {
     a.linear_attention = c;
   }
   r.Finish();
-  bool has_dense = !a.moe || a.moe->first_dense_layers > 0;
+  bool has_dense = !a.moe || a.moe->first_dense_layers > 0 || !a.moe->dense_layers.empty();
   if (has_dense && a.ffn_hidden == 0) {
     ThrowAt(r.where(), "missing required key \"ffn_hidden\" (the model has dense FFN layers)");
   }
@@ -568,6 +585,7 @@ Json NormalizedModelJson(const Model& m) {
             {"vocab", a.vocab},
             {"tied_embeddings", a.tied_embeddings}};
   if (a.ffn_hidden) arch["ffn_hidden"] = a.ffn_hidden;
+  if (a.position_embeddings) arch["position_embeddings"] = a.position_embeddings;  // absent: digests unchanged
   if (a.mla) {
     arch["mla"] = {{"q_lora_rank", a.mla->q_lora_rank},
                    {"kv_lora_rank", a.mla->kv_lora_rank},
@@ -586,6 +604,7 @@ Json NormalizedModelJson(const Model& m) {
                    {"latent_dim", c.latent_dim ? Json(*c.latent_dim) : Json(nullptr)},
                    {"capacity_factor", c.capacity_factor},
                    {"router", c.router == Router::kSigmoid ? "sigmoid" : "softmax"}};
+    if (!c.dense_layers.empty()) arch["moe"]["dense_layers"] = c.dense_layers;  // absent: digests unchanged
   }
   if (a.attn_res) arch["attn_res"] = {{"block_layers", a.attn_res->block_layers}};
   if (a.linear_attention) {

@@ -543,6 +543,9 @@ LayerGraph ExpandTemplateLayer(const Model& model, int64_t layer) {
   if (layer == 0) {
     std::string tokens = B.Tensor("embed", "tokens", {d.tokens}, DType::kI32, true, "replicated");
     int64_t w = B.Param("embed", "weight", {a.vocab, d.h}, ParamKind::kEmbedding, true);
+    // Learned positions (GPT-2): replicated over tp; their lookup adds into
+    // the embedding's output in place and saves nothing for backward.
+    if (a.position_embeddings) B.Param("embed", "positions", {a.position_embeddings, d.h}, ParamKind::kEmbedding, false);
     std::string emb = B.Act("embed", "out", {d.tokens_r, d.h}, false, d.shard_r);
     (void)w;  // a lookup reads one row per token, not the table
     B.Op("embed", "lookup", "embedding", {tokens}, {emb}, 0,

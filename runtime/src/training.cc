@@ -214,7 +214,7 @@ void Executor::SyncTied() {
   Rank* hr = nullptr;
   for (auto& r : ranks_) {
     for (auto& ps : r->params) {
-      if (ps.spec->kind == planner::ParamKind::kEmbedding) std::tie(emb, er) = std::pair{&ps, r.get()};
+      if (ps.spec->kind == planner::ParamKind::kEmbedding && !emb) std::tie(emb, er) = std::pair{&ps, r.get()};
       if (ps.tied_head) std::tie(head, hr) = std::pair{&ps, r.get()};
     }
   }

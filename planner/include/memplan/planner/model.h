@@ -65,6 +65,9 @@ struct MoeConfig {
   int64_t shared_experts = 0;
   int64_t shared_ffn_hidden = 0;  // defaults to expert_ffn_hidden
   int64_t first_dense_layers = 0;
+  // Further layers with a dense FFN, ascending (Qwen-MoE's mlp_only_layers
+  // and sparse steps, DeepSeek's moe_layer_freq): docs/formats.md.
+  std::vector<int64_t> dense_layers;
   std::optional<int64_t> latent_dim;  // experts run at `hidden` when unset
   double capacity_factor = 1.0;
   Router router = Router::kSoftmax;
@@ -95,6 +98,9 @@ struct Arch {
   bool dropout = false;
   int64_t vocab = 0;
   bool tied_embeddings = false;
+  // Learned absolute positions (GPT-2): a table of this many rows on the
+  // embedding's rank; 0 for rotary models (docs/formats.md).
+  int64_t position_embeddings = 0;
   std::optional<MlaConfig> mla;
   std::optional<MoeConfig> moe;
   std::optional<AttnResConfig> attn_res;
