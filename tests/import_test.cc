@@ -5,6 +5,8 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <fstream>
+#include <sstream>
 
 #include "memplan/planner/accounting.h"
 #include "memplan/planner/import.h"
@@ -202,4 +204,109 @@ TEST_CASE("import hf: what memplan cannot read is refused by name, never default
   Json nested = llama;
   nested["rope_scaling"] = Json::parse(std::string(200, '[') + std::string(200, ']'));
   CHECK(ImportHuggingFace(nested, "config.json", Layout()).ok());  // read and ignored (no memory effect)
+}
+
+namespace {
+
+Model ImportedMegatron(const std::string& fixture, int64_t gpus, const std::string& extra = "") {
+  const std::string file = "tests/data/megatron/" + fixture + ".args";
+  std::ifstream in(memplan::test::SourcePath(file));
+  std::stringstream text;
+  text << in.rdbuf() << "\n" << extra;
+  ImportOptions o;
+  o.gpus = gpus;
+  auto doc = ImportMegatron(text.str(), file, o);
+  if (!doc) throw std::runtime_error(doc.error().message);
+  return memplan::test::MustParse(Json::parse(doc->dump()));
+}
+
+std::string MegatronError(const std::string& text, int64_t gpus = 8) {
+  ImportOptions o;
+  o.gpus = gpus;
+  auto doc = ImportMegatron(text, "args.txt", o);
+  REQUIRE(!doc.ok());
+  CHECK(doc.error().code == ErrorCode::kBadInput);
+  CHECK(doc.error().message.find('\n') == std::string::npos);
+  return doc.error().message;
+}
+
+void SameModel(Model imported, const std::string& example) {
+  const Model bundled = memplan::test::MustLoad(example);
+  imported.name = bundled.name;
+  imported.description = bundled.description;
+  CHECK(NormalizedModelJson(imported) == NormalizedModelJson(bundled));
+}
+
+const char* kSmall = "--num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 512 "
+                     "--max-position-embeddings 512 --micro-batch-size 1 --global-batch-size 16 --vocab-size 1000 ";
+
+}  // namespace
+
+TEST_CASE("import megatron: the bundled examples' Megatron arguments plan as the hand-written files") {
+  // gpt3-175b: Megatron pads GPT-2's 50,257 tokens to 51,200 (a multiple
+  // of 128 * tp 8), the example's vocabulary; learned positions, tied head,
+  // dropout 0.1 and the unfused attention of Korthikanti et al.
+  SameModel(ImportedMegatron("gpt3-175b", 512), "examples/models/gpt3-175b.json");
+  SameModel(ImportedMegatron("deepseek-v3", 2048), "examples/models/deepseek-v3.json");
+  // llama3-70b: Megatron pads 128,256 to 129,024 (a multiple of 128 * tp 8);
+  // the example, written from the Hugging Face checkpoint, is unpadded.
+  CHECK(ImportedMegatron("llama3-70b", 512).arch.vocab == 129024);
+  SameModel(ImportedMegatron("llama3-70b", 512, "--make-vocab-size-divisible-by 1"), "examples/models/llama3-70b.json");
+}
+
+TEST_CASE("import megatron: Megatron's defaults and layer rules") {
+  ImportOptions o;
+  o.gpus = 8;
+  auto parse = [&](const std::string& text) {
+    auto doc = ImportMegatron(text, "args.txt", o);
+    if (!doc) throw std::runtime_error(doc.error().message);
+    return memplan::test::MustParse(Json::parse(doc->dump()));
+  };
+  const Model plain = parse(kSmall);
+  CHECK(plain.arch.ffn_hidden == 1024);  // 4h
+  CHECK(plain.arch.ffn_act == FfnAct::kGelu);
+  CHECK(plain.arch.norm == Norm::kLayerNorm);
+  CHECK(plain.arch.dropout);  // 0.1 by default
+  CHECK(plain.arch.tied_embeddings);
+  CHECK(plain.arch.position_embeddings == 512);
+  CHECK(plain.arch.vocab == 1024);  // padded to a multiple of 128
+  CHECK(plain.train.param_dtype == DType::kFP32);  // neither --bf16 nor --fp16
+  CHECK(plain.parallel.zero == 0);
+  CHECK(plain.parallel.dp == 8);
+  CHECK(plain.train.microbatches == 2);
+  const Model swiglu = parse(std::string(kSmall) + "--swiglu --position-embedding-type rope");
+  CHECK(swiglu.arch.ffn_hidden == 640);  // int(4h * 2/3 / 64) * 64
+  CHECK(swiglu.arch.position_embeddings == 0);
+  const Model moe = parse(std::string(kSmall) + "--num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 128 "
+                                                "--moe-layer-freq [0,1,0,1]");
+  std::string pattern;
+  for (int64_t l = 0; l < 4; ++l) pattern += moe.arch.IsMoeLayer(l) ? 'M' : 'd';
+  CHECK(pattern == "dMdM");
+  const Model every2 = parse(std::string(kSmall) + "--num-experts 8 --moe-layer-freq 2");
+  pattern.clear();
+  for (int64_t l = 0; l < 4; ++l) pattern += every2.arch.IsMoeLayer(l) ? 'M' : 'd';
+  CHECK(pattern == "MdMd");
+  o.gpus = 3;
+  const Model staged = parse(std::string(kSmall) + "--pipeline-model-parallel-size 3 --decoder-first-pipeline-num-layers 1 "
+                                                   "--decoder-last-pipeline-num-layers 1 --num-layers 6 --global-batch-size 12");
+  CHECK(staged.parallel.pp_layout == std::vector<int64_t>{1, 4, 1});
+}
+
+TEST_CASE("import megatron: arguments it cannot translate are refused by name") {
+  const std::string s = kSmall;
+  CHECK(MegatronError(s + "--num-layer 4") ==
+        "args.txt: --num-layer: not understood: an argument that may change memory is never dropped silently "
+        "(docs/import.md lists the arguments read and those known to change nothing)");
+  CHECK(MegatronError(s + "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
+            .rfind("args.txt: --recompute-granularity: recomputation is what memplan decides", 0) == 0);
+  CHECK(MegatronError(s + "--cpu-offloading").rfind("args.txt: --cpu-offloading: changes memory and is not imported yet", 0) == 0);
+  CHECK(MegatronError("--hidden-size 256").rfind("args.txt: --num-layers: missing", 0) == 0);
+  CHECK(MegatronError(s + "--num-experts 8 --moe-layer-freq ([0]*3+[1]*2)").find("the pattern has 5 layers") !=
+        std::string::npos);
+  CHECK(MegatronError(s + "--num-experts 8 --moe-layer-freq ([0]*").find("--moe-layer-freq") != std::string::npos);
+  CHECK(MegatronError(s + "--tensor-model-parallel-size 2", 3) == "--gpus: 3 is not divisible by tp * pp * cp = 2");
+  CHECK(MegatronError(s, 32).find("--global-batch-size: 16 is not divisible by micro batch * dp = 1 * 32") !=
+        std::string::npos);
+  CHECK(MegatronError(s + "--num-layers 99999999999").find("--num-layers: expected an integer") != std::string::npos);
+  CHECK(MegatronError(s + "--tensor-model-parallel-size 3", 24).find("/parallel/tp") != std::string::npos);
 }

@@ -1,10 +1,417 @@
-// `memplan import megatron` (import.h, docs/import.md).
+// `memplan import megatron` (import.h, docs/import.md): a Megatron-LM
+// argument list (pretrain_gpt.py's) to a memplan.model/1 document, with
+// Megatron's defaults where an argument is absent (megatron/training/
+// arguments.py) and its vocabulary padding.
+#include <algorithm>
+#include <filesystem>
+#include <map>
+#include <set>
+#include <sstream>
+
 #include "memplan/planner/import.h"
+#include "memplan/planner/model.h"
 
 namespace memplan::planner {
+namespace {
 
-Expected<OrderedJson> ImportMegatron(const std::string&, const std::string& file, const ImportOptions&) {
-  return Error{ErrorCode::kBadInput, file + ": not yet"};
+// Arguments that change no byte the planner counts: data, checkpoints,
+// logging, learning-rate schedule and optimizer hyperparameters, kernel
+// choices with the same saved tensors, initialisation.
+const std::set<std::string, std::less<>>& Ignored() {
+  static const std::set<std::string, std::less<>> s = {
+      "--train-iters", "--train-samples", "--lr", "--min-lr", "--lr-decay-style", "--lr-decay-iters",
+      "--lr-warmup-iters", "--lr-warmup-fraction", "--lr-decay-samples", "--lr-warmup-samples", "--weight-decay",
+      "--clip-grad", "--adam-beta1", "--adam-beta2", "--adam-eps", "--init-method-std", "--seed", "--data-path",
+      "--split", "--save", "--load", "--save-interval", "--eval-interval", "--eval-iters", "--log-interval",
+      "--tensorboard-dir", "--wandb-project", "--wandb-exp-name", "--tokenizer-type", "--tokenizer-model",
+      "--vocab-file", "--merge-file", "--distributed-backend", "--use-mcore-models", "--transformer-impl",
+      "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion",
+      "--no-rope-fusion", "--disable-bias-linear", "--add-bias-linear", "--add-qkv-bias", "--rotary-base",
+      "--rotary-percent", "--rotary-scaling-factor", "--norm-epsilon", "--layernorm-epsilon",
+      "--overlap-grad-reduce", "--overlap-param-gather", "--moe-grouped-gemm", "--moe-aux-loss-coeff",
+      "--moe-router-load-balancing-type", "--moe-z-loss-coeff", "--moe-router-topk-scaling-factor",
+      "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "--moe-router-num-groups",
+      "--moe-router-group-topk", "--moe-router-dtype", "--moe-permute-fusion", "--qk-layernorm",
+      "--rotary-scaling-factor", "--mscale", "--mscale-all-dim", "--use-checkpoint-args", "--exit-duration-in-mins",
+      "--no-load-optim", "--no-load-rng", "--finetune", "--log-throughput", "--log-timers-to-tensorboard",
+      "--manual-gc", "--manual-gc-interval", "--use-distributed-optimizer-overlap", "--ckpt-format",
+      "--dist-ckpt-strictness", "--no-gradient-accumulation-fusion", "--cross-entropy-loss-fusion",
+      "--tp-comm-overlap", "--num-workers", "--dataloader-type", "--no-create-attention-mask-in-dataloader",
+      "--mock-data", "--eod-mask-loss", "--apply-layernorm-1p"};
+  return s;
+}
+
+// Flags (no value) the importer reads.
+const std::set<std::string, std::less<>>& Flags() {
+  static const std::set<std::string, std::less<>> s = {
+      "--swiglu", "--group-query-attention", "--untie-embeddings-and-output-weights", "--sequence-parallel",
+      "--use-distributed-optimizer", "--bf16", "--fp16", "--multi-latent-attention", "--use-flash-attn",
+      "--accumulate-allreduce-grads-in-fp32"};
+  return s;
+}
+
+// Arguments with one value the importer reads.
+const std::set<std::string, std::less<>>& Valued() {
+  static const std::set<std::string, std::less<>> s = {
+      "--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads", "--num-query-groups",
+      "--kv-channels", "--seq-length", "--max-position-embeddings", "--position-embedding-type",
+      "--normalization", "--attention-dropout", "--hidden-dropout", "--attention-backend", "--vocab-size",
+      "--make-vocab-size-divisible-by", "--micro-batch-size", "--global-batch-size", "--tensor-model-parallel-size",
+      "--pipeline-model-parallel-size", "--num-layers-per-virtual-pipeline-stage",
+      "--num-virtual-stages-per-pipeline-rank", "--context-parallel-size", "--expert-model-parallel-size",
+      "--expert-tensor-parallel-size", "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
+      "--optimizer", "--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size",
+      "--moe-shared-expert-intermediate-size", "--moe-layer-freq", "--moe-router-score-function",
+      "--moe-expert-capacity-factor", "--moe-token-dispatcher-type", "--q-lora-rank", "--kv-lora-rank",
+      "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim", "--recompute-granularity", "--recompute-method",
+      "--recompute-num-layers", "--mtp-num-layers"};
+  return s;
+}
+
+// Arguments Megatron has that change memory and that this importer does
+// not translate yet: refused by name (docs/import.md).
+const std::set<std::string, std::less<>>& NotYet() {
+  static const std::set<std::string, std::less<>> s = {
+      "--recompute-modules", "--fine-grained-activation-offloading", "--offload-modules", "--cpu-offloading",
+      "--cpu-offloading-num-layers", "--optimizer-cpu-offload", "--optimizer-offload-fraction",
+      "--pipeline-model-parallel-layout", "--fp8-format", "--fp8", "--account-for-embedding-in-pipeline-split",
+      "--account-for-loss-in-pipeline-split"};
+  return s;
+}
+
+std::vector<std::string> Tokens(const std::string& text) {
+  std::string joined;
+  std::istringstream in(text);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (const size_t hash = line.find('#'); hash != std::string::npos) line.resize(hash);
+    while (!line.empty() && (line.back() == '\r' || line.back() == ' ' || line.back() == '\t')) line.pop_back();
+    if (!line.empty() && line.back() == '\\') line.pop_back();
+    joined += line + " ";
+  }
+  std::vector<std::string> out;
+  std::istringstream words(joined);
+  std::string w;
+  while (words >> w) {
+    if (w.size() >= 2 && (w.front() == '"' || w.front() == '\'') && w.back() == w.front()) w = w.substr(1, w.size() - 2);
+    out.push_back(w);
+  }
+  return out;
+}
+
+class Args {
+ public:
+  Args(const std::string& text, std::string file) : file_(std::move(file)) {
+    const std::vector<std::string> t = Tokens(text);
+    // A launch line: the arguments follow the script (torchrun's own
+    // arguments come before it).
+    size_t start = 0;
+    for (size_t i = 0; i < t.size(); ++i) {
+      if (t[i].size() > 3 && t[i].compare(t[i].size() - 3, 3, ".py") == 0) start = i + 1;
+    }
+    for (size_t i = start; i < t.size(); ++i) {
+      std::string name = t[i], value;
+      if (name.rfind("--", 0) != 0) continue;  // the launcher and script before the arguments
+      if (const size_t eq = name.find('='); eq != std::string::npos) {
+        value = name.substr(eq + 1);
+        name.resize(eq);
+      }
+      if (NotYet().count(name)) {
+        Fail(name, "changes memory and is not imported yet; plan without it and add the policy by hand "
+                   "(docs/import.md)");
+      }
+      if (Flags().count(name)) {
+        flags_.insert(name);
+        continue;
+      }
+      const bool valued = Valued().count(name) > 0;
+      if (!valued && !Ignored().count(name)) {
+        Fail(name, "not understood: an argument that may change memory is never dropped silently "
+                   "(docs/import.md lists the arguments read and those known to change nothing)");
+      }
+      if (value.empty()) {
+        // Everything up to the next argument (an ignored argument may take
+        // several values, --data-path among them).
+        while (i + 1 < t.size() && t[i + 1].rfind("--", 0) != 0) value += (value.empty() ? "" : " ") + t[++i];
+      }
+      if (valued) {
+        if (value.empty()) Fail(name, "expected a value");
+        values_[name] = value;
+      }
+    }
+  }
+
+  [[noreturn]] void Fail(const std::string& name, const std::string& why) const {
+    ThrowError(ErrorCode::kBadInput, file_ + ": " + name + ": " + why);
+  }
+  bool Flag(const std::string& name) const { return flags_.count(name) > 0; }
+  bool Has(const std::string& name) const { return values_.count(name) > 0; }
+  std::string String(const std::string& name, const std::string& fallback) const {
+    auto it = values_.find(name);
+    return it == values_.end() ? fallback : it->second;
+  }
+  int64_t Int(const std::string& name, int64_t min, int64_t max, std::optional<int64_t> fallback = std::nullopt) const {
+    auto it = values_.find(name);
+    if (it == values_.end()) {
+      if (!fallback) Fail(name, "missing: Megatron requires it and memplan has no default for it");
+      return *fallback;
+    }
+    size_t used = 0;
+    long long v = 0;
+    try {
+      v = std::stoll(it->second, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != it->second.size() || v < min || v > max) {
+      Fail(name, "expected an integer in [" + std::to_string(min) + ", " + std::to_string(max) + "], got " +
+                     it->second.substr(0, 40));
+    }
+    return v;
+  }
+  double Number(const std::string& name, double min, double max, double fallback) const {
+    auto it = values_.find(name);
+    if (it == values_.end()) return fallback;
+    size_t used = 0;
+    double v = 0;
+    try {
+      v = std::stod(it->second, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != it->second.size() || !(v >= min && v <= max)) {
+      Fail(name, "expected a number in [" + std::to_string(min) + ", " + std::to_string(max) + "], got " +
+                     it->second.substr(0, 40));
+    }
+    return v;
+  }
+  std::string Choice(const std::string& name, std::initializer_list<const char*> choices, const std::string& fallback) const {
+    const std::string v = String(name, fallback);
+    std::string all;
+    for (const char* c : choices) {
+      if (v == c) return v;
+      all += (all.empty() ? "" : "|") + std::string(c);
+    }
+    Fail(name, "expected one of " + all + ", got " + v.substr(0, 40));
+  }
+  const std::string& file() const { return file_; }
+
+ private:
+  std::string file_;
+  std::set<std::string> flags_;
+  std::map<std::string, std::string> values_;
+};
+
+// --moe-layer-freq: an integer N (every N-th layer from layer 0 is MoE) or
+// Megatron's pattern "([0]*3+[1]*58)" / "[0,1,1,...]" (1: MoE).
+std::vector<bool> MoePattern(const Args& args, int64_t layers) {
+  const std::string v = args.String("--moe-layer-freq", "1");
+  std::vector<bool> moe;
+  if (v.find('[') == std::string::npos) {
+    const int64_t n = args.Int("--moe-layer-freq", 1, layers);
+    for (int64_t l = 0; l < layers; ++l) moe.push_back(l % n == 0);
+    return moe;
+  }
+  std::string s;
+  for (char c : v) {
+    if (c != ' ' && c != '(' && c != ')') s += c;
+  }
+  // Terms joined by '+': "[a,b,...]" or "[a]*n".
+  size_t i = 0;
+  while (i < s.size()) {
+    if (s[i] != '[') args.Fail("--moe-layer-freq", "expected a pattern like ([0]*3+[1]*58), got " + v.substr(0, 40));
+    const size_t close = s.find(']', i);
+    if (close == std::string::npos) args.Fail("--moe-layer-freq", "unclosed '[' in " + v.substr(0, 40));
+    std::vector<bool> items;
+    std::istringstream list(s.substr(i + 1, close - i - 1));
+    std::string item;
+    while (std::getline(list, item, ',')) {
+      if (item != "0" && item != "1") args.Fail("--moe-layer-freq", "expected 0 or 1 per layer, got " + item.substr(0, 20));
+      items.push_back(item == "1");
+    }
+    i = close + 1;
+    int64_t times = 1;
+    if (i < s.size() && s[i] == '*') {
+      size_t end = i + 1;
+      while (end < s.size() && std::isdigit(static_cast<unsigned char>(s[end]))) ++end;
+      if (end == i + 1 || end - i > 7) args.Fail("--moe-layer-freq", "expected a repeat count after '*'");
+      times = std::stoll(s.substr(i + 1, end - i - 1));
+      i = end;
+    }
+    for (int64_t k = 0; k < times && static_cast<int64_t>(moe.size()) <= layers; ++k) moe.insert(moe.end(), items.begin(), items.end());
+    if (i < s.size()) {
+      if (s[i] != '+') args.Fail("--moe-layer-freq", "expected '+' between terms in " + v.substr(0, 40));
+      ++i;
+    }
+  }
+  if (static_cast<int64_t>(moe.size()) != layers) {
+    args.Fail("--moe-layer-freq", "the pattern has " + std::to_string(moe.size()) + " layers, --num-layers is " +
+                                      std::to_string(layers));
+  }
+  return moe;
+}
+
+OrderedJson Build(const Args& args, const ImportOptions& o) {
+  constexpr int64_t kBig = int64_t{1} << 40;
+  const int64_t layers = args.Int("--num-layers", 1, kMaxLayers);
+  const int64_t h = args.Int("--hidden-size", 1, kMaxHidden);
+  const int64_t heads = args.Int("--num-attention-heads", 1, kMaxHeads);
+  const bool swiglu = args.Flag("--swiglu");
+  // arguments.py: 4h, or with SwiGLU 2/3 of it rounded down to a multiple of 64.
+  const int64_t ffn = args.Int("--ffn-hidden-size", 1, kBig, swiglu ? (4 * h * 2 / 3) / 64 * 64 : 4 * h);
+  const int64_t tp = args.Int("--tensor-model-parallel-size", 1, kMaxParallel, 1);
+  const int64_t pp = args.Int("--pipeline-model-parallel-size", 1, kMaxParallel, 1);
+  const int64_t cp = args.Int("--context-parallel-size", 1, kMaxParallel, 1);
+  const int64_t ep = args.Int("--expert-model-parallel-size", 1, kMaxParallel, 1);
+  if (args.Int("--expert-tensor-parallel-size", 1, kMaxParallel, 1) != 1) {
+    args.Fail("--expert-tensor-parallel-size", "only 1 is planned yet (experts whole on each expert rank)");
+  }
+  const int64_t seq = args.Int("--seq-length", 1, kMaxSeqLen);
+
+  OrderedJson a;
+  a["layers"] = layers;
+  a["hidden"] = h;
+  a["heads"] = heads;
+  if (args.Flag("--group-query-attention")) a["kv_heads"] = args.Int("--num-query-groups", 1, heads, 1);
+  if (args.Has("--kv-channels")) a["head_dim"] = args.Int("--kv-channels", 1, kMaxHidden);
+  a["ffn_act"] = swiglu ? "swiglu" : "gelu";
+  a["norm"] = args.Choice("--normalization", {"LayerNorm", "RMSNorm"}, "LayerNorm") == "RMSNorm" ? "rmsnorm" : "layernorm";
+  // Megatron's attention: TE's fused or flash kernels unless asked for the
+  // unfused one, which saves the score matrix (Korthikanti's "standard").
+  const std::string backend = args.Choice("--attention-backend", {"auto", "flash", "fused", "unfused", "local"}, "auto");
+  a["attention"] = backend == "unfused" || backend == "local" ? "standard" : "flash";
+  // arguments.py: both dropouts default to 0.1.
+  a["dropout"] = std::max(args.Number("--attention-dropout", 0, 1, 0.1), args.Number("--hidden-dropout", 0, 1, 0.1)) > 0;
+  // Megatron pads the vocabulary to a multiple of
+  // make_vocab_size_divisible_by * tp (training/tokenizer's _vocab_size_with_padding).
+  const int64_t vocab = args.Int("--vocab-size", 1, kMaxVocab);
+  const int64_t multiple = args.Int("--make-vocab-size-divisible-by", 1, 1 << 20, 128) * tp;
+  a["vocab"] = (vocab + multiple - 1) / multiple * multiple;
+  a["tied_embeddings"] = !args.Flag("--untie-embeddings-and-output-weights");
+  const std::string positions =
+      args.Choice("--position-embedding-type", {"learned_absolute", "rope", "yarn", "none"}, "learned_absolute");
+  if (positions == "learned_absolute") {
+    const int64_t n = args.Int("--max-position-embeddings", 1, kMaxSeqLen);
+    if (n < seq) args.Fail("--max-position-embeddings", "is below --seq-length (" + std::to_string(seq) + ")");
+    a["position_embeddings"] = n;
+  }
+  if (args.Flag("--multi-latent-attention")) {
+    a["mla"] = {{"q_lora_rank", args.Int("--q-lora-rank", 0, kMaxHidden, 0)},
+                {"kv_lora_rank", args.Int("--kv-lora-rank", 1, kMaxHidden, 512)},
+                {"qk_nope_head_dim", args.Int("--qk-head-dim", 1, kMaxHidden, 128)},
+                {"qk_rope_head_dim", args.Int("--qk-pos-emb-head-dim", 1, kMaxHidden, 64)},
+                {"v_head_dim", args.Int("--v-head-dim", 1, kMaxHidden, 128)}};
+  }
+  bool has_dense = true;
+  if (args.Has("--num-experts")) {
+    const std::vector<bool> sparse = MoePattern(args, layers);
+    OrderedJson moe;
+    moe["experts"] = args.Int("--num-experts", 1, kMaxExperts);
+    moe["top_k"] = args.Int("--moe-router-topk", 1, kMaxExperts, 2);
+    moe["expert_ffn_hidden"] = args.Int("--moe-ffn-hidden-size", 1, kBig, ffn);
+    if (args.Has("--moe-shared-expert-intermediate-size")) {
+      moe["shared_experts"] = 1;  // Megatron's shared experts are one MLP of this size
+      moe["shared_ffn_hidden"] = args.Int("--moe-shared-expert-intermediate-size", 1, kBig);
+    }
+    int64_t first = 0;
+    while (first < layers && !sparse[static_cast<size_t>(first)]) ++first;
+    std::vector<int64_t> dense;
+    for (int64_t l = first; l < layers; ++l) {
+      if (!sparse[static_cast<size_t>(l)]) dense.push_back(l);
+    }
+    if (first == layers) args.Fail("--moe-layer-freq", "no layer is MoE");
+    if (first > 0) moe["first_dense_layers"] = first;
+    if (!dense.empty()) moe["dense_layers"] = dense;
+    has_dense = first > 0 || !dense.empty();
+    if (args.Has("--moe-expert-capacity-factor")) {
+      moe["capacity_factor"] = args.Number("--moe-expert-capacity-factor", 1e-3, 64, 1);
+    }
+    moe["router"] = args.Choice("--moe-router-score-function", {"softmax", "sigmoid"}, "softmax");
+    args.Choice("--moe-token-dispatcher-type", {"alltoall", "flex"}, "alltoall");
+    a["moe"] = moe;
+  }
+  if (has_dense) a["ffn_hidden"] = ffn;
+  if (args.Int("--mtp-num-layers", 0, kMaxLayers, 0) > 0) {
+    args.Fail("--mtp-num-layers", "memplan does not plan multi-token prediction yet; plan without it");
+  }
+  if (args.Has("--recompute-granularity") || args.Has("--recompute-method") || args.Has("--recompute-num-layers")) {
+    args.Fail(args.Has("--recompute-granularity") ? "--recompute-granularity" : "--recompute-method",
+              "recomputation is what memplan decides; import without it and compare with `memplan plan` "
+              "(translating it into policies is not done yet)");
+  }
+
+  const int64_t mbs = args.Int("--micro-batch-size", 1, kMaxMicroBatch);
+  const int64_t gbs = args.Int("--global-batch-size", 1, kBig);
+  if (o.gpus <= 0) ThrowError(ErrorCode::kBadInput, "--gpus: expected the world size (> 0)");
+  if (o.gpus % (tp * pp * cp) != 0) {
+    ThrowError(ErrorCode::kBadInput, "--gpus: " + std::to_string(o.gpus) + " is not divisible by tp * pp * cp = " +
+                                         std::to_string(tp * pp * cp));
+  }
+  const int64_t dp = o.gpus / (tp * pp * cp);
+  if (gbs % (mbs * dp) != 0) {
+    args.Fail("--global-batch-size", std::to_string(gbs) + " is not divisible by micro batch * dp = " +
+                                         std::to_string(mbs) + " * " + std::to_string(dp));
+  }
+  int64_t vp = args.Int("--num-virtual-stages-per-pipeline-rank", 1, kMaxLayers, 1);
+  if (args.Has("--num-layers-per-virtual-pipeline-stage")) {
+    const int64_t per = args.Int("--num-layers-per-virtual-pipeline-stage", 1, kMaxLayers);
+    if (layers % (pp * per) != 0) {
+      args.Fail("--num-layers-per-virtual-pipeline-stage", "--num-layers (" + std::to_string(layers) +
+                                                               ") is not divisible by pp * this");
+    }
+    vp = layers / (pp * per);
+  }
+  OrderedJson parallel = {{"tp", tp}, {"sp", args.Flag("--sequence-parallel")}, {"pp", pp}, {"vp", vp},
+                          {"dp", dp}, {"ep", ep}, {"cp", cp},
+                          {"zero", args.Flag("--use-distributed-optimizer") ? 1 : 0}};
+  if (args.Has("--decoder-first-pipeline-num-layers") || args.Has("--decoder-last-pipeline-num-layers")) {
+    // Megatron: the first and last stages take the given layers, the
+    // others share the rest evenly.
+    if (vp > 1) args.Fail("--decoder-first-pipeline-num-layers", "with virtual stages is not imported yet");
+    const int64_t first = args.Int("--decoder-first-pipeline-num-layers", 0, layers, -1);
+    const int64_t last = args.Int("--decoder-last-pipeline-num-layers", 0, layers, -1);
+    const int64_t middle_ranks = pp - (first >= 0) - (last >= 0);
+    const int64_t rest = layers - std::max<int64_t>(first, 0) - std::max<int64_t>(last, 0);
+    if (middle_ranks <= 0 || rest < 0 || rest % middle_ranks != 0) {
+      args.Fail("--decoder-first-pipeline-num-layers", "the remaining " + std::to_string(rest) +
+                                                           " layers do not divide evenly over the other pipeline ranks");
+    }
+    std::vector<int64_t> layout(static_cast<size_t>(pp), rest / middle_ranks);
+    if (first >= 0) layout.front() = first;
+    if (last >= 0) layout.back() = last;
+    parallel["pp_layout"] = layout;
+  }
+  const std::string precision = args.Flag("--bf16") ? "bf16" : args.Flag("--fp16") ? "fp16" : "fp32";
+  const std::string optimizer = args.Choice("--optimizer", {"adam", "muon"}, "adam");
+  std::string name = o.name.empty() ? std::filesystem::path(args.file()).stem().string() : o.name;
+  return OrderedJson{
+      {"schema", kModelSchema},
+      {"name", name},
+      {"description", "Imported by memplan import megatron from " + std::filesystem::path(args.file()).filename().string() +
+                          " for " + std::to_string(o.gpus) + " GPUs."},
+      {"arch", a},
+      {"train",
+       {{"seq_len", seq},
+        {"micro_batch", mbs},
+        {"microbatches", gbs / (mbs * dp)},
+        {"act_dtype", precision},
+        {"param_dtype", precision},
+        {"grad_dtype", "fp32"},  // main gradients accumulate in fp32 (Megatron's default with bf16)
+        {"optimizer", optimizer}}},
+      {"parallel", parallel},
+      {"hardware", {{"preset", o.hardware}}}};
+}
+
+}  // namespace
+
+Expected<OrderedJson> ImportMegatron(const std::string& text, const std::string& file, const ImportOptions& o) {
+  return CatchErrors([&]() -> OrderedJson {
+    const Args args(text, file);
+    OrderedJson model = Build(args, o);
+    auto parsed = ParseModel(Json::parse(model.dump()), file + " (imported)");
+    if (!parsed) throw ErrorException(parsed.error());
+    return model;
+  });
 }
 
 }  // namespace memplan::planner
