@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # End-to-end checks of the memplan command line: exit codes, one-line errors
 # naming file and JSON pointer, no output left behind on failure.
-# Usage: cli_test.sh MEMPLAN [commands|search|hostile|calibrate] (default: all; the
+# Usage: cli_test.sh MEMPLAN [commands|import|search|hostile|calibrate] (default: all; the
 # test suite runs them as three tests so that none nears its time limit).
 set -u
 memplan="$1"
@@ -218,6 +218,46 @@ else
 fi
 expect_exit 2 "profile without a command" "$memplan" profile
 
+fi
+
+if want import; then
+# Import: a published config.json and a Megatron argument list become model
+# files that plan (the two-command "will it fit?"), and bad input writes nothing.
+expect_exit 0 "import hf llama-3-8b" "$memplan" import hf "$root/tests/data/hf/llama-3-8b.json" --gpus 64 \
+  --global-batch 512 --seq 8192 --tp 4 --sp --pp 2 -o "$tmp/llama.json"
+expect_exit 0 "plan the imported llama-3-8b" "$memplan" plan "$tmp/llama.json" -q -o "$tmp/llama-plan.json"
+python3 -c "import json; p=json.load(open('$tmp/llama-plan.json')); assert abs(p['totals']['params']/8.03e9-1) < 0.005" \
+  && ok || bad "imported llama-3-8b's plan does not count 8.03 B parameters"
+expect_exit 0 "import hf to stdout" "$memplan" import hf "$root/tests/data/hf/deepseek-v3.json" --gpus 2048 \
+  --global-batch 4096 --seq 4096 --pp 16 --ep 64 --no-mtp
+grep -q '"schema": "memplan.model/1"' "$tmp/out" && ok || bad "import hf printed no model"
+expect_exit 0 "import megatron gpt3-175b" "$memplan" import megatron "$root/tests/data/megatron/gpt3-175b.args" \
+  --gpus 512 -o "$tmp/gpt3.json"
+expect_exit 0 "plan the imported gpt3-175b" "$memplan" plan "$tmp/gpt3.json" -q -o "$tmp/gpt3-plan.json"
+python3 - "$tmp/gpt3-plan.json" "$root/examples/models/gpt3-175b.json" "$memplan" <<'PY' && ok || bad "imported gpt3-175b plans differently from the example"
+import json, subprocess, sys, tempfile
+imported = json.load(open(sys.argv[1]))
+with tempfile.NamedTemporaryFile(suffix=".json") as f:
+    subprocess.run([sys.argv[3], "plan", sys.argv[2], "-q", "-o", f.name], check=True)
+    bundled = json.load(open(f.name))
+for key in ("totals", "ranks", "overhead", "tensors"):
+    assert imported[key] == bundled[key], key
+PY
+python3 -c "
+import json; j=json.load(open('$root/tests/data/hf/mixtral-8x7b.json')); j['num_expert_per_tok']=2
+json.dump(j, open('$tmp/typo.json','w'))"
+expect_exit 2 "import hf: a field it does not know" "$memplan" import hf "$tmp/typo.json" --gpus 8 --global-batch 64 \
+  --seq 4096 -o "$tmp/never.json"
+[ ! -e "$tmp/never.json" ] && ok || bad "import wrote a model despite the error"
+[ "$(wc -l <"$tmp/err")" -eq 1 ] && grep -q "typo.json: /num_expert_per_tok: not understood" "$tmp/err" && ok \
+  || bad "import error: $(cat "$tmp/err")"
+expect_exit 2 "import megatron: an argument it does not translate" "$memplan" import megatron \
+  <(printf -- '--num-layers 2 --hidden-size 64 --num-attention-heads 2 --recompute-activations\n') --gpus 1 -o "$tmp/never.json"
+grep -q -- "--recompute-activations: not understood" "$tmp/err" && ok || bad "megatron error: $(cat "$tmp/err")"
+[ ! -e "$tmp/never.json" ] && ok || bad "import megatron wrote a model despite the error"
+expect_exit 2 "import hf without --gpus" "$memplan" import hf "$root/tests/data/hf/gpt2.json" --global-batch 8 --seq 1024
+expect_exit 2 "import hf onto its input" "$memplan" import hf "$tmp/llama.json" --gpus 8 --global-batch 8 --seq 8 \
+  -o "$tmp/llama.json"
 fi
 
 if want search; then
