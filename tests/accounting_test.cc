@@ -4,13 +4,16 @@
 
 #include "memplan/common/workspace.h"
 #include "memplan/planner/accounting.h"
+#include "memplan/planner/import.h"
 #include "memplan/planner/templates.h"
+#include "json_test_util.h"
 #include "test_util.h"
 
 using namespace memplan;
 using namespace memplan::planner;
 using memplan::test::MustLoad;
 using memplan::test::MustParse;
+using memplan::test::ReadJson;
 
 namespace {
 
@@ -129,6 +132,43 @@ TEST_CASE("EP divides routed experts; shared experts and router are replicated")
   CHECK(s.params == expert / 4 + other);
   // ZeRO-1: dense optimizer state over dp*cp = 8, experts over dp*cp/ep = 2.
   CHECK(s.optimizer == 12 * other / 8 + 12 * (expert / 4) / 2);
+}
+
+TEST_CASE("Megatron's expert grid: with tp > 1 routed experts shard over tp*dp*cp/ep (expert tensor parallel 1)") {
+  // Mixtral 8x7B at tp 2, ep 4, dp 4 with the distributed optimizer: every
+  // rank holds 2 whole experts per layer, replicated on the 8/4 = 2 ranks of
+  // its expert data-parallel group (megatron/core/parallel_state.py:
+  // world / (etp * ep * pp)), so their 12 B/param of Adam state is halved.
+  // Dense weights are split by tp and their state by dp. The earlier rule
+  // (dp*cp/ep = 1) left expert state unsharded: +31 % static memory.
+  Json j = ReadJson("tests/data/hf/mixtral-8x7b.json");
+  planner::ImportOptions o;
+  o.gpus = 8;
+  o.global_batch = 8;
+  o.seq_len = 4096;
+  o.tp = 2;
+  o.sp = true;
+  o.ep = 4;
+  auto doc = planner::ImportHuggingFace(j, "mixtral.json", o);
+  REQUIRE(doc.ok());
+  auto a = Account(MustParse(Json::parse(doc->dump())));
+  CHECK(a.model.parallel.dp == 4);
+  int64_t expert = 0, dense_split = 0, replicated = 0;
+  for (const auto& g : a.layers) {
+    for (const auto& p : g.params) {
+      if (p.kind == ParamKind::kExpert) {
+        expert += p.Elements();
+      } else {
+        (p.tp_split ? dense_split : replicated) += p.Elements();
+      }
+    }
+  }
+  const StaticBreakdown s = a.rank(0);
+  CHECK(s.params == expert / 4 + dense_split / 2 + replicated);
+  CHECK(s.optimizer == 12 * (expert / 4) / 2 + 12 * (dense_split / 2) / 4 + 12 * replicated / 4);
+  // What the old rule would have counted, for the record of the gap.
+  const int64_t old_rule = 12 * (expert / 4) + 12 * (dense_split / 2) / 4 + 12 * replicated / 4;
+  CHECK(static_cast<double>(old_rule) / static_cast<double>(s.optimizer) > 1.5);
 }
 
 TEST_CASE("Muon: 8 B/param for 2-D weights, Adam for embedding, head and norms") {

@@ -19,10 +19,11 @@ bool IsExpert(const ParamSpec& p) { return p.kind == ParamKind::kExpert; }
 
 // Size of the group that partitions a parameter's gradient or optimizer
 // state: the data-parallel x context-parallel group, or for routed experts
-// the expert data-parallel group dp*cp/ep.
+// Megatron's expert data-parallel group tp*dp*cp/(ep*etp) with etp = 1
+// (experts are whole on each expert rank; docs/accounting.md, section 4).
 int64_t DataParallelGroup(const Model& m, const ParamSpec& p) {
   int64_t dpcp = m.parallel.dp * m.parallel.cp;
-  return IsExpert(p) ? dpcp / m.parallel.ep : dpcp;
+  return IsExpert(p) ? m.parallel.tp * dpcp / m.parallel.ep : dpcp;
 }
 
 namespace {
@@ -49,7 +50,8 @@ int64_t MuonGatherBytes(const Model& m, const std::vector<LayerGraph>& layers,
   if (!m.parallel.muon_gather_p2p) return CheckedMul(all, 4, "muon gather buffer");
   int64_t owned = 0;
   for (int g = 0; g < 2; ++g) {
-    const int64_t owners = g == 0 ? m.parallel.dp * m.parallel.cp : m.parallel.dp * m.parallel.cp / m.parallel.ep;
+    const int64_t owners =
+        g == 0 ? m.parallel.dp * m.parallel.cp : m.parallel.tp * m.parallel.dp * m.parallel.cp / m.parallel.ep;
     // DP rank 0 owns positions 0, owners, 2 owners, ... of the sizes in
     // decreasing order: of a run of `count` equal sizes starting at `pos`,
     // those with pos <= k owners < pos + count.

@@ -263,8 +263,13 @@ OrderedJson Build(const Args& args, const ImportOptions& o) {
   const int64_t pp = args.Int("--pipeline-model-parallel-size", 1, kMaxParallel, 1);
   const int64_t cp = args.Int("--context-parallel-size", 1, kMaxParallel, 1);
   const int64_t ep = args.Int("--expert-model-parallel-size", 1, kMaxParallel, 1);
-  if (args.Int("--expert-tensor-parallel-size", 1, kMaxParallel, 1) != 1) {
-    args.Fail("--expert-tensor-parallel-size", "only 1 is planned yet (experts whole on each expert rank)");
+  // Megatron's expert tensor parallel size defaults to tp; memplan plans
+  // experts whole on each expert rank (1): docs/accounting.md, section 4.
+  if (args.Has("--num-experts") && args.Int("--expert-tensor-parallel-size", 1, kMaxParallel, tp) != 1) {
+    args.Fail("--expert-tensor-parallel-size", args.Has("--expert-tensor-parallel-size")
+                                                   ? "only 1 is planned yet (experts whole on each expert rank)"
+                                                   : "absent, so Megatron splits experts over tp (" + std::to_string(tp) +
+                                                         "); memplan plans them whole: add --expert-tensor-parallel-size 1");
   }
   const int64_t seq = args.Int("--seq-length", 1, kMaxSeqLen);
 

@@ -317,9 +317,10 @@ void ParseParallel(const Json* value, const JsonLocation& where, Model& m) {
     ThrowAt(at("ep"), "arch.moe.experts (" + std::to_string(a.moe->experts) + ") is not divisible by ep (" +
                           std::to_string(p.ep) + ")");
   }
-  if ((p.dp * p.cp) % p.ep != 0) {
-    ThrowAt(at("ep"), "dp*cp (" + std::to_string(p.dp * p.cp) +
-                          ") must be a multiple of ep: EP is carved out of the data-parallel group");
+  if ((p.tp * p.dp * p.cp) % p.ep != 0) {
+    ThrowAt(at("ep"), "tp*dp*cp (" + std::to_string(p.tp * p.dp * p.cp) +
+                          ") must be a multiple of ep: expert ranks are carved out of the tensor, data and context "
+                          "parallel grid (Megatron's expert grid with expert tensor parallel size 1)");
   }
   if (t.seq_len % p.cp != 0) {
     ThrowAt(at("cp"), "train.seq_len (" + std::to_string(t.seq_len) + ") is not divisible by cp (" +
