@@ -1,6 +1,7 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <map>
 
 #include "memplan/common/workspace.h"
 #include "memplan/planner/accounting.h"
@@ -276,4 +277,36 @@ TEST_CASE("active parameters: DeepSeek-V3 ~37B, Kimi K2 ~32.6B") {
     CAPTURE(a);
     CHECK(std::fabs(a - active) / active < 0.05);
   }
+}
+
+TEST_CASE("Memory outside the framework: the CUDA context and one NCCL communicator per group the layout needs") {
+  constexpr int64_t kMiBytes = 1 << 20;
+  // A collective communicator: 2 connections x 32 channels x (Simple 4 MiB
+  // + LL128 4,915,200 + LL 524,288), 588 MiB: within the 544-688 MB per
+  // communicator users measure (NVIDIA/nccl#964).
+  const int64_t collective = 2 * 32 * (4 * kMiBytes + 4'915'200 + 524'288);
+  CHECK(collective == 616'562'688);
+  // deepseek-v3: dp 128 (dense), expert dp 128/64 = 2, ep 64, pp 16, tp 1.
+  const auto ds = RuntimeItems(MustLoad("examples/models/deepseek-v3.json"));
+  CHECK(ds == std::map<std::string, int64_t>{{"cuda_context", 512 * kMiBytes},
+                                             {"nccl_dp", collective},
+                                             {"nccl_expert_dp", collective},
+                                             {"nccl_ep", 63 * 2 * 2 * 4 * kMiBytes},  // all-to-all: 63 peers
+                                             {"nccl_pp", 2 * 2 * 2 * 4 * kMiBytes}});
+  // llama3-70b: tp 8, pp 4, dp 16, no experts.
+  const auto llama = RuntimeItems(MustLoad("examples/models/llama3-70b.json"));
+  CHECK(llama.size() == 4);
+  CHECK(llama.count("nccl_tp") == 1);
+  CHECK(llama.count("nccl_ep") == 0);
+  // The host backend has no CUDA context and no NCCL.
+  CHECK(RuntimeItems(MustLoad("examples/models/tiny-gpt.json")).empty());
+  // Calibrated or given numbers override the preset's.
+  Json j = ReadJson("examples/models/llama3-70b.json");
+  j["hardware"]["runtime"] = {{"cuda_context", "1GiB"}, {"nccl_buffsize", "8MiB"}, {"nccl_channels", 16}};
+  const auto given = RuntimeItems(MustParse(j));
+  CHECK(given.at("cuda_context") == 1024 * kMiBytes);
+  CHECK(given.at("nccl_tp") == 2 * 16 * (8 * kMiBytes + 4'915'200 + 524'288));
+  // ... and stay in the model's digest, which preset models keep unchanged.
+  CHECK(NormalizedModelJson(MustParse(j))["hardware"].contains("runtime"));
+  CHECK(!NormalizedModelJson(MustLoad("examples/models/llama3-70b.json"))["hardware"].contains("runtime"));
 }

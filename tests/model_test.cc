@@ -65,11 +65,11 @@ const BadCase kBadCases[] = {
        j["parallel"]["dp"] = 4;
      },
      "/parallel/ep", "arch.moe.experts"},
-    {"dp*cp not a multiple of ep",
+    {"tp*dp*cp not a multiple of ep",
      [](Json& j) {
        j["arch"]["moe"] = {{"experts", 8}, {"top_k", 2}, {"expert_ffn_hidden", 64}};
-       j["parallel"]["ep"] = 4;
-       j["parallel"]["dp"] = 2;
+       j["parallel"]["ep"] = 8;
+       j["parallel"]["dp"] = 2;  // tp 2 x dp 2 = 4 ranks for 8 expert ranks
      },
      "/parallel/ep", "multiple of ep"},
     {"top_k > experts",
@@ -178,7 +178,7 @@ TEST_CASE("the base model parses, with defaults filled") {
   CHECK(m.train.act_dtype == DType::kBF16);
   CHECK(m.train.grad_dtype == DType::kFP32);
   CHECK(m.hardware.device_memory == 81559LL * 1024 * 1024);
-  CHECK(m.budget == m.hardware.device_memory - DefaultReserveBytes(m.hardware.device_memory));
+  CHECK(m.budget == m.hardware.device_memory - DefaultReserveBytes(m.hardware));
   CHECK_FALSE(m.options.moe_grad_rewrite);  // no MoE: techniques are off
   CHECK(m.options.pp_balance);
 }

@@ -349,3 +349,31 @@ TEST_CASE("communication: TP all-reduces, EP all-to-alls and the DP reduction fo
   CHECK(comm[1] > 0);
   CHECK(comm[2] == doctest::Approx(1.5 * comm[1]).epsilon(1e-9));
 }
+
+TEST_CASE("Memory outside the framework comes off the budget: a plan fits when peak + runtime <= budget") {
+  Json j = ReadJson("examples/models/tiny-gpt.json");
+  j["hardware"] = {{"preset", "h100"}};
+  j["parallel"]["dp"] = 2;  // a data-parallel communicator too
+  const Plan roomy = [&] {
+    auto p = BuildPlan(MustParse(j));
+    REQUIRE(p.ok());
+    return *p;
+  }();
+  const RankPlan& r0 = roomy.ranks[0];
+  REQUIRE(r0.statics.runtime > 0);
+  CHECK(r0.statics.runtime_detail.count("cuda_context") == 1);
+  CHECK(r0.statics.runtime_detail.count("nccl_dp") == 1);
+  const OrderedJson out = PlanToJson(roomy);
+  CHECK(out["ranks"][0]["device_peak"] == r0.peak + r0.statics.runtime);
+  CHECK(out["ranks"][0]["static"]["runtime"] == r0.statics.runtime);
+  CHECK(out["ranks"][0]["static"]["total"] == r0.statics.total);  // the framework's bytes, as CUPTI sees them
+  // A budget the framework's peak fits, but not with the runtime: the
+  // static check refuses it (exit 3), naming the bytes outside.
+  int64_t worst_static = 0;
+  for (const auto& r : roomy.ranks) worst_static = std::max(worst_static, r.statics.total);
+  j["budget"] = worst_static + r0.statics.runtime / 2;
+  auto tight = BuildPlan(MustParse(j));
+  REQUIRE(!tight.ok());
+  CHECK(tight.error().code == ErrorCode::kInfeasible);
+  CHECK(tight.error().message.find("outside the framework (CUDA context, NCCL)") != std::string::npos);
+}

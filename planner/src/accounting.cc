@@ -199,7 +199,35 @@ StaticBreakdown AccountRank(const Model& model, const std::vector<LayerGraph>& l
   s.buffer_detail["kernel_scratch"] = workspace::KernelScratchBytes();
   for (const auto& [name, bytes] : s.buffer_detail) s.buffers += bytes;
   s.total = s.weights + s.grads + s.optimizer + s.buffers;
+  s.runtime_detail = RuntimeItems(model);
+  for (const auto& [name, bytes] : s.runtime_detail) s.runtime += bytes;
   return s;
+}
+
+std::map<std::string, int64_t> RuntimeItems(const Model& model) {
+  const Hardware::Runtime& h = model.hardware.runtime;
+  const Parallel& par = model.parallel;
+  // NCCL's buffers per connection: Simple (NCCL_BUFFSIZE), LL128 and LL at
+  // their fixed defaults (4,915,200 and 524,288 bytes).
+  constexpr int64_t kLl128 = 4'915'200, kLl = 524'288;
+  // A collective communicator: every channel connects a ring (or tree)
+  // neighbour on each side, each connection with its three protocol buffers.
+  const int64_t collective = 2 * h.nccl_channels * (h.nccl_buffsize + kLl128 + kLl);
+  // Point-to-point: per peer, send and receive over nccl_p2p_channels.
+  auto p2p = [&](int64_t peers) { return peers * 2 * h.nccl_p2p_channels * h.nccl_buffsize; };
+  std::map<std::string, int64_t> out;
+  if (h.cuda_context > 0) out["cuda_context"] = h.cuda_context;
+  auto add = [&](const char* name, bool needed, int64_t bytes) {
+    if (needed && bytes > 0) out[name] = bytes;
+  };
+  const int64_t dpcp = par.dp * par.cp;
+  add("nccl_dp", dpcp > 1, collective);
+  add("nccl_expert_dp", model.arch.moe && par.tp * dpcp / par.ep > 1 && par.tp * dpcp / par.ep != dpcp, collective);
+  add("nccl_tp", par.tp > 1, collective);
+  add("nccl_cp", par.cp > 1, p2p(2));
+  add("nccl_ep", model.arch.moe && par.ep > 1, p2p(par.ep - 1));
+  add("nccl_pp", par.pp > 1, p2p(2));
+  return out;
 }
 
 }  // namespace memplan::planner

@@ -74,13 +74,26 @@ Expected<Hardware> HardwarePreset(std::string_view name) {
   } else {
     return Error{ErrorCode::kBadInput, "expected one of h100|h200|b200|host"};
   }
+  if (name != "host") {
+    // Estimates until `memplan calibrate --backend cuda` measures them
+    // (docs/accounting.md, "Memory outside the framework"): a CUDA 12/13
+    // context with lazy module loading; NCCL's defaults (32 channels on
+    // NVLink, NCCL_BUFFSIZE 4 MiB, 2 channels per point-to-point peer).
+    h.runtime.cuda_context = 512 * kMiB;
+    h.runtime.nccl_channels = 32;
+    h.runtime.nccl_buffsize = 4 * kMiB;
+    h.runtime.nccl_p2p_channels = 2;
+  }
   return h;
 }
 
-int64_t DefaultReserveBytes(int64_t device_memory) {
-  // 2 GiB (the CUDA context, NCCL's buffers, the allocator's slack) or 5% of
-  // the device, whichever is larger. cuBLAS's workspace is planned, not here.
-  return std::max<int64_t>(2 * kGiB, device_memory / 20);
+int64_t DefaultReserveBytes(const Hardware& h) {
+  // What no line item counts. Where the CUDA context and NCCL's buffers are
+  // line items (hardware.runtime, the GPU presets), only the allocator's
+  // slack: 1 GiB or 2% of the device. Otherwise 2 GiB or 5%, which also
+  // stood for them. cuBLAS's workspace is planned, not here.
+  if (h.runtime.cuda_context > 0) return std::max<int64_t>(kGiB, h.device_memory / 50);
+  return std::max<int64_t>(2 * kGiB, h.device_memory / 20);
 }
 
 std::vector<int64_t> DefaultPipelineLayout(int64_t layers, int64_t pp, int64_t vp) {
@@ -394,6 +407,17 @@ Hardware ParseHardwareObject(ObjectReader& r) {
   if (auto v = r.OptBytes("host_memory")) h.host_memory = *v;
   if (r.Has("launch_s")) h.launch_s = r.Number("launch_s", 0, 1, 0);
   h.gpus_per_node = r.Int("gpus_per_node", 1, 1024, h.gpus_per_node);
+  if (const Json* v = r.Get("runtime")) {
+    ObjectReader o(*v, r.At("runtime"));
+    if (auto b = o.OptBytes("cuda_context")) h.runtime.cuda_context = *b;
+    h.runtime.nccl_channels = o.Int("nccl_channels", 0, 64, h.runtime.nccl_channels);
+    if (auto b = o.OptBytes("nccl_buffsize")) h.runtime.nccl_buffsize = *b;
+    h.runtime.nccl_p2p_channels = o.Int("nccl_p2p_channels", 0, 64, h.runtime.nccl_p2p_channels);
+    if (h.runtime.cuda_context > (int64_t{1} << 40) || h.runtime.nccl_buffsize > (int64_t{1} << 34)) {
+      ThrowAt(r.At("runtime"), "expected a CUDA context under 1 TiB and an NCCL buffer under 16 GiB");
+    }
+    o.Finish();
+  }
   r.Finish();
   return h;
 }
@@ -481,7 +505,7 @@ Model ParseModelOrThrow(const Json& doc, const std::string& file) {
     m.budget = *b;
     m.budget_given = true;
   } else {
-    m.budget = m.hardware.device_memory - DefaultReserveBytes(m.hardware.device_memory);
+    m.budget = m.hardware.device_memory - DefaultReserveBytes(m.hardware);
   }
   if (const Json* costs = r.Get("costs")) {
     ExpectArray(*costs, r.At("costs"));
@@ -533,6 +557,14 @@ Json HardwareJson(const Hardware& h) {
          {"host_memory", h.host_memory}};
   if (h.launch_s > 0) j["launch_s"] = h.launch_s;  // calibrated only: preset plans keep their digest
   if (h.gpus_per_node != 8) j["gpus_per_node"] = h.gpus_per_node;  // likewise
+  // Written where it differs from the preset's: preset models keep their digest.
+  auto preset = HardwarePreset(h.preset);
+  if (!preset || !(preset->runtime == h.runtime)) {
+    j["runtime"] = {{"cuda_context", h.runtime.cuda_context},
+                    {"nccl_channels", h.runtime.nccl_channels},
+                    {"nccl_buffsize", h.runtime.nccl_buffsize},
+                    {"nccl_p2p_channels", h.runtime.nccl_p2p_channels}};
+  }
   return j;
 }
 

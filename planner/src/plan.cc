@@ -168,6 +168,11 @@ Overhead OverheadOf(const PlanningProblem& problem, const Evaluation& e) {
   return o;
 }
 
+// ", plus N outside the framework (CUDA context, NCCL)" where there is any.
+std::string RuntimeNote(int64_t runtime) {
+  return runtime > 0 ? " plus " + FormatBytes(runtime) + " outside the framework (CUDA context, NCCL)" : "";
+}
+
 std::vector<int64_t> LowerBounds(const PlanningProblem& problem, const Assignment& a) {
   std::vector<std::vector<Interval>> own(problem.tensors.size());
   ParallelFor(own.size(), [&](size_t r) { InstanceIntervals(problem, a, static_cast<int32_t>(r), &own[r], nullptr); });
@@ -201,6 +206,12 @@ Plan BuildPlanOrThrow(const Model& input, const PlanOptions& options) {
   if (!expanded) throw ErrorException(expanded.error());
   plan.totals = CountParameters(model, *expanded);
   clock.Mark("expand");
+  // Memory outside the framework (the CUDA context, NCCL) comes off the
+  // budget before anything is planned: the plan's own numbers (static,
+  // peak, bounds) are what the framework allocates and CUPTI measures.
+  int64_t runtime = 0;
+  for (const auto& [name, bytes] : RuntimeItems(model)) runtime += bytes;
+  const int64_t budget = model.budget - runtime;
   // Refused cheaply first: a rank whose static memory (weights, gradients,
   // optimizer state, buffers) alone exceeds the budget, before the
   // liveness and the schedule (the work that grows with layers x
@@ -209,11 +220,11 @@ Plan BuildPlanOrThrow(const Model& input, const PlanOptions& options) {
     const PipelineLayout cheap_layout = MakePipelineLayout(model);
     for (int64_t r = 0; r < model.parallel.pp; ++r) {
       const StaticBreakdown st = AccountRank(model, *expanded, cheap_layout, r);
-      if (st.total > model.budget) {
+      if (st.total > budget) {
         ThrowError(ErrorCode::kInfeasible,
                    "infeasible: pp rank " + std::to_string(r) + "'s static memory alone is " + FormatBytes(st.total) +
-                       " (weights, gradients, optimizer state), budget is " + FormatBytes(model.budget) + ", " +
-                       FormatBytes(st.total - model.budget) + " short");
+                       " (weights, gradients, optimizer state)" + RuntimeNote(runtime) + ", budget is " +
+                       FormatBytes(model.budget) + ", " + FormatBytes(st.total - budget) + " short");
       }
     }
   }
@@ -235,18 +246,18 @@ Plan BuildPlanOrThrow(const Model& input, const PlanOptions& options) {
     for (size_t r = 1; r < any.size(); ++r) {
       if (any[r] > any[worst]) worst = r;
     }
-    if (any[worst] > model.budget) {
+    if (any[worst] > budget) {
       ThrowError(ErrorCode::kInfeasible,
                  "infeasible: pp rank " + std::to_string(worst) + " needs at least " + FormatBytes(any[worst]) +
                      " (any-plan lower bound: static " + FormatBytes(problem.statics[worst].total) +
-                     " + activations at their smallest footprint), budget is " + FormatBytes(model.budget) + ", " +
-                     FormatBytes(any[worst] - model.budget) + " short");
+                     " + activations at their smallest footprint)" + RuntimeNote(runtime) + ", budget is " +
+                     FormatBytes(model.budget) + ", " + FormatBytes(any[worst] - budget) + " short");
     }
   }
 
   std::vector<int64_t> keep_all = LowerBounds(problem, Assignment::KeepAll(problem));
   clock.Mark("keep-all");
-  Solved solved = SolveForBudget(problem, model.budget, options, clock);
+  Solved solved = SolveForBudget(problem, budget, options, clock);
   if (problem.window && !Periodic(solved.eval)) {
     // The window's period after its cut is not the one before it: it does
     // not stand for the model. Simulate every microbatch.
@@ -259,7 +270,7 @@ Plan BuildPlanOrThrow(const Model& input, const PlanOptions& options) {
     plan.simulation.simulated = problem.microbatches;
     plan.simulation.period_microbatches = 0;
     keep_all = LowerBounds(problem, Assignment::KeepAll(problem));
-    solved = SolveForBudget(problem, model.budget, options, clock);
+    solved = SolveForBudget(problem, budget, options, clock);
     clock.Mark("full simulation");
   }
   const Evaluation& e = solved.eval;
@@ -317,7 +328,7 @@ Plan BuildPlanOrThrow(const Model& input, const PlanOptions& options) {
     rp.keep_all_lower_bound = keep_all[ri];
     rp.any_plan_lower_bound = b.any_plan_lower_bound;
     rp.budget = model.budget;
-    rp.fits = rp.peak <= rp.budget;
+    rp.fits = rp.peak + rp.statics.runtime <= rp.budget;
     rp.recompute_s = b.recompute_s;
     rp.quantize_s = b.quantize_s;
     rp.exposed_transfer_s = b.exposed_transfer_s;
@@ -409,15 +420,15 @@ Plan BuildPlanOrThrow(const Model& input, const PlanOptions& options) {
     PlanOptions quiet = options;
     quiet.verify = false;
     for (int k = 0; k < n; ++k) {
-      int64_t budget = hi - static_cast<int64_t>(static_cast<double>(hi - lo) * k / (n - 1));
+      int64_t framework = hi - static_cast<int64_t>(static_cast<double>(hi - lo) * k / (n - 1));
       StageClock silent(PlanOptions{});
-      Solved s = SolveForBudget(problem, budget, quiet, silent);
+      Solved s = SolveForBudget(problem, framework, quiet, silent);
       SweepPoint pt;
-      pt.budget = budget;
+      pt.budget = framework + runtime;  // the device budget that leaves `framework` to the framework
       pt.fits = true;
       for (const auto& b : s.eval.ranks) {
         pt.max_peak = std::max(pt.max_peak, b.peak);
-        pt.fits &= b.peak <= budget;
+        pt.fits &= b.peak <= framework;
       }
       Overhead o = OverheadOf(problem, s.eval);
       pt.step_s = o.step_s;
@@ -465,11 +476,20 @@ OrderedJson PlanToJson(const Plan& plan) {
     rj["static"] = {{"weights", r.statics.weights},     {"grads", r.statics.grads},
                     {"optimizer", r.statics.optimizer}, {"buffers", r.statics.buffers},
                     {"total", r.statics.total},         {"buffer_detail", detail}};
+    if (r.statics.runtime > 0) {
+      // Outside the framework, not in `total` (docs/accounting.md): written
+      // only where there is any, so host-preset plans keep their bytes.
+      OrderedJson items = OrderedJson::object();
+      for (const auto& [k, v] : r.statics.runtime_detail) items[k] = v;
+      rj["static"]["runtime"] = r.statics.runtime;
+      rj["static"]["runtime_detail"] = std::move(items);
+    }
     rj["host"] = r.statics.host;
     rj["activations_per_microbatch"] = r.activations_per_microbatch;
     rj["in_flight_chunks"] = r.in_flight_chunks;
     rj["activations_peak"] = r.activations_peak;
     rj["peak"] = r.peak;
+    if (r.statics.runtime > 0) rj["device_peak"] = r.peak + r.statics.runtime;
     rj["lower_bound"] = r.lower_bound;
     rj["keep_all_lower_bound"] = r.keep_all_lower_bound;
     rj["budget"] = r.budget;
@@ -553,17 +573,37 @@ std::string RenderPlanTable(const Plan& plan) {
   auto cell = [&](int64_t bytes) {
     return FormatFixed(static_cast<double>(bytes) / static_cast<double>(mib ? kMiB : kGiB), 2);
   };
-  Table t({"pp_rank", "layers", "static" + u, "activ." + u, "peak" + u, "lower_bd" + u, "any_plan" + u,
-           "keep_all" + u, "budget" + u, "fits", "remote_out" + u, "resident", "host" + u, "added(ms)"});
+  // Memory outside the framework gets its column where there is any.
+  const bool runtime = std::any_of(plan.ranks.begin(), plan.ranks.end(), [](const RankPlan& r) { return r.statics.runtime > 0; });
+  std::vector<std::string> head = {"pp_rank", "layers", "static" + u, "activ." + u, "peak" + u};
+  if (runtime) head.push_back("runtime" + u);
+  const std::vector<std::string> rest = {"lower_bd" + u, "any_plan" + u, "keep_all" + u, "budget" + u, "fits",
+                                         "remote_out" + u, "resident", "host" + u, "added(ms)"};
+  head.insert(head.end(), rest.begin(), rest.end());
+  Table t(head);
   for (const auto& r : plan.ranks) {
     int64_t remote = 0;
     for (const auto& [to, bytes] : r.remote_offload) remote += bytes;
-    t.AddRow({std::to_string(r.pp_rank), std::to_string(r.layers.size()), cell(r.statics.total),
-              cell(r.activations_peak), cell(r.peak), cell(r.lower_bound), cell(r.any_plan_lower_bound),
-              cell(r.keep_all_lower_bound), cell(r.budget), r.fits ? "yes" : "NO", cell(remote),
-              std::to_string(r.resident_offloads.size()), cell(r.statics.host), FormatFixed(1e3 * (r.recompute_s + r.quantize_s + r.exposed_transfer_s), 2)});
+    std::vector<std::string> row = {std::to_string(r.pp_rank), std::to_string(r.layers.size()), cell(r.statics.total),
+                                    cell(r.activations_peak), cell(r.peak)};
+    if (runtime) row.push_back(cell(r.statics.runtime));
+    for (std::string c : {cell(r.lower_bound), cell(r.any_plan_lower_bound), cell(r.keep_all_lower_bound),
+                          cell(r.budget), std::string(r.fits ? "yes" : "NO"), cell(remote),
+                          std::to_string(r.resident_offloads.size()), cell(r.statics.host),
+                          FormatFixed(1e3 * (r.recompute_s + r.quantize_s + r.exposed_transfer_s), 2)}) {
+      row.push_back(std::move(c));
+    }
+    t.AddRow(row);
   }
   std::string out = t.Render();
+  if (runtime && !plan.ranks.empty()) {
+    // The items, the same on every rank (accounting.h RuntimeItems).
+    const StaticBreakdown& st = plan.ranks.front().statics;
+    std::string items;
+    for (const auto& [name, bytes] : st.runtime_detail) items += (items.empty() ? "" : ", ") + name + " " + FormatBytes(bytes);
+    out += "\noutside the framework, per GPU (fits: peak + runtime <= budget): " + items + " = " +
+           FormatBytes(st.runtime) + " (hardware.runtime; docs/accounting.md)\n";
+  }
 
   // Policy summary: what the plan does with the saved tensors.
   struct Row {

@@ -295,12 +295,17 @@ Candidate PrepareLayout(const Model& base, const Layout& layout, int64_t budget)
     auto layers = ExpandModel(*model);
     if (!layers) throw ErrorException(layers.error());
     const PipelineLayout pl = MakePipelineLayout(*model);
+    int64_t runtime = 0;  // outside the framework: the same on every rank
     for (int64_t r = 0; r < model->parallel.pp; ++r) {
-      c.max_static = std::max(c.max_static, AccountRank(*model, *layers, pl, r).total);
+      const StaticBreakdown st = AccountRank(*model, *layers, pl, r);
+      c.max_static = std::max(c.max_static, st.total);
+      runtime = st.runtime;
     }
-    if (c.max_static > budget) {
+    if (c.max_static + runtime > budget) {
       c.verdict = Verdict::kStaticOverBudget;
-      c.detail = "static memory " + FormatBytes(c.max_static) + " exceeds the budget " + FormatBytes(budget);
+      c.detail = "static memory " + FormatBytes(c.max_static) +
+                 (runtime > 0 ? " plus " + FormatBytes(runtime) + " outside the framework" : std::string()) +
+                 " exceeds the budget " + FormatBytes(budget);
       return c;
     }
     c.base_bound_s = BaseStepSeconds(*model, *layers);

@@ -32,7 +32,17 @@ struct StaticBreakdown {
   int64_t total = 0;  // weights + grads + optimizer + buffers
   int64_t host = 0;   // host bytes this device's training state needs
   std::map<std::string, int64_t> buffer_detail;  // reduce_bucket, grad_double_buffer, muon_gather
+  // Device bytes outside the training framework (not in `total`, which is
+  // what the runtime allocates and CUPTI measures): RuntimeItems.
+  int64_t runtime = 0;
+  std::map<std::string, int64_t> runtime_detail;
 };
+
+// Memory outside the framework on every GPU process of the layout
+// (docs/accounting.md, "Memory outside the framework"): the CUDA context
+// and one NCCL communicator per process group the layout needs. The same
+// on every pipeline rank (a middle rank's two pipeline neighbours).
+std::map<std::string, int64_t> RuntimeItems(const Model& model);
 
 // Parameters a device holds for `param`: TP shards tp_split weights, EP
 // divides routed experts. Returns 0 for a tied output head when pp == 1

@@ -159,6 +159,16 @@ struct Hardware {
   // communicate over pp_link_bw, the per-GPU inter-node link
   // (docs/planner.md, "Communication").
   int64_t gpus_per_node = 8;
+  // Memory outside the training framework, per GPU process
+  // (docs/accounting.md, "Memory outside the framework"): 0 on the host
+  // preset, estimates on the GPU presets until calibrated.
+  struct Runtime {
+    int64_t cuda_context = 0;      // the CUDA context and loaded modules
+    int64_t nccl_channels = 0;     // channels of a collective communicator (NCCL_MAX_NCHANNELS)
+    int64_t nccl_buffsize = 0;     // NCCL_BUFFSIZE: the Simple protocol's buffer per connection
+    int64_t nccl_p2p_channels = 0; // channels per peer of point-to-point traffic (NCCL_NCHANNELS_PER_PEER)
+    bool operator==(const Runtime&) const = default;
+  } runtime;
 };
 
 // A hardware description `memplan calibrate` wrote (memplan.hardware/1):
@@ -216,9 +226,10 @@ struct Model {
 // Hardware presets: h100, h200, b200, host. Sources are in docs/accounting.md.
 Expected<Hardware> HardwarePreset(std::string_view name);
 
-// Bytes held back from device memory when no budget is given: CUDA context,
-// NCCL and cuBLAS workspaces, allocator slack.
-int64_t DefaultReserveBytes(int64_t device_memory);
+// Bytes held back from device memory when no budget is given: what no line
+// item counts (the allocator's slack; also the CUDA context and NCCL where
+// hardware.runtime does not count them). docs/accounting.md.
+int64_t DefaultReserveBytes(const Hardware& hardware);
 
 // Layers per pipeline rank when `pp_layout` is not given: as even as
 // possible; when layers do not divide, the first and last ranks take fewer,
