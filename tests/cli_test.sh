@@ -23,6 +23,10 @@ expect_exit() {  # expected_code description command...
   if [ "$got" -eq "$want" ]; then ok; else bad "$what: exit $got, expected $want; stderr: $(cat "$tmp/err")"; fi
 }
 
+one_line_at() {  # one_line_at FILE POINTER: stderr is one line naming both
+  [ "$(wc -l <"$tmp/err")" -eq 1 ] && grep -qF "$1: $2" "$tmp/err" && ok || bad "expected one line with '$1: $2': $(cat "$tmp/err")"
+}
+
 if want commands; then
 # 1. A good plan prints the table and writes PLAN.json.
 expect_exit 0 "plan tiny-gpt" "$memplan" plan "$root/examples/models/tiny-gpt.json" -o "$tmp/plan.json"
@@ -335,9 +339,6 @@ mk() {  # mk OUT PYTHON-EXPRESSION-ON-j: writes tiny-gpt edited by the expressio
 import json, sys
 j = json.load(open(sys.argv[1])); exec(sys.argv[3]); open(sys.argv[2], "w").write(json.dumps(j))
 PY
-}
-one_line_at() {  # one_line_at FILE POINTER: stderr is one line naming both
-  [ "$(wc -l <"$tmp/err")" -eq 1 ] && grep -qF "$1: $2" "$tmp/err" && ok || bad "expected one line with '$1: $2': $(cat "$tmp/err")"
 }
 # 1. Deep nesting: refused at a depth limit, never a stack overflow.
 python3 -c "print('[' * 100000 + ']' * 100000)" >"$tmp/deep.json"

@@ -377,3 +377,36 @@ TEST_CASE("Memory outside the framework comes off the budget: a plan fits when p
   CHECK(tight.error().code == ErrorCode::kInfeasible);
   CHECK(tight.error().message.find("outside the framework (CUDA context, NCCL)") != std::string::npos);
 }
+
+TEST_CASE("The host side must fit too: offloaded activations at their peak and the training state on the host") {
+  // deepseek-v3 offloads activations to the host at its default budget:
+  // 23.9 GiB per GPU at their peak. A node with 10 GiB of host memory per
+  // GPU cannot take them: the ranks that need more do not fit, and say so.
+  Json j = ReadJson("examples/models/deepseek-v3.json");
+  j["hardware"]["host_memory"] = "10GiB";
+  auto p = BuildPlan(MustParse(j));
+  REQUIRE(p.ok());
+  int over = 0;
+  for (const RankPlan& r : p->ranks) {
+    CHECK(r.host_peak >= r.statics.host);
+    if (r.host_peak > 10 * (int64_t{1} << 30)) {
+      CHECK(!r.fits);
+      ++over;
+    }
+  }
+  CHECK(over > 0);
+  bool warned = false;
+  for (const auto& w : p->warnings) warned |= w.find("host side needs") != std::string::npos && w.find("on a node of 8 GPUs") != std::string::npos;
+  CHECK(warned);
+  CHECK(PlanToJson(*p)["ranks"][0].contains("host_peak"));
+  // Gradient partitions kept on the host are there whatever the plan:
+  // more than the host has is infeasible before planning (exit 3).
+  Json g = ReadJson("examples/models/tiny-gpt.json");
+  g["parallel"]["pipeline_zero2"] = true;
+  g["parallel"]["grad_offload"] = "host";
+  g["hardware"]["host_memory"] = "1KiB";
+  auto refused = BuildPlan(MustParse(g));
+  REQUIRE(!refused.ok());
+  CHECK(refused.error().code == ErrorCode::kInfeasible);
+  CHECK(refused.error().message.find("training state on the host (gradient partitions)") != std::string::npos);
+}

@@ -223,6 +223,23 @@ Evaluation Evaluate(const PlanningProblem& p, const Assignment& a, bool verify, 
     // opens stay resident (accounted as kept); they move no bytes.
     b.resident_offloads = stats.late_copies;
     const auto& insts = p.instances[ri];
+    // Host copies: a difference array over the rank's steps (a window's
+    // steps are translates of the model's, so its maximum is the model's).
+    std::vector<int64_t> host(static_cast<size_t>(p.timelines[ri].steps) + 2, 0);
+    bool any_host = false;
+    for (const Instance& in : insts) {
+      const Storage s = a.storage[ri][static_cast<size_t>(in.tensor)];
+      if (s != Storage::kOffloadHost && s != Storage::kFp8OffloadHost) continue;
+      const auto& t = p.tensors[ri][static_cast<size_t>(in.tensor)];
+      const int64_t bytes = s == Storage::kFp8OffloadHost ? t.fp8_bytes : t.bytes;
+      host[static_cast<size_t>(std::min(in.prod, in.b_first))] += bytes;
+      host[static_cast<size_t>(std::max(in.prod, in.b_first)) + 1] -= bytes;
+      any_host = true;
+    }
+    if (any_host) {
+      int64_t run = 0;
+      for (int64_t v : host) b.host_activations_peak = std::max(b.host_activations_peak, run += v);
+    }
     for (size_t i = 0; i < insts.size(); ++i) {
       Storage s = a.storage[ri][static_cast<size_t>(insts[i].tensor)];
       const auto w = static_cast<double>(InstanceWeight(p, r, static_cast<int32_t>(i)));

@@ -220,6 +220,14 @@ Plan BuildPlanOrThrow(const Model& input, const PlanOptions& options) {
     const PipelineLayout cheap_layout = MakePipelineLayout(model);
     for (int64_t r = 0; r < model.parallel.pp; ++r) {
       const StaticBreakdown st = AccountRank(model, *expanded, cheap_layout, r);
+      if (st.host > model.hardware.host_memory) {
+        const int64_t n = model.hardware.gpus_per_node;
+        ThrowError(ErrorCode::kInfeasible,
+                   "infeasible: pp rank " + std::to_string(r) + "'s training state on the host (gradient partitions) is " +
+                       FormatBytes(st.host) + " per GPU, host_memory is " + FormatBytes(model.hardware.host_memory) +
+                       " per GPU (" + FormatBytes(st.host * n) + " of " + FormatBytes(model.hardware.host_memory * n) +
+                       " on a node of " + std::to_string(n) + " GPUs)");
+      }
       if (st.total > budget) {
         ThrowError(ErrorCode::kInfeasible,
                    "infeasible: pp rank " + std::to_string(r) + "'s static memory alone is " + FormatBytes(st.total) +
@@ -329,6 +337,8 @@ Plan BuildPlanOrThrow(const Model& input, const PlanOptions& options) {
     rp.any_plan_lower_bound = b.any_plan_lower_bound;
     rp.budget = model.budget;
     rp.fits = rp.peak + rp.statics.runtime <= rp.budget;
+    rp.host_peak = rp.statics.host + b.host_activations_peak;
+    rp.fits = rp.fits && rp.host_peak <= model.hardware.host_memory;
     rp.recompute_s = b.recompute_s;
     rp.quantize_s = b.quantize_s;
     rp.exposed_transfer_s = b.exposed_transfer_s;
@@ -397,10 +407,16 @@ Plan BuildPlanOrThrow(const Model& input, const PlanOptions& options) {
   int64_t over = 0;
   const RankPlan* worst = nullptr;
   for (const auto& rp : plan.ranks) {
-    if (rp.statics.host > model.hardware.host_memory) {
-      plan.warnings.push_back("pp rank " + std::to_string(rp.pp_rank) + " needs " + FormatBytes(rp.statics.host) +
-                              " of host memory; the hardware has " + FormatBytes(model.hardware.host_memory) +
-                              " per GPU");
+    if (rp.host_peak > model.hardware.host_memory) {
+      // The training state on the host was refused before planning; what
+      // is over is offloaded activations (docs/accounting.md §7).
+      const int64_t n = model.hardware.gpus_per_node;
+      plan.warnings.push_back("pp rank " + std::to_string(rp.pp_rank) + "'s host side needs " +
+                              FormatBytes(rp.host_peak) + " per GPU (offloaded activations at their peak " +
+                              FormatBytes(rp.host_peak - rp.statics.host) + "), the hardware has " +
+                              FormatBytes(model.hardware.host_memory) + " per GPU: " + FormatBytes(rp.host_peak * n) +
+                              " of " + FormatBytes(model.hardware.host_memory * n) + " on a node of " +
+                              std::to_string(n) + " GPUs");
     }
     if (rp.fits) continue;
     ++over;
@@ -485,6 +501,7 @@ OrderedJson PlanToJson(const Plan& plan) {
       rj["static"]["runtime_detail"] = std::move(items);
     }
     rj["host"] = r.statics.host;
+    rj["host_peak"] = r.host_peak;
     rj["activations_per_microbatch"] = r.activations_per_microbatch;
     rj["in_flight_chunks"] = r.in_flight_chunks;
     rj["activations_peak"] = r.activations_peak;
@@ -578,7 +595,7 @@ std::string RenderPlanTable(const Plan& plan) {
   std::vector<std::string> head = {"pp_rank", "layers", "static" + u, "activ." + u, "peak" + u};
   if (runtime) head.push_back("runtime" + u);
   const std::vector<std::string> rest = {"lower_bd" + u, "any_plan" + u, "keep_all" + u, "budget" + u, "fits",
-                                         "remote_out" + u, "resident", "host" + u, "added(ms)"};
+                                         "remote_out" + u, "resident", "host_peak" + u, "added(ms)"};
   head.insert(head.end(), rest.begin(), rest.end());
   Table t(head);
   for (const auto& r : plan.ranks) {
@@ -589,7 +606,7 @@ std::string RenderPlanTable(const Plan& plan) {
     if (runtime) row.push_back(cell(r.statics.runtime));
     for (std::string c : {cell(r.lower_bound), cell(r.any_plan_lower_bound), cell(r.keep_all_lower_bound),
                           cell(r.budget), std::string(r.fits ? "yes" : "NO"), cell(remote),
-                          std::to_string(r.resident_offloads.size()), cell(r.statics.host),
+                          std::to_string(r.resident_offloads.size()), cell(r.host_peak),
                           FormatFixed(1e3 * (r.recompute_s + r.quantize_s + r.exposed_transfer_s), 2)}) {
       row.push_back(std::move(c));
     }

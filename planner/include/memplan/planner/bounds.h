@@ -39,6 +39,9 @@ struct RankBounds {
   double quantize_s = 0;
   double exposed_transfer_s = 0;
   int64_t resident_offloads = 0;  // offloaded instances whose window is too short: kept resident
+  // Host bytes of offloaded activations at their peak: each host-offloaded
+  // instance from its production to its backward (docs/accounting.md §7).
+  int64_t host_activations_peak = 0;
   std::vector<std::pair<int32_t, int64_t>> remote_offload;  // (to rank, max bytes held there)
   // A periodic window's rank whose period after the cut is the period before
   // it (period.h): `peak` is then the model's; otherwise only the window's.

@@ -57,6 +57,9 @@ struct RankPlan {
   int64_t any_plan_lower_bound = 0;
   int64_t budget = 0;
   bool fits = false;
+  // Host bytes this GPU's process needs at their peak: the training state
+  // kept on the host (statics.host) plus offloaded activations.
+  int64_t host_peak = 0;
   double recompute_s = 0, quantize_s = 0, exposed_transfer_s = 0;
   std::vector<std::pair<int32_t, int64_t>> remote_offload;  // (to rank, bytes)
   // Offloaded instances whose copy-out cannot finish before their prefetch
