@@ -27,7 +27,7 @@ TEST_CASE("CUPTI records become per-rank bytes and the process total; check flag
   m.backend = "cuda";
   m.allocator = "arena";
   m.plan_digest = "sha256:" + std::string(64, 'b');
-  m.ranks = {{0, 900, 1000, 300, {}, {}, {}, {}, 0, 0, {}}, {1, 650, 700, 200, {}, {}, {}, {}, 0, 0, {}}};
+  m.ranks = {{0, 900, 1000, 300, {}, {}, {}, {}, 0, 0, {}, {}}, {1, 650, 700, 200, {}, {}, {}, {}, 0, 0, {}, {}}};
   runtime::AttachCupti(source, in, m);
   REQUIRE(m.ranks[0].cupti.has_value());
   REQUIRE(m.ranks[1].cupti.has_value());
@@ -68,7 +68,7 @@ TEST_CASE("CUPTI bytes share the run's time axis and sit in TRACE.json beside th
   in.regions = {{0, {{a0, a0 + (1 << 20)}}, {}, {}}};
   in.epoch_ns = 5000;
   Measured m;
-  m.ranks = {{0, 800, 800, 0, {}, {}, {}, {}, 0, 0, {}}};
+  m.ranks = {{0, 800, 800, 0, {}, {}, {}, {}, 0, 0, {}, {}}};
   runtime::AttachCupti(source, in, m);
   REQUIRE(m.ranks[0].cupti.has_value());
   const auto& tl = m.ranks[0].cupti->timeline;

@@ -262,6 +262,24 @@ for r in m["ranks"]:
     assert e["grad_passes_reduced"] == 8 and e["muon_p2p_gathers"] == 2 and e["expert_exchanges"] > 0, e
 assert sum(r["events"].get("remote_puts", 0) for r in m["ranks"]) > 0
 PY
+# What the run saw of the routing, against the plan's assumption (docs/
+# accounting.md section 8b): capacity 2 on k3-ep2; dropless at an assumed
+# skew of 1 on tiny-moe, which an untrained router exceeds, so the run warns
+# naming /model/arch/moe/imbalance and every row still fits (F = 1 = mean).
+python3 - "$tmp/k3-ep2.dp.m.json" <<'PY' && ok || bad "k3-ep2: no moe_routing"
+import json, sys
+m = json.load(open(sys.argv[1]))
+seen = [r["moe_routing"] for r in m["ranks"]]
+assert all(s["planned_rank_load"] == 2.0 and s["max_expert_load"] >= 1 for s in seen), seen
+assert max(s["max_rank_load"] for s in seen) >= 1 and all(s["dropped_rows"] == 0 for s in seen), seen
+PY
+model "$root/examples/models/tiny-moe.json" "$tmp/skew.json" \
+  "m.pop('budget', None); m['arch']['moe']['imbalance'] = 1.0; m['parallel'].update(dp=2, ep=2)"
+"$memplan" plan "$tmp/skew.json" -o "$tmp/skew.plan.json" -q 2>/dev/null
+timeout 60 "${mpi[@]}" -np 4 "$memplan" run "$tmp/skew.plan.json" -q -o "$tmp/skew.m.json" 2>"$tmp/err"
+grep -q "routing skew seen .*x the mean expert load exceeds the plan's /model/arch/moe/imbalance 1.00" "$tmp/err" \
+  && python3 -c "import json, sys; r = json.load(open(sys.argv[1]))['ranks']; assert all(x['moe_routing']['max_expert_load'] > 1 for x in r), r" "$tmp/skew.m.json" \
+  && ok || bad "dropless skew over the plan's imbalance: no warning: $(head -3 "$tmp/err")"
 # bf16, ZeRO-0 (all-reduce) and an expert group of one replica (dp = ep),
 # with the native router gradient and no dispatch recompute (the expert
 # output saved token side, the dispatched rows saved expert side) and every
@@ -280,10 +298,10 @@ data_parallel moe-ep2-zero2 "$root/examples/models/tiny-moe.json" 2 \
   "$cap; m['policies'] = [{'match': '*.moe.fc1_out', 'policy': ['fp8', 'offload_host']}, {'match': '*.moe.x', 'policy': 'offload_remote'}]" 2 2
 # Past capacity (capacity_factor 1): rows are dropped, said, and the memory
 # is still the plan's to the byte.
-model "$root/examples/models/tiny-moe.json" "$tmp/drop.json" "m['parallel'].update(pp=1, dp=2, ep=2)"
+model "$root/examples/models/tiny-moe.json" "$tmp/drop.json" "m['arch']['moe']['capacity_factor'] = 1.0; m['parallel'].update(pp=1, dp=2, ep=2)"
 "$memplan" plan "$tmp/drop.json" -o "$tmp/drop.plan.json" -q
 timeout 60 "${mpi[@]}" -np 2 "$memplan" run "$tmp/drop.plan.json" -q -o "$tmp/drop.m.json" 2>"$tmp/err" \
-  && grep -q "dropped [0-9]* routed rows past its capacity" "$tmp/err" \
+  && grep -q "dropped [0-9]* routed rows past its planned rows (/model/arch/moe/capacity_factor 1.00)" "$tmp/err" \
   && "$memplan" check "$tmp/drop.plan.json" "$tmp/drop.m.json" --tolerance 0 >/dev/null \
   && ok || bad "EP past capacity: $(cat "$tmp/err")"
 # One process cannot run expert-parallel ranks; mpirun needs pp x dp ranks.

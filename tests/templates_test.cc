@@ -2,6 +2,7 @@
 
 #include <regex>
 #include <set>
+#include <tuple>
 
 #include "memplan/planner/templates.h"
 #include "test_util.h"
@@ -163,6 +164,55 @@ TEST_CASE("MoE with a latent projection and capacity factor") {
   bool has_up = false;
   for (const auto& p : g.params) has_up |= p.name == "layer0.moe.latent_up.weight";
   CHECK(has_up);
+}
+
+TEST_CASE("MoE routed rows: capacity, or the assumed skew bounded by ep") {
+  // docs/accounting.md section 8b: F = capacity_factor when tokens are
+  // dropped, else min(imbalance, ep); rows per EP rank s*b*top_k*F.
+  Json j = {{"schema", "memplan.model/1"},
+            {"name", "skew"},
+            {"arch",
+             {{"layers", 2}, {"hidden", 256}, {"heads", 4}, {"vocab", 100},
+              {"moe", {{"experts", 8}, {"top_k", 2}, {"expert_ffn_hidden", 64}}}}},
+            {"train", {{"seq_len", 64}, {"micro_batch", 1}, {"microbatches", 4}}},
+            {"parallel", {{"dp", 8}, {"ep", 4}}},
+            {"hardware", {{"preset", "host"}}}};
+  auto rows = [](const Json& model) {
+    return ExpandTemplateLayer(MustParse(model), 0).FindTensor("layer0.moe.fc1_in")->shape[0];
+  };
+  int checked = 0;
+  // Default: dropless at 1.2 -> ceil(128 * 1.2) = 154 rows.
+  CHECK(MustParse(j).arch.moe->imbalance == doctest::Approx(1.2));
+  CHECK_FALSE(MustParse(j).arch.moe->capacity_factor.has_value());
+  CHECK(rows(j) == 154);
+  ++checked;
+  for (auto [imbalance, ep, want] : std::vector<std::tuple<double, int, int64_t>>{
+           {1.0, 4, 128}, {3.0, 4, 384}, {16.0, 4, 512}, {16.0, 1, 128}, {1.5, 2, 192}}) {
+    Json k = j;
+    k["arch"]["moe"]["imbalance"] = imbalance;
+    k["parallel"]["ep"] = ep;
+    CAPTURE(imbalance);
+    CAPTURE(ep);
+    CHECK(rows(k) == want);  // never past ep x the share: a rank cannot receive more than every rank's rows
+    ++checked;
+  }
+  // Token dropping: the capacity sizes the buffers whatever the skew.
+  Json c = j;
+  c["arch"]["moe"]["capacity_factor"] = 2.0;
+  c["arch"]["moe"]["imbalance"] = 8.0;
+  CHECK(rows(c) == 256);
+  ++checked;
+  // The normalized model says which: imbalance always, capacity_factor when dropping.
+  CHECK(NormalizedModelJson(MustParse(j))["arch"]["moe"].contains("imbalance"));
+  CHECK_FALSE(NormalizedModelJson(MustParse(j))["arch"]["moe"].contains("capacity_factor"));
+  CHECK(NormalizedModelJson(MustParse(c))["arch"]["moe"]["capacity_factor"] == 2.0);
+  // Below 1 is refused with the path.
+  Json bad = j;
+  bad["arch"]["moe"]["imbalance"] = 0.5;
+  auto parsed = ParseModel(bad, "skew.json");
+  REQUIRE_FALSE(parsed.ok());
+  CHECK(parsed.error().message.find("/arch/moe/imbalance") != std::string::npos);
+  CHECK(checked == 7);
 }
 
 TEST_CASE("Block AttnRes with single copy and checkpointing saves what a standard layer saves") {

@@ -34,8 +34,8 @@ Measured Sample() {
   m.step_s = 0.25;
   m.loss = 10.5;
   m.grad_norm = 0.125;
-  m.ranks = {{0, 900, 1000, 400, {{0, 400}, {12.5, 900}, {30, 400}}, {{"alloc", 3}, {"kernel", 17}}, {}, {}, 0, 0, {}},
-             {1, 800, 950, 300, {}, {}, {}, {}, 0, 0, {}}};
+  m.ranks = {{0, 900, 1000, 400, {{0, 400}, {12.5, 900}, {30, 400}}, {{"alloc", 3}, {"kernel", 17}}, {}, {}, 0, 0, {}, {}},
+             {1, 800, 950, 300, {}, {}, {}, {}, 0, 0, {}, {}}};
   return m;
 }
 
@@ -51,7 +51,7 @@ Measured OneRank(std::string backend, int64_t peak, int64_t allocated_peak) {
   Measured m;
   m.backend = std::move(backend);
   m.plan_digest = kDigest;
-  m.ranks = {{0, allocated_peak, peak, 0, {}, {}, {}, {}, 0, 0, {}}};
+  m.ranks = {{0, allocated_peak, peak, 0, {}, {}, {}, {}, 0, 0, {}, {}}};
   return m;
 }
 
@@ -191,7 +191,7 @@ TEST_CASE("check table: units, verdicts, failures only") {
   PlanBounds plan = Bounds(1000, 800);
   plan.ranks.push_back({1, 900, 700});
   Measured m = OneRank("host", 1000, 800);
-  m.ranks.push_back({1, 700, 901, 0, {}, {}, {}, {}, 0, 0, {}});
+  m.ranks.push_back({1, 700, 901, 0, {}, {}, {}, {}, 0, 0, {}, {}});
   auto r = Check(plan, m);
   REQUIRE(r.ok());
   CHECK_FALSE(r->pass);

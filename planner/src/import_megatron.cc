@@ -328,6 +328,7 @@ OrderedJson Build(const Args& args, const ImportOptions& o) {
     if (first > 0) moe["first_dense_layers"] = first;
     if (!dense.empty()) moe["dense_layers"] = dense;
     has_dense = first > 0 || !dense.empty();
+    // Unset is Megatron's dropless default; the skew is memplan's default.
     if (args.Has("--moe-expert-capacity-factor")) {
       moe["capacity_factor"] = args.Number("--moe-expert-capacity-factor", 1e-3, 64, 1);
     }

@@ -241,7 +241,8 @@ void ParseArch(ObjectReader& r, Model& m) {
       }
     }
     c.latent_dim = o.OptIntNullable("latent_dim", 1, kMaxHidden);
-    c.capacity_factor = o.Number("capacity_factor", 1e-3, 64, 1.0);
+    if (o.Get("capacity_factor")) c.capacity_factor = o.Number("capacity_factor", 1e-3, 64, 1.0);
+    c.imbalance = o.Number("imbalance", 1.0, 1 << 20, MoeConfig::kDefaultMoeImbalance);
     c.router = o.Enum("router", {"softmax", "sigmoid"}, "softmax") == "sigmoid" ? Router::kSigmoid
                                                                                 : Router::kSoftmax;
     o.Finish();
@@ -635,9 +636,10 @@ Json NormalizedModelJson(const Model& m) {
                    {"shared_ffn_hidden", c.shared_ffn_hidden},
                    {"first_dense_layers", c.first_dense_layers},
                    {"latent_dim", c.latent_dim ? Json(*c.latent_dim) : Json(nullptr)},
-                   {"capacity_factor", c.capacity_factor},
+                   {"imbalance", c.imbalance},
                    {"router", c.router == Router::kSigmoid ? "sigmoid" : "softmax"}};
     if (!c.dense_layers.empty()) arch["moe"]["dense_layers"] = c.dense_layers;  // absent: digests unchanged
+    if (c.capacity_factor) arch["moe"]["capacity_factor"] = *c.capacity_factor;  // absent: dropless
   }
   if (a.attn_res) arch["attn_res"] = {{"block_layers", a.attn_res->block_layers}};
   if (a.linear_attention) {

@@ -622,6 +622,16 @@ std::string RenderPlanTable(const Plan& plan) {
            FormatBytes(st.runtime) + " (hardware.runtime; docs/accounting.md)\n";
   }
 
+  if (const auto& moe = plan.model.arch.moe) {
+    const double f = moe->RoutedRowsFactor(plan.model.parallel.ep);
+    out += moe->capacity_factor
+               ? "moe routing: tokens dropped past capacity_factor " + FormatFixed(f, 2) +
+                     "; routed buffers hold " + FormatFixed(f, 2) + "x each EP rank's mean share\n"
+               : "moe routing: dropless, assumed skew imbalance " + FormatFixed(moe->imbalance, 2) +
+                     " (most-loaded expert over the mean); routed buffers hold " + FormatFixed(f, 2) +
+                     "x each EP rank's mean share (docs/accounting.md section 8b)\n";
+  }
+
   // Policy summary: what the plan does with the saved tensors.
   struct Row {
     int64_t tensors = 0, bytes = 0, device = 0;

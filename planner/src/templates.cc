@@ -435,9 +435,10 @@ std::string AddMoe(Builder& B, const Dims& d, const std::string& x_in) {
     dispatch_in = B.Act("moe", "latent", {d.tokens_r, width}, model.options.moe_recompute_dispatch, d.shard_r);
     B.Op("moe", "latent_down", "linear", {x_in}, {dispatch_in}, Gemm(d.tokens_r, d.h, width), w);
   }
-  // Each EP rank receives tokens*top_k tokens x capacity_factor.
-  int64_t routed = static_cast<int64_t>(
-      std::ceil(static_cast<double>(CheckedMul(d.tokens_r, m.top_k, "routed tokens")) * m.capacity_factor));
+  // Each EP rank receives tokens*top_k rows on average; its buffers hold
+  // the capacity, or the worst rank's share under the assumed skew.
+  int64_t routed = static_cast<int64_t>(std::ceil(static_cast<double>(CheckedMul(d.tokens_r, m.top_k, "routed tokens")) *
+                                                  m.RoutedRowsFactor(model.parallel.ep)));
   // With dispatch recompute, only the dispatch input is saved; the grouped
   // GEMM input is rebuilt in backward by re-running the dispatch.
   std::string fc1_in = B.Act("moe", "fc1_in", {routed, width}, !model.options.moe_recompute_dispatch, "ep");

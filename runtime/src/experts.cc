@@ -133,6 +133,20 @@ void DispatchToExperts(OpContext& c, Buffer rows, int64_t width) {
     for (int64_t e = 0; e < s.local; ++e) rows_in += rt.received[static_cast<size_t>(At(s, r, e))];
     MEMPLAN_CHECK(static_cast<int64_t>(msg.size() - header) == rows_in * width * 4, "an EP rank sent the wrong rows");
   }
+  if (c.forward_pass() && rt.token_offsets.back() > 0) {
+    // Every rank routes as many rows as this one (equal microbatches): the
+    // mean per expert is ep * rows / experts, a rank's share its own rows.
+    const int64_t mine_rows = rt.token_offsets.back();
+    int64_t most = 0, all = 0;
+    for (int64_t e = 0; e < s.local; ++e) {
+      int64_t global = 0;
+      for (int64_t r = 0; r < s.ranks; ++r) global += rt.received[static_cast<size_t>(At(s, r, e))];
+      most = std::max(most, global);
+      all += global;
+    }
+    const double mean = static_cast<double>(s.ranks * mine_rows) / static_cast<double>(s.ranks * s.local);
+    c.NoteRouting(static_cast<double>(most) / mean, static_cast<double>(all) / static_cast<double>(mine_rows));
+  }
   // Capacity: the first rows in (expert, rank) order are kept.
   rt.kept.assign(rt.received.size(), 0);
   rt.offsets.assign(static_cast<size_t>(s.local + 1), 0);

@@ -85,6 +85,10 @@ Expected<RunResult> Executor::Finish(double grad_norm, double step_s) {
       mr.allocation_timeline.push_back({e.step, e.bytes, e.name, e.part});
     }
     mr.events = r->events;
+    if (r->routing_seen) {
+      mr.moe_routing = traces::MoeRoutingSeen{r->max_expert_load, r->max_rank_load,
+                                              model_.arch.moe->RoutedRowsFactor(model_.parallel.ep), r->dropped_rows};
+    }
     for (const auto& [k, v] : acts_->events(r->index)) mr.events[k] += v;
     m.ranks.push_back(std::move(mr));
   }
@@ -133,11 +137,20 @@ Expected<RunResult> Executor::Finish(double grad_norm, double step_s) {
     out.trace = trace_.ToJson();
   }
   for (auto& r : ranks_) {
-    if (r->dropped_rows == 0) continue;
-    warnings_.push_back("EP rank " + std::to_string(EpRank()) + " of pp rank " + std::to_string(r->index) + " dropped " +
-                        std::to_string(r->dropped_rows) +
-                        " routed rows past its capacity (/model/arch/moe/capacity_factor " +
-                        FormatFixed(model_.arch.moe->capacity_factor, 2) + "): their expert outputs are zero");
+    if (!r->routing_seen) continue;
+    const planner::MoeConfig& moe = *model_.arch.moe;
+    const double planned = moe.RoutedRowsFactor(model_.parallel.ep);
+    const std::string where = "EP rank " + std::to_string(EpRank()) + " of pp rank " + std::to_string(r->index);
+    const std::string assumed = moe.capacity_factor ? "/model/arch/moe/capacity_factor " + FormatFixed(planned, 2)
+                                                    : "/model/arch/moe/imbalance " + FormatFixed(moe.imbalance, 2);
+    if (r->dropped_rows > 0) {
+      warnings_.push_back(where + " dropped " + std::to_string(r->dropped_rows) +
+                          " routed rows past its planned rows (" + assumed + "): their expert outputs are zero");
+    }
+    if (!moe.capacity_factor && model_.parallel.ep > 1 && r->max_expert_load > moe.imbalance) {
+      warnings_.push_back(where + ": routing skew seen " + FormatFixed(r->max_expert_load, 2) +
+                          "x the mean expert load exceeds the plan's " + assumed);
+    }
   }
   out.warnings = warnings_;
   if (options_.comm) GatherRanks(out);

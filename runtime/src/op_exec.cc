@@ -76,6 +76,11 @@ class ExecOpContext final : public OpContext {
     return e_.ExchangeExperts(std::move(out));
   }
   void NoteDropped(int64_t rows) override { r_.dropped_rows += rows; }
+  void NoteRouting(double expert_load, double rank_load) override {
+    r_.routing_seen = true;
+    r_.max_expert_load = std::max(r_.max_expert_load, expert_load);
+    r_.max_rank_load = std::max(r_.max_rank_load, rank_load);
+  }
   void ToHost(void* dst, const void* src, int64_t bytes) override { e_.backend_->ToHost(*r_.dev, dst, src, bytes); }
   void FromHost(void* dst, const void* src, int64_t bytes) override {
     e_.backend_->FromHost(*r_.dev, dst, src, bytes);

@@ -358,7 +358,14 @@ void DispatchFwd(OpContext& c) {
   // Rows past the routed ones (capacity the template reserves) are zero.
   const int64_t used = d.rows * moe.top_k * d.cols * 4;
   if (xs.bytes > used) c.k().Zero(xs.ptr + used, xs.bytes - used);
-  if (ExpertParallel(c)) DispatchToExperts(c, xs, d.cols);
+  if (ExpertParallel(c)) {
+    DispatchToExperts(c, xs, d.cols);  // notes the routing with the experts' global counts
+  } else if (c.forward_pass() && d.rows > 0) {
+    int64_t most = 0;
+    for (size_t e = 0; e + 1 < offsets.size(); ++e) most = std::max(most, offsets[e + 1] - offsets[e]);
+    const double mean = static_cast<double>(d.rows * moe.top_k) / static_cast<double>(moe.experts);
+    c.NoteRouting(static_cast<double>(most) / mean, 1.0);
+  }
 }
 void DispatchBwd(OpContext& c) {
   Dims2 d = RowsCols(c.InSpec(0));

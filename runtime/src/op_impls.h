@@ -53,6 +53,9 @@ class OpContext {
   virtual int ep_rank() const = 0;
   virtual std::vector<std::vector<std::byte>> ExchangeExperts(std::vector<std::vector<std::byte>> out) = 0;
   virtual void NoteDropped(int64_t rows) = 0;
+  // The routing one MoE layer saw in one forward: its most-loaded expert's
+  // rows over the mean per expert, and (EP) this rank's rows over its share.
+  virtual void NoteRouting(double expert_load, double rank_load) = 0;
   // Device <-> host, in order with the ops (the exchange's staging).
   virtual void ToHost(void* dst, const void* src, int64_t bytes) = 0;
   virtual void FromHost(void* dst, const void* src, int64_t bytes) = 0;

@@ -133,6 +133,17 @@ CuptiRankBytes ParseCupti(const Json& json, const JsonLocation& where) {
   return c;
 }
 
+MoeRoutingSeen ParseRouting(const Json& json, const JsonLocation& where) {
+  ObjectReader r(json, where);
+  MoeRoutingSeen m;
+  m.max_expert_load = r.Number("max_expert_load", 0, 1 << 20, 0);
+  m.max_rank_load = r.Number("max_rank_load", 0, 1 << 20, 0);
+  m.planned_rank_load = r.Number("planned_rank_load", 0, 1 << 20, 0);
+  m.dropped_rows = r.Int("dropped_rows", 0, kMaxBytes, 0);
+  r.Finish();
+  return m;
+}
+
 PoolMarks ParsePool(const Json& json, const JsonLocation& where) {
   ObjectReader r(json, where);
   PoolMarks p{ByteCount(r, "reserved_peak"), ByteCount(r, "used_peak")};
@@ -173,6 +184,7 @@ MeasuredRank ParseRank(const Json& json, const JsonLocation& where) {
   }
   if (const Json* c = r.Get("cupti")) rank.cupti = ParseCupti(*c, r.At("cupti"));
   if (const Json* p = r.Get("pool")) rank.pool = ParsePool(*p, r.At("pool"));
+  if (const Json* p = r.Get("moe_routing")) rank.moe_routing = ParseRouting(*p, r.At("moe_routing"));
   if (const Json* a = r.Get("allocation_timeline")) {
     const JsonLocation at = r.At("allocation_timeline");
     const Json& list = ExpectArray(*a, at);
@@ -324,6 +336,12 @@ OrderedJson MeasuredToJson(const Measured& m) {
       r["cupti"] = std::move(c);
     }
     if (rank.pool) r["pool"] = {{"reserved_peak", rank.pool->reserved_peak}, {"used_peak", rank.pool->used_peak}};
+    if (const auto& m = rank.moe_routing) {
+      r["moe_routing"] = {{"max_expert_load", m->max_expert_load},
+                          {"max_rank_load", m->max_rank_load},
+                          {"planned_rank_load", m->planned_rank_load},
+                          {"dropped_rows", m->dropped_rows}};
+    }
     if (!rank.allocation_timeline.empty()) {
       OrderedJson list = OrderedJson::array();
       for (const auto& e : rank.allocation_timeline) list.push_back({e.step, e.bytes, e.name, e.part});

@@ -8,6 +8,7 @@
 // its sha256 is the model digest that ties plans to measurements.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -69,8 +70,23 @@ struct MoeConfig {
   // and sparse steps, DeepSeek's moe_layer_freq): docs/formats.md.
   std::vector<int64_t> dense_layers;
   std::optional<int64_t> latent_dim;  // experts run at `hidden` when unset
-  double capacity_factor = 1.0;
+  // Token dropping: each EP rank keeps at most capacity_factor x its mean
+  // share of routed rows. Unset: dropless (Megatron's and DeepSeek's
+  // default), and the routed buffers are sized for `imbalance`, the
+  // largest expert's load over the mean (docs/accounting.md section 8b).
+  std::optional<double> capacity_factor;
+  double imbalance = kDefaultMoeImbalance;
   Router router = Router::kSoftmax;
+
+  static constexpr double kDefaultMoeImbalance = 1.2;
+  // Routed rows an EP rank holds, over its mean share (s*b*top_k): the
+  // capacity when tokens are dropped, else min(imbalance, ep), since a rank
+  // whose every expert carries at most imbalance x the mean receives at most
+  // imbalance x its share, and never more than every rank's rows (ep x).
+  double RoutedRowsFactor(int64_t ep) const {
+    if (capacity_factor) return *capacity_factor;
+    return std::min(imbalance, static_cast<double>(ep));
+  }
 };
 
 struct AttnResConfig {

@@ -76,6 +76,15 @@ struct PoolMarks {
   int64_t used_peak = 0;      // bytes
 };
 
+// MoE routing the run saw on one rank (forward passes, every MoE layer and
+// microbatch): the skew the plan assumed (arch.moe.imbalance) against it.
+struct MoeRoutingSeen {
+  double max_expert_load = 0;  // max over layers, microbatches, experts of rows / mean rows per expert
+  double max_rank_load = 0;    // expert parallelism: rows this rank received / its mean share (1 when ep = 1)
+  double planned_rank_load = 0;  // the rows its buffers hold / its mean share (arch.moe RoutedRowsFactor)
+  int64_t dropped_rows = 0;      // routed rows past the planned rows
+};
+
 struct MeasuredRank {
   int64_t pp_rank = 0;
   int64_t allocated_peak = 0;  // bytes
@@ -90,6 +99,7 @@ struct MeasuredRank {
   // Allocator "eager": every allocation and free in order (JSON
   // "allocation_timeline"; omitted when empty).
   std::vector<StepAllocation> allocation_timeline;
+  std::optional<MoeRoutingSeen> moe_routing;  // models with MoE layers on this rank (JSON "moe_routing")
 };
 
 // Device bytes of the whole process (CUPTI and cudaMemGetInfo): everything
