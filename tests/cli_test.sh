@@ -262,6 +262,30 @@ grep -q -- "--recompute-activations: not understood" "$tmp/err" && ok || bad "me
 expect_exit 2 "import hf without --gpus" "$memplan" import hf "$root/tests/data/hf/gpt2.json" --global-batch 8 --seq 1024
 expect_exit 2 "import hf onto its input" "$memplan" import hf "$tmp/llama.json" --gpus 8 --global-batch 8 --seq 8 \
   -o "$tmp/llama.json"
+# Export (docs/export.md): the plan's decisions as Megatron's settings, the
+# comparison table on stdout with -o, and the settings imported back with
+# --as-written plan as the export's re-plan said (its exported peaks).
+expect_exit 0 "plan llama3-70b at 30 GiB" "$memplan" plan "$root/examples/models/llama3-70b.json" --budget 30GiB -q \
+  -o "$tmp/l70.plan.json"
+expect_exit 0 "export megatron" "$memplan" export megatron "$tmp/l70.plan.json" -o "$tmp/l70.args"
+grep -q "exported_peak(GiB)" "$tmp/out" && grep -q "^round trip: memplan import megatron ARGS --gpus 512" "$tmp/out" \
+  && grep -q -- "--num-layers 80" "$tmp/l70.args" && ok || bad "export megatron output: $(cat "$tmp/out")"
+expect_exit 0 "import the export back" "$memplan" import megatron "$tmp/l70.args" --gpus 512 --as-written -o "$tmp/l70.back.json"
+expect_exit 0 "plan the import" "$memplan" plan "$tmp/l70.back.json" --budget 30GiB -q -o "$tmp/l70.back.plan.json"
+"$memplan" export megatron "$tmp/l70.plan.json" -o "$tmp/l70.args2" >"$tmp/cmp" 2>&1
+python3 - "$tmp/cmp" "$tmp/l70.back.plan.json" <<'PY' && ok || bad "the imported export plans other peaks than the export's re-plan"
+import json, re, sys
+rows = [l.split() for l in open(sys.argv[1]) if re.match(r"^ +\d+ ", l)]
+exported = [float(r[2]) for r in rows]
+back = [round(r["peak"] / 2**30, 2) for r in json.load(open(sys.argv[2]))["ranks"]]
+assert exported and exported == back, (exported, back)
+PY
+expect_exit 0 "export torchtitan to stdout" "$memplan" export torchtitan "$tmp/l70.plan.json" -q
+grep -q '^\[activation_checkpoint\]' "$tmp/out" && ok || bad "export torchtitan printed: $(cat "$tmp/out")"
+expect_exit 2 "export a model file (not a plan)" "$memplan" export megatron "$root/examples/models/tiny-gpt.json" \
+  -o "$tmp/never.args"
+[ "$(wc -l <"$tmp/err")" -eq 1 ] && grep -q "tiny-gpt.json: /model: expected a PLAN.json" "$tmp/err" \
+  && [ ! -e "$tmp/never.args" ] && ok || bad "export error: $(cat "$tmp/err")"
 fi
 
 if want search; then

@@ -6,9 +6,11 @@
 
 #include <cmath>
 #include <fstream>
+#include <map>
 #include <sstream>
 
 #include "memplan/planner/accounting.h"
+#include "memplan/planner/framework.h"
 #include "memplan/planner/import.h"
 #include "memplan/planner/model.h"
 #include "memplan/planner/templates.h"
@@ -298,7 +300,11 @@ TEST_CASE("import megatron: arguments it cannot translate are refused by name") 
         "args.txt: --num-layer: not understood: an argument that may change memory is never dropped silently "
         "(docs/import.md lists the arguments read and those known to change nothing)");
   CHECK(MegatronError(s + "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
-            .rfind("args.txt: --recompute-granularity: recomputation is what memplan decides", 0) == 0);
+            .rfind("args.txt: --recompute-granularity: full recomputation is not imported yet", 0) == 0);
+  CHECK(MegatronError(s + "--recompute-granularity selective --recompute-modules attention")
+            .rfind("args.txt: --recompute-modules: unknown module attention", 0) == 0);
+  CHECK(MegatronError(s + "--offload-modules expert_fc1").find("takes effect with --fine-grained-activation-offloading") !=
+        std::string::npos);
   CHECK(MegatronError(s + "--cpu-offloading").rfind("args.txt: --cpu-offloading: changes memory and is not imported yet", 0) == 0);
   CHECK(MegatronError("--hidden-size 256").rfind("args.txt: --num-layers: missing", 0) == 0);
   CHECK(MegatronError(s + "--num-experts 8 --moe-layer-freq ([0]*3+[1]*2)").find("the pattern has 5 layers") !=
@@ -309,4 +315,105 @@ TEST_CASE("import megatron: arguments it cannot translate are refused by name") 
         std::string::npos);
   CHECK(MegatronError(s + "--num-layers 99999999999").find("--num-layers: expected an integer") != std::string::npos);
   CHECK(MegatronError(s + "--tensor-model-parallel-size 3", 24).find("/parallel/tp") != std::string::npos);
+}
+
+namespace {
+
+// Every rank's peak and step of two plans, which must be the same plan.
+void SamePlan(const Plan& a, const Plan& b) {
+  REQUIRE(a.ranks.size() == b.ranks.size());
+  for (size_t r = 0; r < a.ranks.size(); ++r) {
+    CAPTURE(r);
+    CHECK(a.ranks[r].peak == b.ranks[r].peak);
+    CHECK(a.ranks[r].fits == b.ranks[r].fits);
+  }
+  CHECK(a.overhead.step_s == doctest::Approx(b.overhead.step_s).epsilon(1e-12));
+}
+
+}  // namespace
+
+TEST_CASE("export megatron: the argument list imports to the model the export re-planned (round trip)") {
+  // docs/export.md. Budgets where memplan recomputes and offloads, so the
+  // settings are not empty; the import with --as-written must give the same
+  // plan as the export's own re-plan, rank by rank.
+  int checked = 0;
+  for (auto [example, budget] : std::vector<std::pair<std::string, int64_t>>{
+           {"examples/models/deepseek-v3.json", int64_t{40} << 30},
+           {"examples/models/llama3-70b.json", int64_t{30} << 30},
+           {"examples/models/gpt3-175b.json", 0}}) {
+    CAPTURE(example);
+    Model m = memplan::test::MustLoad(example);
+    if (budget > 0) m.budget = budget;
+    auto plan = BuildPlan(m);
+    REQUIRE(plan.ok());
+    auto e = ExportMegatron(*plan);
+    REQUIRE(e.ok());
+    auto coarse = BuildPlan(e->coarse);
+    REQUIRE(coarse.ok());
+    ImportOptions o;
+    o.gpus = m.parallel.Processes();
+    o.hardware = m.hardware.preset;
+    o.as_written = true;
+    auto doc = ImportMegatron(e->text, "exported.args", o);
+    REQUIRE(doc.ok());
+    Model back = memplan::test::MustParse(Json::parse(doc->dump()));
+    back.budget = e->coarse.budget;
+    auto replanned = BuildPlan(back);
+    REQUIRE(replanned.ok());
+    SamePlan(*coarse, *replanned);
+    // What the settings say is what the re-plan stored.
+    for (const auto& mod : e->recompute) CHECK(e->text.find(mod) != std::string::npos);
+    for (const auto& mod : e->offload) CHECK(e->text.find(mod) != std::string::npos);
+    ++checked;
+  }
+  CHECK(checked == 3);
+}
+
+TEST_CASE("export megatron: settings that fit where the plan fits, and what they cannot say") {
+  // DeepSeek-V3 at 40 GiB: the majority's modules alone do not fit; the
+  // export adds modules until every rank fits, and lists FP8 and remote
+  // offload (which Megatron cannot express).
+  Model m = memplan::test::MustLoad("examples/models/deepseek-v3.json");
+  m.budget = int64_t{40} << 30;
+  auto plan = BuildPlan(m);
+  REQUIRE(plan.ok());
+  for (const auto& r : plan->ranks) REQUIRE(r.fits);
+  auto e = ExportMegatron(*plan);
+  REQUIRE(e.ok());
+  CHECK_FALSE(e->added.empty());
+  auto coarse = BuildPlan(e->coarse);
+  REQUIRE(coarse.ok());
+  for (const auto& r : coarse->ranks) CHECK(r.fits);
+  bool fp8 = false;
+  for (const auto& line : e->not_expressed) fp8 |= line.rfind("FP8 storage of", 0) == 0;
+  CHECK(fp8);
+  // Megatron's policies: recompute wins over offload, everything else kept.
+  auto p = MegatronPolicies(false, {"moe_act"}, {"moe_act", "attn_norm"}, true, "t");
+  REQUIRE(p.ok());
+  std::map<std::string, Policy> by;
+  for (const auto& a : *p) by[a.match] = a.policy[0];
+  CHECK(by["layer*.moe.fc2_in"] == Policy::kRecompute);
+  CHECK(by["layer*.moe.fc1_out"] == Policy::kOffloadHost);
+  CHECK(by["layer*.attn_norm.x"] == Policy::kOffloadHost);
+  CHECK(p->back().match == "*");
+  CHECK_FALSE(MegatronPolicies(false, {"everything"}, {}, true, "t").ok());
+}
+
+TEST_CASE("export torchtitan: activation checkpointing that fits") {
+  Model m = memplan::test::MustLoad("examples/models/llama3-70b.json");
+  m.budget = int64_t{30} << 30;
+  auto plan = BuildPlan(m);
+  REQUIRE(plan.ok());
+  auto e = ExportTorchtitan(*plan);
+  REQUIRE(e.ok());
+  CHECK(e->text.find("[activation_checkpoint]") != std::string::npos);
+  CHECK(e->text.find("pipeline_parallel_degree = 4") != std::string::npos);
+  auto coarse = BuildPlan(e->coarse);
+  REQUIRE(coarse.ok());
+  bool fits = true;
+  for (const auto& r : coarse->ranks) fits &= r.fits;
+  CHECK(fits);
+  bool fsdp = false;
+  for (const auto& line : e->not_expressed) fsdp |= line.find("FSDP") != std::string::npos;
+  CHECK(fsdp);
 }

@@ -90,7 +90,22 @@ Expected<Command> ParseCommandLine(const std::vector<std::string>& args) {
   megatron->add_option("--hardware", c.hardware, "h100 (default), h200, b200")
       ->check(CLI::IsMember({"h100", "h200", "b200"}));
   megatron->add_option("--name", c.name, "the model's name (default: the file's)");
+  megatron->add_flag("--as-written", c.as_written,
+                     "store every tensor as the arguments say (their recompute and offload modules, the rest "
+                     "kept, as Megatron does) instead of letting memplan decide the rest");
   megatron->add_option("-o,--output", import_out, "write MODEL.json (default: stdout)");
+
+  std::string export_in, export_out;
+  auto* exp = app.add_subcommand(
+      "export", "Map a plan's decisions onto a framework's settings and re-plan under them (docs/export.md)");
+  exp->require_subcommand(1);
+  auto* exp_megatron = exp->add_subcommand("megatron", "A Megatron-LM argument list");
+  auto* exp_titan = exp->add_subcommand("torchtitan", "TorchTitan TOML sections");
+  for (auto* sub : {exp_megatron, exp_titan}) {
+    sub->add_option("plan", export_in, "PLAN.json (memplan plan -o)")->required();
+    sub->add_option("-o,--output", export_out, "write the settings to a file (default: stdout)");
+    sub->add_flag("-q,--quiet", c.quiet, "no comparison table");
+  }
 
   std::string expand_model, expand_out;
   auto* expand = app.add_subcommand("expand", "Print the model with every layer's graph expanded");
@@ -197,6 +212,11 @@ Expected<Command> ParseCommandLine(const std::vector<std::string>& args) {
     c.import_kind = hf->parsed() ? "hf" : "megatron";
     c.input = import_in;
     c.output = import_out;
+  } else if (exp->parsed()) {
+    c.verb = Verb::kExport;
+    c.import_kind = exp_megatron->parsed() ? "megatron" : "torchtitan";
+    c.input = export_in;
+    c.output = export_out;
   } else if (expand->parsed()) {
     c.verb = Verb::kExpand;
     c.input = expand_model;

@@ -12,7 +12,7 @@
 
 namespace memplan::cli {
 
-enum class Verb { kPlan, kExpand, kRun, kCheck, kProfile, kCalibrate, kViz, kSearch, kImport, kPrint };
+enum class Verb { kPlan, kExpand, kRun, kCheck, kProfile, kCalibrate, kViz, kSearch, kImport, kExport, kPrint };
 
 struct Command {
   Verb verb = Verb::kPrint;
@@ -51,6 +51,7 @@ struct Command {
   std::string optimizer = "adam";
   std::string hardware = "h100";
   bool no_mtp = false;
+  bool as_written = false;  // import megatron
   std::string name;
 
   // run, calibrate

@@ -43,5 +43,6 @@ int RunSearch(const Command& c);
 
 // `memplan import` (import_command.cc).
 int RunImport(const Command& c);
+int RunExport(const Command& c);
 
 }  // namespace memplan::cli

@@ -532,6 +532,7 @@ int RunCommand(const Command& c) {
       case Verb::kCalibrate: return RunCalibrate(c);
       case Verb::kSearch: return RunSearch(c);
       case Verb::kImport: return RunImport(c);
+      case Verb::kExport: return RunExport(c);
     }
   } catch (const std::bad_alloc&) {
     return Fail({ErrorCode::kRuntime, "out of host memory"});

@@ -28,6 +28,7 @@ int RunImport(const Command& c) {
   o.optimizer = c.optimizer;
   o.hardware = c.hardware;
   o.no_mtp = c.no_mtp;
+  o.as_written = c.as_written;
   o.name = c.name;
   Expected<OrderedJson> model = Error{ErrorCode::kBadInput, ""};
   if (c.import_kind == "hf") {

@@ -8,6 +8,7 @@
 #include <set>
 #include <sstream>
 
+#include "memplan/planner/framework.h"
 #include "memplan/planner/import.h"
 #include "memplan/planner/model.h"
 
@@ -46,7 +47,7 @@ const std::set<std::string, std::less<>>& Flags() {
   static const std::set<std::string, std::less<>> s = {
       "--swiglu", "--group-query-attention", "--untie-embeddings-and-output-weights", "--sequence-parallel",
       "--use-distributed-optimizer", "--bf16", "--fp16", "--multi-latent-attention", "--use-flash-attn",
-      "--accumulate-allreduce-grads-in-fp32"};
+      "--accumulate-allreduce-grads-in-fp32", "--fine-grained-activation-offloading"};
   return s;
 }
 
@@ -64,7 +65,7 @@ const std::set<std::string, std::less<>>& Valued() {
       "--moe-shared-expert-intermediate-size", "--moe-layer-freq", "--moe-router-score-function",
       "--moe-expert-capacity-factor", "--moe-token-dispatcher-type", "--q-lora-rank", "--kv-lora-rank",
       "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim", "--recompute-granularity", "--recompute-method",
-      "--recompute-num-layers", "--mtp-num-layers"};
+      "--recompute-num-layers", "--mtp-num-layers", "--recompute-modules", "--offload-modules"};
   return s;
 }
 
@@ -72,7 +73,7 @@ const std::set<std::string, std::less<>>& Valued() {
 // not translate yet: refused by name (docs/import.md).
 const std::set<std::string, std::less<>>& NotYet() {
   static const std::set<std::string, std::less<>> s = {
-      "--recompute-modules", "--fine-grained-activation-offloading", "--offload-modules", "--cpu-offloading",
+      "--cpu-offloading",
       "--cpu-offloading-num-layers", "--optimizer-cpu-offload", "--optimizer-offload-fraction",
       "--pipeline-model-parallel-layout", "--fp8-format", "--fp8", "--account-for-embedding-in-pipeline-split",
       "--account-for-loss-in-pipeline-split"};
@@ -340,10 +341,13 @@ OrderedJson Build(const Args& args, const ImportOptions& o) {
   if (args.Int("--mtp-num-layers", 0, kMaxLayers, 0) > 0) {
     args.Fail("--mtp-num-layers", "memplan does not plan multi-token prediction yet; plan without it");
   }
-  if (args.Has("--recompute-granularity") || args.Has("--recompute-method") || args.Has("--recompute-num-layers")) {
+  // Full recomputation is not translated; selective recomputation and
+  // fine-grained offloading become policy annotations (framework.h).
+  if (args.Has("--recompute-method") || args.Has("--recompute-num-layers") ||
+      args.String("--recompute-granularity", "selective") != "selective") {
     args.Fail(args.Has("--recompute-granularity") ? "--recompute-granularity" : "--recompute-method",
-              "recomputation is what memplan decides; import without it and compare with `memplan plan` "
-              "(translating it into policies is not done yet)");
+              "full recomputation is not imported yet (selective is); import without it and compare with "
+              "`memplan plan`");
   }
 
   const int64_t mbs = args.Int("--micro-batch-size", 1, kMaxMicroBatch);
@@ -387,10 +391,35 @@ OrderedJson Build(const Args& args, const ImportOptions& o) {
     if (last >= 0) layout.back() = last;
     parallel["pp_layout"] = layout;
   }
+  // Selective recomputation (Megatron's default modules: core_attn) and
+  // fine-grained offloading as policy annotations (framework.h).
+  std::vector<std::string> recompute, offload;
+  auto words = [](const std::string& v) {
+    std::vector<std::string> out;
+    std::istringstream in(v);
+    for (std::string w; in >> w;) out.push_back(w);
+    return out;
+  };
+  if (args.Has("--recompute-granularity")) recompute = words(args.String("--recompute-modules", "core_attn"));
+  if (args.Has("--recompute-modules") && !args.Has("--recompute-granularity")) {
+    args.Fail("--recompute-modules", "takes effect with --recompute-granularity selective, which is absent");
+  }
+  if (args.Flag("--fine-grained-activation-offloading")) {
+    if (!args.Has("--offload-modules")) args.Fail("--offload-modules", "missing: which modules to offload");
+    offload = words(args.String("--offload-modules", ""));
+  } else if (args.Has("--offload-modules")) {
+    args.Fail("--offload-modules", "takes effect with --fine-grained-activation-offloading, which is absent");
+  }
+  OrderedJson policies = OrderedJson::array();
+  if (!recompute.empty() || !offload.empty() || o.as_written) {
+    auto list = MegatronPolicies(args.Flag("--multi-latent-attention"), recompute, offload, o.as_written, args.file());
+    if (!list) throw ErrorException(list.error());
+    for (const auto& p : *list) policies.push_back({{"match", p.match}, {"policy", std::string(PolicyName(p.policy[0]))}});
+  }
   const std::string precision = args.Flag("--bf16") ? "bf16" : args.Flag("--fp16") ? "fp16" : "fp32";
   const std::string optimizer = args.Choice("--optimizer", {"adam", "muon"}, "adam");
   std::string name = o.name.empty() ? std::filesystem::path(args.file()).stem().string() : o.name;
-  return OrderedJson{
+  OrderedJson model{
       {"schema", kModelSchema},
       {"name", name},
       {"description", "Imported by memplan import megatron from " + std::filesystem::path(args.file()).filename().string() +
@@ -406,6 +435,8 @@ OrderedJson Build(const Args& args, const ImportOptions& o) {
         {"optimizer", optimizer}}},
       {"parallel", parallel},
       {"hardware", {{"preset", o.hardware}}}};
+  if (!policies.empty()) model["policies"] = policies;
+  return model;
 }
 
 }  // namespace

@@ -36,10 +36,11 @@ const std::vector<FrameworkModule>& MegatronOffloadModules();
 
 // Policy annotations under which memplan stores tensors as those settings
 // do: the modules' tensors recomputed (recompute wins over offload) or
-// offloaded to host, every other tensor kept. Unknown names are a kBadInput
-// error naming `where` and the name.
-Expected<std::vector<PolicyAnnotation>> MegatronPolicies(const Model& model, const std::vector<std::string>& recompute,
-                                                         const std::vector<std::string>& offload,
+// offloaded to host and, with `keep_rest`, every other tensor kept (what
+// Megatron does; without it memplan decides the rest). Unknown names are a
+// kBadInput error naming `where` and the name.
+Expected<std::vector<PolicyAnnotation>> MegatronPolicies(bool mla, const std::vector<std::string>& recompute,
+                                                         const std::vector<std::string>& offload, bool keep_rest,
                                                          const std::string& where);
 
 // What an export chose and what it could not say.
@@ -48,12 +49,17 @@ struct ExportedSettings {
   std::string text;                     // the argument list, or the TOML sections
   std::vector<std::string> recompute;   // modules (Megatron) or the TorchTitan mode
   std::vector<std::string> offload;     // modules (Megatron)
+  // Modules added to the majority's choice until the settings fit, in the
+  // order added ("recompute moe_act", "offload expert_fc1").
+  std::vector<std::string> added;
   std::vector<std::string> not_expressed;  // one line each: what the settings cannot say
   Model coarse;                         // the plan's model under exactly these settings
 };
 
 // From a plan: a module's tensors are recomputed (offloaded) in the export
-// when the plan recomputes (offloads) at least half of their bytes.
+// when the plan recomputes (offloads) at least half of their bytes; where
+// that does not fit, Megatron's modules are added greedily (re-planning each
+// candidate) until it fits or none helps.
 Expected<ExportedSettings> ExportMegatron(const Plan& plan);
 Expected<ExportedSettings> ExportTorchtitan(const Plan& plan);
 

@@ -31,6 +31,11 @@ struct ImportOptions {
   std::string optimizer = "adam";
   std::string hardware = "h100";
   bool no_mtp = false;       // plan without the checkpoint's multi-token-prediction layers
+  // Megatron: store every tensor as the arguments say (their recompute and
+  // offload modules, everything else kept, as Megatron does) instead of
+  // leaving what they do not mention to memplan. `memplan export` writes
+  // argument lists meant for this.
+  bool as_written = false;
   std::string name;          // empty: from the file
 };
 

@@ -1,0 +1,73 @@
+// `memplan export megatron|torchtitan PLAN.json` (planner/framework.h,
+// docs/export.md): the plan's decisions as the framework's settings, the
+// plan re-made under exactly those settings, and what the approximation
+// costs per rank.
+#include <cstdio>
+#include <string>
+
+#include "command_util.h"
+#include "memplan/common/table.h"
+#include "memplan/planner/framework.h"
+#include "memplan/planner/model.h"
+#include "memplan/planner/plan.h"
+
+namespace memplan::cli {
+
+int RunExport(const Command& c) {
+  if (auto ok = CheckOutputs({c.output}, c.input); !ok) return Fail(ok.error());
+  auto doc = ReadJsonFile(c.input);
+  if (!doc) return Fail(doc.error());
+  if (!doc->is_object() || !doc->contains("model")) {
+    return Fail({ErrorCode::kBadInput, c.input + ": /model: expected a PLAN.json (memplan plan -o) with its model"});
+  }
+  auto model = planner::ParseModel((*doc)["model"], c.input + " /model");
+  if (!model) return Fail(model.error());
+  auto plan = planner::BuildPlan(*model);
+  if (!plan) return Fail(plan.error());
+  if (doc->contains("digest") && (*doc)["digest"] != plan->digest) {
+    std::fprintf(stderr, "memplan: warning: %s was not written from its model by this memplan (digest differs); "
+                         "exporting the plan re-made from its model\n", c.input.c_str());
+  }
+  auto exported = c.import_kind == "megatron" ? planner::ExportMegatron(*plan) : planner::ExportTorchtitan(*plan);
+  if (!exported) return Fail(exported.error());
+  auto coarse = planner::BuildPlan(exported->coarse);
+  if (!coarse) return Fail(coarse.error());
+
+  if (c.output.empty()) {
+    std::fputs(exported->text.c_str(), stdout);
+  } else {
+    OutputFiles out;
+    if (auto st = out.Stage(c.output, exported->text); !st) return Fail(st.error());
+    if (auto st = out.Commit(); !st) return Fail(st.error());
+  }
+  if (c.quiet) return 0;
+  // The comparison goes where the settings do not.
+  FILE* to = c.output.empty() ? stderr : stdout;
+  const double gib = 1.0 / (1 << 30);
+  auto cell = [&](int64_t b) { return FormatFixed(static_cast<double>(b) * gib, 2); };
+  Table t({"pp_rank", "memplan_peak(GiB)", "exported_peak(GiB)", "difference(GiB)", "budget(GiB)", "fits"});
+  bool all_fit = true;
+  for (size_t r = 0; r < plan->ranks.size() && r < coarse->ranks.size(); ++r) {
+    const auto& a = plan->ranks[r];
+    const auto& b = coarse->ranks[r];
+    all_fit &= b.fits;
+    t.AddRow({std::to_string(a.pp_rank), cell(a.peak), cell(b.peak), cell(b.peak - a.peak), cell(b.budget),
+              b.fits ? "yes" : "NO"});
+  }
+  std::string report = t.Render();
+  const double s0 = plan->overhead.step_s, s1 = coarse->overhead.step_s;
+  report += "step: memplan " + FormatFixed(s0 * 1e3, 2) + " ms, exported settings " + FormatFixed(s1 * 1e3, 2) +
+            " ms (" + (s1 >= s0 ? "+" : "") + FormatFixed(s0 > 0 ? 100 * (s1 - s0) / s0 : 0, 1) + " %)\n";
+  if (!all_fit) report += "the exported settings do NOT fit: memplan's plan needs its per-tensor choices\n";
+  for (const auto& a : exported->added) report += "to fit: " + a + "\n";
+  for (const auto& line : exported->not_expressed) report += "not expressed: " + line + "\n";
+  if (c.import_kind == "megatron") {
+    report += "round trip: memplan import megatron ARGS --gpus " + std::to_string(plan->model.parallel.Processes()) +
+              " --hardware " + (plan->model.hardware.preset.empty() ? "h100" : plan->model.hardware.preset) +
+              " --as-written\n";
+  }
+  std::fputs(report.c_str(), to);
+  return 0;
+}
+
+}  // namespace memplan::cli
