@@ -241,6 +241,58 @@ TEST_CASE("embedding on the first stage, head on the last, tied copies") {
   CHECK(single.rank(0).params - Account(MustParse(tied1)).rank(0).params == vh);
 }
 
+TEST_CASE("MTP: one block, a projection and its norms on the last stage; the embedding copied there under pp > 1") {
+  // Megatron-LM: the MTP block runs on the last pipeline stage
+  // (megatron/core/transformer/multi_token_prediction.py), which builds its
+  // own word embedding when it is not the first (gpt_model.py: "if
+  // self.pre_process or self.mtp_process: self.embedding = ..."); a tied
+  // head already is that copy. DeepSeek-V3 section 2.2: M_k is d x 2d, two
+  // RMSNorms, one transformer block; the output head is shared.
+  const int64_t h = 512, V = 4096;
+  const int64_t block = 4 * h * h + 3 * h * 2048 + 2 * h;  // attention (q, k, v, o), SwiGLU MLP, its two norms
+  const int64_t mtp = block + 2 * h * h + 3 * h;          // + eh_proj (two h x h) + enorm, hnorm, head norm
+  int checked = 0;
+  for (bool tied : {false, true}) {
+    for (int64_t pp : {1, 2}) {
+      CAPTURE(tied);
+      CAPTURE(pp);
+      Json j = Dense(1, 0);
+      j["arch"]["tied_embeddings"] = tied;
+      j["arch"]["heads"] = 8;
+      j["parallel"]["pp"] = pp;
+      auto without = Account(MustParse(j));
+      j["arch"]["mtp_layers"] = 1;
+      auto with = Account(MustParse(j));
+      const int64_t last = pp - 1;
+      // A copy of the embedding on the last stage only when it is not the
+      // first and the head is not tied.
+      const int64_t copy = pp > 1 && !tied ? V * h : 0;
+      CHECK(with.rank(last).params - without.rank(last).params == mtp + copy);
+      if (pp > 1) CHECK(with.rank(0).params == without.rank(0).params);
+      // The model's totals count the block, never the copy.
+      CHECK(CountParameters(with.model, with.layers).params - CountParameters(without.model, without.layers).params == mtp);
+      ++checked;
+    }
+  }
+  CHECK(checked == 4);
+  // Its activations are the last stage's: one more block and another
+  // cross-entropy over the vocabulary.
+  Json j = Dense(1, 0);
+  j["parallel"]["pp"] = 2;
+  j["arch"]["mtp_layers"] = 2;
+  const Model m = MustParse(j);
+  const LayerGraph last = ExpandTemplateLayer(m, m.arch.layers - 1);
+  CHECK(last.FindTensor("layer3.mtp0.loss.probs"));
+  CHECK(last.FindTensor("layer3.mtp1.attn_norm.x"));
+  CHECK(last.SavedBytes() > ExpandTemplateLayer(MustParse(Dense(1, 0)), 3).SavedBytes() + 2 * 128 * V * 4);
+  Json bad = Dense(1, 0);
+  bad["arch"]["mtp_layers"] = 1;
+  bad["arch"]["attn_res"] = {{"block_layers", 2}};
+  auto refused = ParseModel(bad, "mtp.json");
+  REQUIRE_FALSE(refused.ok());
+  CHECK(refused.error().message.find("/arch/mtp_layers") != std::string::npos);
+}
+
 TEST_CASE("uneven pp_layout moves parameters with the layers") {
   Json j = Dense(1, 0);
   j["parallel"]["pp"] = 2;

@@ -109,7 +109,7 @@ ModelTotals CountParameters(const Model& model, const std::vector<LayerGraph>& l
   const Arch& a = model.arch;
   for (const auto& g : layers) {
     for (const auto& p : g.params) {
-      if (p.kind == ParamKind::kHead && a.tied_embeddings) continue;
+      if ((p.kind == ParamKind::kHead && a.tied_embeddings) || p.copy) continue;
       int64_t n = p.Elements();
       t.params = CheckedAdd(t.params, n, "parameter count");
       if (IsExpert(p) && a.moe) {

@@ -353,6 +353,7 @@ Expected<ExportedSettings> ExportMegatron(const Plan& plan) {
                                 "): a planning assumption, not a setting; the import restores the default");
     }
   }
+  if (a.mtp_layers > 0) arg("--mtp-num-layers", num(a.mtp_layers));
   if (a.attn_res) e.not_expressed.push_back("Block AttnRes (arch.attn_res): Megatron has no attention residuals");
   if (a.linear_attention) e.not_expressed.push_back("KDA layers (arch.linear_attention): Megatron has no KDA");
   arg("--seq-length", num(m.train.seq_len));

@@ -265,6 +265,7 @@ OrderedJson LayerGraph::ToJson() const {
                   {"shape", p.shape},
                   {"kind", ParamKindName(p.kind)},
                   {"tp_split", p.tp_split}});
+    if (p.copy) ps.back()["copy"] = true;
   }
   j["params"] = std::move(ps);
   OrderedJson ts = OrderedJson::array();
@@ -317,6 +318,7 @@ LayerGraph LayerGraph::FromJson(const Json& value, const JsonLocation& where) {
                                        "shared_expert"});
     ParseParamKind(kind, &spec.kind);
     spec.tp_split = p.Bool("tp_split", false);
+    spec.copy = p.Bool("copy", false);
     p.Finish();
     g.params.push_back(std::move(spec));
   }

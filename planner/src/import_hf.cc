@@ -217,12 +217,10 @@ Json ArchOf(const Json& config, const std::string& file, Family family, const st
     for (int64_t l = first; l < layers; ++l) {
       if (l % freq != 0) dense.push_back(l);
     }
-    const int64_t mtp = r.Int("num_nextn_predict_layers", 0, kMaxLayers, 0);
-    if (mtp > 0 && !o.no_mtp) {
-      ThrowAt(r.At("num_nextn_predict_layers"),
-              std::to_string(mtp) + " multi-token-prediction layer(s): memplan does not plan MTP yet; "
-                                    "pass --no-mtp to plan the model without them");
-    }
+    // Multi-token prediction depths, planned on the last stage
+    // (docs/accounting.md section 2b); --no-mtp plans the model without.
+    const int64_t mtp = r.Int("num_nextn_predict_layers", 0, 16, 0);
+    if (mtp > 0 && !o.no_mtp) a["mtp_layers"] = mtp;
   }
   if (first > 0) moe["first_dense_layers"] = first;
   if (!dense.empty()) moe["dense_layers"] = dense;

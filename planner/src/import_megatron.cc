@@ -34,7 +34,7 @@ const std::set<std::string, std::less<>>& Ignored() {
       "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "--moe-router-num-groups",
       "--moe-router-group-topk", "--moe-router-dtype", "--moe-permute-fusion", "--qk-layernorm",
       "--rotary-scaling-factor", "--mscale", "--mscale-all-dim", "--use-checkpoint-args", "--exit-duration-in-mins",
-      "--no-load-optim", "--no-load-rng", "--finetune", "--log-throughput", "--log-timers-to-tensorboard",
+      "--no-load-optim", "--mtp-loss-scaling-factor", "--no-load-rng", "--finetune", "--log-throughput", "--log-timers-to-tensorboard",
       "--manual-gc", "--manual-gc-interval", "--use-distributed-optimizer-overlap", "--ckpt-format",
       "--dist-ckpt-strictness", "--no-gradient-accumulation-fusion", "--cross-entropy-loss-fusion",
       "--tp-comm-overlap", "--num-workers", "--dataloader-type", "--no-create-attention-mask-in-dataloader",
@@ -338,9 +338,7 @@ OrderedJson Build(const Args& args, const ImportOptions& o) {
     a["moe"] = moe;
   }
   if (has_dense) a["ffn_hidden"] = ffn;
-  if (args.Int("--mtp-num-layers", 0, kMaxLayers, 0) > 0) {
-    args.Fail("--mtp-num-layers", "memplan does not plan multi-token prediction yet; plan without it");
-  }
+  if (const int64_t mtp = args.Int("--mtp-num-layers", 0, 16, 0); mtp > 0) a["mtp_layers"] = mtp;
   // Full recomputation is not translated; selective recomputation and
   // fine-grained offloading become policy annotations (framework.h).
   if (args.Has("--recompute-method") || args.Has("--recompute-num-layers") ||

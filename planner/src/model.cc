@@ -191,6 +191,7 @@ void ParseArch(ObjectReader& r, Model& m) {
   a.vocab = r.Int("vocab", 1, kMaxVocab);
   a.tied_embeddings = r.Bool("tied_embeddings", false);
   a.position_embeddings = r.Int("position_embeddings", 0, kMaxSeqLen, 0);
+  a.mtp_layers = r.Int("mtp_layers", 0, 16, 0);
 
   if (const Json* v = r.Get("mla")) {
     ObjectReader o(*v, r.At("mla"));
@@ -265,6 +266,10 @@ void ParseArch(ObjectReader& r, Model& m) {
     a.linear_attention = c;
   }
   r.Finish();
+  if (a.mtp_layers > 0 && (a.attn_res || a.position_embeddings > 0)) {
+    ThrowAt(r.At("mtp_layers"), std::string("multi-token prediction with ") +
+                                    (a.attn_res ? "Block AttnRes" : "learned positions") + " is not planned");
+  }
   bool has_dense = !a.moe || a.moe->first_dense_layers > 0 || !a.moe->dense_layers.empty();
   if (has_dense && a.ffn_hidden == 0) {
     ThrowAt(r.where(), "missing required key \"ffn_hidden\" (the model has dense FFN layers)");
@@ -620,6 +625,7 @@ Json NormalizedModelJson(const Model& m) {
             {"tied_embeddings", a.tied_embeddings}};
   if (a.ffn_hidden) arch["ffn_hidden"] = a.ffn_hidden;
   if (a.position_embeddings) arch["position_embeddings"] = a.position_embeddings;  // absent: digests unchanged
+  if (a.mtp_layers) arch["mtp_layers"] = a.mtp_layers;
   if (a.mla) {
     arch["mla"] = {{"q_lora_rank", a.mla->q_lora_rank},
                    {"kv_lora_rank", a.mla->kv_lora_rank},

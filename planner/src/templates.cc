@@ -139,6 +139,15 @@ class Builder {
     return CheckedMul(elements, DTypeBytes(model_.train.param_dtype), "parameter bytes");
   }
 
+  // Names what follows `prefix`<module>.<name> (multi-token prediction's
+  // depths inside the last layer's graph).
+  void SetPrefix(std::string prefix) { prefix_ = std::move(prefix); }
+  // The op declared last reads these parameters (full names, declared in
+  // this graph): a weight another module owns.
+  void SetParamNames(std::vector<std::string> names) { g_->ops.back().params = std::move(names); }
+  // The parameter declared last replicates another stage's (ParamSpec::copy).
+  void MarkCopy() { g_->params.back().copy = true; }
+
   const Model& model() const { return model_; }
   int64_t layer() const { return layer_; }
 
@@ -476,6 +485,77 @@ std::string AddMoe(Builder& B, const Dims& d, const std::string& x_in) {
   return a.dropout ? AddResidualDropout(B, d, "moe", out) : out;
 }
 
+// Multi-token prediction (DeepSeek-V3, section 2.2; Megatron-LM's
+// megatron/core/transformer/multi_token_prediction.py), after the main loss
+// in the last layer's graph: depth k normalises the previous depth's hidden
+// state `h_prev` (the main model's, before its final norm, at k = 0) and the
+// embedding of the token k + 1 ahead, projects the two (eh_proj, as two
+// h x h linears and an add), runs one transformer block of the last layer's
+// kind and a cross-entropy through the shared output head with its own norm.
+// With pp > 1 the last stage keeps its own word embedding for the lookups
+// (Megatron's gpt_model.py builds the embedding where mtp_process), a copy
+// unless the head is tied (then the head's copy serves both).
+void AddMtp(Builder& B, const Dims& d, std::string h_prev) {
+  const Model& model = B.model();
+  const Arch& a = model.arch;
+  const int64_t last = a.layers - 1;
+  const std::string base = "layer" + std::to_string(last) + ".";
+  const int64_t pbytes = DTypeBytes(model.train.param_dtype);
+  std::vector<std::string> table;  // the lookups' weight where it is in this graph
+  if (model.parallel.pp > 1 && !a.tied_embeddings) {
+    B.SetPrefix(base + "mtp.");
+    B.Param("embed", "weight", {a.vocab, d.h}, ParamKind::kEmbedding, true);
+    B.MarkCopy();
+    table = {base + "mtp.embed.weight"};
+  } else if (model.parallel.pp > 1 || last == 0) {
+    table = {a.tied_embeddings && model.parallel.pp > 1 ? base + "head.weight" : "layer0.embed.weight"};
+  }
+  const bool moe = a.IsMoeLayer(last), kda = a.IsLinearAttentionLayer(last);
+  const int64_t vocab_local = CeilDiv(a.vocab, d.t);
+  for (int64_t k = 0; k < a.mtp_layers; ++k) {
+    B.SetPrefix(base + "mtp" + std::to_string(k) + ".");
+    std::string tokens = B.Tensor("embed", "tokens", {d.tokens}, DType::kI32, true, "replicated");
+    // Saved: the embedding norm's input.
+    std::string emb = B.Act("embed", "out", {d.tokens_r, d.h}, true, d.shard_r);
+    B.Op("embed", "lookup", "embedding", {tokens}, {emb}, 0, CheckedMul(d.tokens, d.h * pbytes, "embedding rows"));
+    if (!table.empty()) B.SetParamNames(table);
+    std::string e_in = AddNorm(B, d, "enorm", emb, "proj", "e_in", true);
+    std::string h_in = AddNorm(B, d, "hnorm", h_prev, "proj", "h_in", true);
+    int64_t we = B.Param("proj", "e.weight", {d.h, d.h}, ParamKind::kLinear, false);
+    std::string e_out = B.Act("proj", "e_out", {d.tokens_r, d.h}, false, d.shard_r);
+    B.Op("proj", "e", "linear", {e_in}, {e_out}, Gemm(d.tokens_r, d.h, d.h), we);
+    int64_t wh = B.Param("proj", "h.weight", {d.h, d.h}, ParamKind::kLinear, false);
+    std::string h_out = B.Act("proj", "h_out", {d.tokens_r, d.h}, false, d.shard_r);
+    B.Op("proj", "h", "linear", {h_in}, {h_out}, Gemm(d.tokens_r, d.h, d.h), wh);
+    std::string x = B.Act("attn_norm", "x", {d.tokens_r, d.h}, true, d.shard_r);
+    B.Op("proj", "add", "add", {e_out, h_out}, {x}, static_cast<double>(d.tokens_r * d.h));
+    // The block, as a main layer of the last layer's kind.
+    const std::string attn_module = kda ? "kda" : "attn";
+    std::string normed = AddNorm(B, d, "attn_norm", x, attn_module, kda ? "in" : "qkv_in", true);
+    std::string attn_out = kda ? AddKda(B, d, normed) : a.mla ? AddMlaAttention(B, d, normed) : AddStandardAttention(B, d, normed);
+    std::string h2 = B.Act("ffn_norm", "x", {d.tokens_r, d.h}, true, d.shard_r);
+    B.Op(attn_module, "residual", "add", {x, attn_out}, {h2}, static_cast<double>(d.tokens_r * d.h));
+    const std::string ffn_module = moe ? "moe" : "mlp";
+    std::string ffn_in = AddNorm(B, d, "ffn_norm", h2, ffn_module, moe ? "x" : "fc1_in", true);
+    std::string ffn_out = moe ? AddMoe(B, d, ffn_in) : AddMlp(B, d, ffn_in);
+    std::string out = B.Act("head", "norm_x", {d.tokens_r, d.h}, true, d.shard_r);
+    B.Op(ffn_module, "residual", "add", {h2, ffn_out}, {out}, static_cast<double>(d.tokens_r * d.h));
+    // Its loss through the shared output head.
+    std::string head_in = AddNorm(B, d, "head_norm", out, "head", "in", true);
+    std::string logits = B.Act("head", "logits", {d.tokens, vocab_local}, false, "tp");
+    B.Op("head", "proj", "linear", {head_in}, {logits}, Gemm(d.tokens, d.h, vocab_local),
+         CheckedMul(vocab_local, d.h * pbytes, "head bytes"));
+    B.SetParamNames({base + "head.weight"});
+    std::string probs = B.Tensor("loss", "probs", {d.tokens, vocab_local}, DType::kFP32, true, "tp");
+    std::string targets = B.Tensor("loss", "targets", {d.tokens}, DType::kI32, true, "replicated");
+    std::string loss = B.Tensor("loss", "value", {d.tokens}, DType::kFP32, false, "replicated");
+    B.Op("loss", "cross_entropy", "cross_entropy", {logits, targets}, {probs, loss},
+         5.0 * static_cast<double>(d.tokens * vocab_local));
+    h_prev = out;
+  }
+  B.SetPrefix(base);
+}
+
 int64_t AttnResSources(int64_t layer, int64_t block_layers) { return AttnResSourceCount(layer, block_layers); }
 
 // Block AttnRes with a single copy: the one tensor holding block
@@ -694,6 +774,7 @@ LayerGraph ExpandTemplateLayer(const Model& model, int64_t layer) {
     std::string loss = B.Tensor("loss", "value", {d.tokens}, DType::kFP32, false, "replicated");
     B.Op("loss", "cross_entropy", "cross_entropy", {logits, targets}, {probs, loss},
          5.0 * static_cast<double>(d.tokens * vocab_local));
+    if (a.mtp_layers > 0) AddMtp(B, d, out);
   }
   g.Finalize(JsonLocation{model.file, "/arch"});
   return g;

@@ -37,6 +37,9 @@ Expected<std::monostate> Executor::Setup() {
     why.push_back("/model/arch/position_embeddings: learned positions are planned (their table, gradient and "
                   "optimizer state) but not executed yet");
   }
+  if (model_.arch.mtp_layers > 0) {
+    why.push_back("/model/arch/mtp_layers: multi-token prediction is planned but not executed yet");
+  }
   if (model_.arch.moe && model_.arch.moe->RoutedRowsFactor(model_.parallel.ep) < 1) {
     why.push_back("/model/arch/moe/capacity_factor is below 1: the runtime drops routed tokens only past an "
                   "expert rank's capacity, never a rank's own");

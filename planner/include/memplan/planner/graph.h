@@ -48,6 +48,10 @@ struct ParamSpec {
   std::vector<int64_t> shape;  // global shape; experts: [experts, rows, cols]
   ParamKind kind = ParamKind::kLinear;
   bool tp_split = false;  // sharded over tensor-parallel ranks
+  // A replica of another stage's parameter (the word embedding the last
+  // stage keeps for multi-token prediction): memory on its rank, not in
+  // the model's parameter totals.
+  bool copy = false;
 
   int64_t Elements() const;  // product of shape
   // Number of 2-D matrices (Muon's unit): experts count one per expert.

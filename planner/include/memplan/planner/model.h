@@ -117,6 +117,9 @@ struct Arch {
   // Learned absolute positions (GPT-2): a table of this many rows on the
   // embedding's rank; 0 for rotary models (docs/formats.md).
   int64_t position_embeddings = 0;
+  // Multi-token prediction depths (DeepSeek-V3): after the last layer, on
+  // the last pipeline stage (docs/accounting.md section 2b).
+  int64_t mtp_layers = 0;
   std::optional<MlaConfig> mla;
   std::optional<MoeConfig> moe;
   std::optional<AttnResConfig> attn_res;
