@@ -88,6 +88,46 @@ TEST_CASE("16-bit gradients: Megatron's fp16 row, 20 vs 4 + 16/d") {
   CHECK(States(zero) * 8 == (4 * 8 + 16) * zero.params);
 }
 
+TEST_CASE("ZeRO-3 / FSDP: every model state sharded, gathered units and one unit's gradients live") {
+  // Rajbhandari et al. 2020 (ZeRO), Figure 1: P_os+g+p holds (2 + 2 + K) psi
+  // / N_d; with fp32 main gradients (memplan's and Megatron's default) that
+  // is (2 + 4 + 12) / d = 18 / d bytes per parameter, no bucket. FSDP
+  // (PyTorch FSDP2, TorchTitan: a unit per transformer block, the
+  // embedding and the output head) gathers the unit computing and
+  // `fsdp_prefetch` ahead; one unit's unsharded fp32 gradients wait for
+  // their reduce-scatter.
+  int checked = 0;
+  for (int64_t d : {2, 4, 8, 64}) {
+    CAPTURE(d);
+    auto s = Account(MustParse(Dense(d, 3))).rank(0);
+    CHECK((s.weights + s.grads + s.optimizer) * d == 18 * s.params);
+    CHECK(s.buffer_detail.count("reduce_bucket") == 0);
+    ++checked;
+  }
+  CHECK(checked == 4);
+  // Dense(): h 512, ffn 2048 (SwiGLU), 8 heads, vocab 4096, 4 layers. A
+  // block: 4 h^2 + 3 h ffn + 2 h = 4,195,328; the last adds the final norm
+  // (512); the embedding and the head units V h = 2,097,152 each.
+  const int64_t block = 4 * 512 * 512 + 3 * 512 * 2048 + 2 * 512, last = block + 512;
+  auto s = Account(MustParse(Dense(8, 3))).rank(0);
+  CHECK(s.buffer_detail.at("fsdp_params") == 2 * (last + block));  // bf16, the two largest units
+  CHECK(s.buffer_detail.at("fsdp_grads") == 4 * last);              // fp32, the largest unit
+  Json deeper = Dense(8, 3);
+  deeper["parallel"]["fsdp_prefetch"] = 2;
+  CHECK(Account(MustParse(deeper)).rank(0).buffer_detail.at("fsdp_params") == 2 * (last + 2 * block));
+  Json kept = Dense(8, 3);
+  kept["parallel"]["fsdp_reshard_after_forward"] = false;  // every unit stays gathered
+  auto k = Account(MustParse(kept)).rank(0);
+  CHECK(k.buffer_detail.at("fsdp_params") == 2 * k.params);
+  CHECK(k.params == 3 * block + last + 2 * 4096 * 512);
+  // The FSDP settings belong to zero 3 only.
+  Json wrong = Dense(8, 1);
+  wrong["parallel"]["fsdp_prefetch"] = 2;
+  auto refused = ParseModel(wrong, "z.json");
+  REQUIRE_FALSE(refused.ok());
+  CHECK(refused.error().message.find("/parallel/fsdp_prefetch: applies to zero 3 only") != std::string::npos);
+}
+
 TEST_CASE("ZeRO-2 without data parallelism adds no reduce bucket") {
   auto s = Account(MustParse(Dense(1, 2))).rank(0);
   CHECK(s.buffer_detail.count("reduce_bucket") == 0);

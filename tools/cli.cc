@@ -76,7 +76,8 @@ Expected<Command> ParseCommandLine(const std::vector<std::string>& args) {
     hf->add_option(flag, *field, std::string(flag + 2) + " size (default 1)")->check(CLI::Range(1, 1 << 20));
   }
   hf->add_flag("--sp", c.sp, "sequence parallelism with tp");
-  hf->add_option("--zero", c.zero, "ZeRO stage 0, 1 (default: the distributed optimizer) or 2")->check(CLI::Range(0, 2));
+  hf->add_option("--zero", c.zero, "ZeRO stage 0, 1 (default: the distributed optimizer), 2 or 3 (FSDP)")
+      ->check(CLI::Range(0, 3));
   hf->add_option("--optimizer", c.optimizer, "adam (default) or muon")->check(CLI::IsMember({"adam", "muon"}));
   hf->add_option("--hardware", c.hardware, "h100 (default), h200, b200")->check(CLI::IsMember({"h100", "h200", "b200"}));
   hf->add_flag("--no-mtp", c.no_mtp, "plan without the checkpoint's multi-token-prediction layers");

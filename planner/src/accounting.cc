@@ -129,27 +129,53 @@ StaticBreakdown AccountRank(const Model& model, const std::vector<LayerGraph>& l
   const bool partition_grads = par.zero >= 2 || par.pipeline_zero2;
   const bool partition_optimizer = par.zero >= 1 || par.pipeline_zero2;
 
+  const bool shard_params = par.zero >= 3;
+
   StaticBreakdown s;
   int64_t grad_partition = 0;  // gradient bytes after partitioning
+  int64_t weight_elements = 0;  // after ZeRO-3's sharding
   int64_t largest_chunk_params = 0;
+  // ZeRO-3's units, in order (section 4c): each layer's embedding, its
+  // block (everything else), its output head; elements unsharded.
+  std::vector<int64_t> units;
   for (const auto& chunk : layout.chunks[static_cast<size_t>(rank)]) {
     int64_t chunk_params = 0;
     for (int64_t layer : chunk) {
+      int64_t unit[3] = {0, 0, 0};
       for (const auto& p : layers[static_cast<size_t>(layer)].params) {
         int64_t n = LocalParamElements(model, p);
         chunk_params += n;
         int64_t group = DataParallelGroup(model, p);
+        weight_elements += shard_params ? CeilDiv(n, group) : n;
+        unit[p.kind == ParamKind::kEmbedding ? 0 : p.kind == ParamKind::kHead ? 2 : 1] += n;
         grad_partition += CheckedMul(partition_grads ? CeilDiv(n, group) : n, gbytes, "gradient bytes");
         // Partitions are element ranges (each DP rank steps whole
         // elements): ceil(n / group) elements' state per rank.
         s.optimizer += CheckedMul(partition_optimizer ? CeilDiv(n, group) : n, OptimizerBytesPerParam(model, p),
                                   "optimizer bytes");
       }
+      for (int64_t u : unit) {
+        if (u > 0) units.push_back(u);
+      }
     }
     s.params += chunk_params;
     largest_chunk_params = std::max(largest_chunk_params, chunk_params);
   }
-  s.weights = CheckedMul(s.params, pbytes, "weight bytes");
+  s.weights = CheckedMul(weight_elements, pbytes, "weight bytes");
+  if (shard_params && !units.empty()) {
+    // Gathered parameters: with reshard after forward, the unit computing
+    // and `fsdp_prefetch` units ahead, bounded by the largest ones whatever
+    // the order; without, every unit of the rank (between a microbatch's
+    // forward and its backward the pipeline holds them all). Unsharded
+    // gradients of one unit before its reduce-scatter.
+    std::vector<int64_t> sorted = units;
+    std::sort(sorted.begin(), sorted.end(), std::greater<>());
+    int64_t gathered = 0;
+    const size_t live = par.fsdp_reshard_after_forward ? static_cast<size_t>(1 + par.fsdp_prefetch) : sorted.size();
+    for (size_t i = 0; i < std::min(live, sorted.size()); ++i) gathered += sorted[i];
+    s.buffer_detail["fsdp_params"] = CheckedMul(gathered, pbytes, "FSDP parameter buffers");
+    s.buffer_detail["fsdp_grads"] = CheckedMul(sorted.front(), gbytes, "FSDP gradient buffer");
+  }
 
   if (par.pipeline_zero2) {
     // Reduced gradients land in a GPU double buffer sized for the largest
@@ -160,6 +186,8 @@ StaticBreakdown AccountRank(const Model& model, const std::vector<LayerGraph>& l
     } else {
       s.grads = grad_partition;
     }
+  } else if (par.zero >= 3) {
+    s.grads = grad_partition;  // reduce-scattered unit by unit: no bucket (fsdp_grads)
   } else if (par.zero >= 2) {
     s.grads = grad_partition;
     // Megatron DDP's bucket: max(40M, 1M * dp) parameters, capped by the

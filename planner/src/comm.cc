@@ -116,7 +116,13 @@ double DataParallelSeconds(const Model& model, const std::vector<LayerGraph>& la
     for (const auto& p : layers[static_cast<size_t>(layer)].params) {
       const double n = static_cast<double>(LocalParamElements(model, p));
       const int64_t group = DataParallelGroup(model, p);
-      if (sharded) {
+      if (par.zero >= 3) {
+        // FSDP, every microbatch: the parameters gathered for forward (and
+        // again for backward when resharded), the gradients reduce-scattered.
+        const double gathers = par.fsdp_reshard_after_forward ? 2 : 1;
+        s += static_cast<double>(model.train.microbatches) *
+             (gathers * AllGatherSeconds(n * pbytes, group, links.dp) + AllGatherSeconds(n * gbytes, group, links.dp));
+      } else if (sharded) {
         s += AllGatherSeconds(n * gbytes, group, links.dp) + AllGatherSeconds(n * pbytes, group, links.dp);
       } else {
         s += AllReduceSeconds(n * gbytes, group, links.dp);

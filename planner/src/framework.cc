@@ -375,7 +375,10 @@ Expected<ExportedSettings> ExportMegatron(const Plan& plan) {
     arg("--expert-tensor-parallel-size", "1");
   }
   if (p.zero >= 1) arg("--use-distributed-optimizer");
-  if (p.zero >= 2 || p.pipeline_zero2 || p.grad_offload_host) {
+  if (p.zero >= 3) {
+    e.not_expressed.push_back("ZeRO-3 (parallel.zero 3): Megatron's FSDP (--use-torch-fsdp2, Megatron-FSDP) is not "
+                              "written; the arguments say the distributed optimizer (ZeRO-1)");
+  } else if (p.zero >= 2 || p.pipeline_zero2 || p.grad_offload_host) {
     e.not_expressed.push_back("ZeRO-2, pipeline ZeRO-2 and host gradients (parallel.zero, pipeline_zero2, "
                               "grad_offload): Megatron's distributed optimizer is ZeRO-1");
   }
@@ -494,9 +497,11 @@ Expected<ExportedSettings> ExportTorchtitan(const Plan& plan) {
     e.not_expressed.push_back("activation offload of " + std::to_string(offloaded) +
                               " tensors: TorchTitan has no activation offload setting; kept or recomputed");
   }
-  e.not_expressed.push_back("TorchTitan shards parameters with FSDP (ZeRO-3) over data_parallel_shard_degree; "
-                            "memplan plans ZeRO-" + std::to_string(p.zero) +
-                            " (ZeRO-3 is not planned yet): the static bytes differ");
+  if (p.zero != 3) {
+    e.not_expressed.push_back("TorchTitan shards parameters with FSDP (ZeRO-3) over data_parallel_shard_degree; the "
+                              "plan has ZeRO-" + std::to_string(p.zero) +
+                              ": the static bytes differ (plan with parallel.zero 3 to compare)");
+  }
   std::ostringstream t;
   t << "# memplan export torchtitan: " << m.name << " (" << p.Processes() << " GPUs)\n";
   t << "[training]\nlocal_batch_size = " << m.train.micro_batch * m.train.microbatches << "\nseq_len = "

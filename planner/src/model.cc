@@ -299,7 +299,10 @@ void ParseParallel(const Json* value, const JsonLocation& where, Model& m) {
   p.dp = r.Int("dp", 1, kMaxParallel, 1);
   p.ep = r.Int("ep", 1, kMaxParallel, 1);
   p.cp = r.Int("cp", 1, kMaxParallel, 1);
-  p.zero = static_cast<int>(r.Int("zero", 0, 2, 0));
+  p.zero = static_cast<int>(r.Int("zero", 0, 3, 0));
+  const bool has_reshard = r.Get("fsdp_reshard_after_forward") != nullptr, has_prefetch = r.Get("fsdp_prefetch") != nullptr;
+  p.fsdp_reshard_after_forward = r.Bool("fsdp_reshard_after_forward", true);
+  p.fsdp_prefetch = r.Int("fsdp_prefetch", 0, 8, 1);
   p.pipeline_zero2 = r.Bool("pipeline_zero2", false);
   p.grad_offload_host = r.Enum("grad_offload", {"none", "host"}, "none") == "host";
   p.muon_gather_p2p = r.Enum("muon_gather", {"allgather", "p2p"}, "p2p") == "p2p";
@@ -352,6 +355,12 @@ void ParseParallel(const Json* value, const JsonLocation& where, Model& m) {
   }
   if (p.grad_offload_host && !p.pipeline_zero2) {
     ThrowAt(at("grad_offload"), "grad_offload \"host\" needs pipeline_zero2: true");
+  }
+  if (p.zero == 3 && p.pipeline_zero2) {
+    ThrowAt(at("pipeline_zero2"), "pipeline ZeRO-2 with zero 3: parameters are already sharded (choose one)");
+  }
+  if (p.zero != 3 && (has_reshard || has_prefetch)) {
+    ThrowAt(at(has_reshard ? "fsdp_reshard_after_forward" : "fsdp_prefetch"), "applies to zero 3 only");
   }
   if (layout) {
     JsonLocation lw = at("pp_layout");
@@ -692,6 +701,10 @@ Json NormalizedModelJson(const Model& m) {
            {"attn_res_pp_cache", m.options.attn_res_pp_cache},
            {"pp_balance", m.options.pp_balance}}}};
   if (!m.description.empty()) j["description"] = m.description;
+  if (m.parallel.zero == 3) {  // absent otherwise: digests unchanged
+    j["parallel"]["fsdp_reshard_after_forward"] = m.parallel.fsdp_reshard_after_forward;
+    j["parallel"]["fsdp_prefetch"] = m.parallel.fsdp_prefetch;
+  }
   Json costs = Json::array();
   for (const auto& c : m.costs) {
     Json cj{{"match", c.match}};

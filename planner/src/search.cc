@@ -60,7 +60,7 @@ Expected<std::vector<int64_t>> ParseValues(const std::string& key, const std::st
       used = 0;
     }
     const bool flag = key == "sp" || key == "pipeline_zero2";
-    const int64_t hi = flag ? 1 : key == "zero" ? 2 : 1 << 20;
+    const int64_t hi = flag ? 1 : key == "zero" ? 3 : 1 << 20;
     const int64_t lo = flag || key == "zero" || key == "lighter_ends" ? 0 : 1;
     if (item.empty() || used != item.size() || v < lo || v > hi) {
       return Error{ErrorCode::kBadInput, "--space " + key + ": expected integers in " + std::to_string(lo) + ".." +

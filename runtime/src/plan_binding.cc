@@ -37,6 +37,9 @@ Expected<std::monostate> Executor::Setup() {
     why.push_back("/model/arch/position_embeddings: learned positions are planned (their table, gradient and "
                   "optimizer state) but not executed yet");
   }
+  if (par.zero >= 3) {
+    why.push_back("/model/parallel/zero is 3: ZeRO-3 (FSDP) is planned but not executed yet");
+  }
   if (model_.arch.mtp_layers > 0) {
     why.push_back("/model/arch/mtp_layers: multi-token prediction is planned but not executed yet");
   }

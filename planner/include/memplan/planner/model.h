@@ -148,7 +148,11 @@ struct Parallel {
   int64_t dp = 1;
   int64_t ep = 1;
   int64_t cp = 1;
-  int zero = 0;
+  int zero = 0;  // 3: parameters sharded too (FSDP), docs/accounting.md section 4c
+  // ZeRO-3 / FSDP: free a unit's gathered parameters after its forward
+  // (gathered again for backward), and how many units ahead are gathered.
+  bool fsdp_reshard_after_forward = true;
+  int64_t fsdp_prefetch = 1;
   bool pipeline_zero2 = false;
   bool grad_offload_host = false;
   bool muon_gather_p2p = true;
