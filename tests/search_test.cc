@@ -258,7 +258,7 @@ TEST_CASE("search: bad --space arguments are one-line usage errors") {
   CHECK(s.grad_offload == std::vector<int64_t>{0, 1});
   std::string many = "tp=1";
   for (int v = 2; v <= 65; ++v) many += "," + std::to_string(v);
-  for (const std::string bad : {"pp", "=1", "pq=1", "pp=", "pp=0", "pp=1,x", "sp=2", "zero=3", "grad_offload=disk",
+  for (const std::string bad : {"pp", "=1", "pq=1", "pp=", "pp=0", "pp=1,x", "sp=2", "zero=4", "grad_offload=disk",
                                 "tp=1.5", many.c_str()}) {
     CAPTURE(bad);
     auto r = ParseSpaceArgument(bad, &s);
