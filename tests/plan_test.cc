@@ -410,3 +410,33 @@ TEST_CASE("The host side must fit too: offloaded activations at their peak and t
   CHECK(refused.error().code == ErrorCode::kInfeasible);
   CHECK(refused.error().message.find("training state on the host (gradient partitions)") != std::string::npos);
 }
+
+TEST_CASE("PCIe contention: inter-node traffic takes its average rate from the offload copies' link") {
+  // docs/planner.md "PCIe contention". One dense stage (pp 1, no EP): the
+  // only inter-node traffic is the data-parallel reduction, which ZeRO-1
+  // runs as a reduce-scatter of fp32 gradients and an all-gather of bf16
+  // weights: (d - 1)/d x 6 bytes per parameter of the rank, sent and
+  // received. Per direction that is half, spread over the step.
+  auto model = [](int64_t tp, int64_t dp) {
+    Json j = {{"schema", "memplan.model/1"},
+              {"name", "pcie"},
+              {"arch", {{"layers", 4}, {"hidden", 1024}, {"heads", 8}, {"ffn_hidden", 4096}, {"vocab", 8192}}},
+              {"train", {{"seq_len", 1024}, {"micro_batch", 1}, {"microbatches", 4}}},
+              {"parallel", {{"tp", tp}, {"dp", dp}, {"zero", 1}}},
+              {"hardware", {{"preset", "h100"}}}};
+    return memplan::test::MustParse(j);
+  };
+  // tp 8 x dp 4: the DP group spans 32 GPUs, four nodes of 8.
+  auto spread = BuildPlan(model(8, 4));
+  REQUIRE(spread.ok());
+  const int64_t n = spread->ranks[0].statics.params;
+  const double expect = 3.0 / 4.0 * 6.0 * static_cast<double>(n) / 2 / spread->overhead.base_step_s;
+  CHECK(spread->overhead.inter_node_bytes_per_s == doctest::Approx(expect).epsilon(1e-9));
+  CHECK(spread->overhead.offload_bw_share == doctest::Approx((55e9 - expect) / 55e9).epsilon(1e-9));
+  CHECK(PlanToJson(*spread)["overhead"].contains("offload_bw_share"));
+  // tp 2 x dp 2: one node, nothing shares the link.
+  auto node = BuildPlan(model(2, 2));
+  REQUIRE(node.ok());
+  CHECK(node->overhead.offload_bw_share == 1.0);
+  CHECK_FALSE(PlanToJson(*node)["overhead"].contains("offload_bw_share"));
+}

@@ -132,4 +132,36 @@ double DataParallelSeconds(const Model& model, const std::vector<LayerGraph>& la
   return s;
 }
 
+double InterNodeBytes(const Model& model, const std::vector<LayerGraph>& layers, const std::vector<int64_t>& rank_layers,
+                      int64_t chunks, const GroupLinks& links) {
+  const Parallel& par = model.parallel;
+  const Hardware& hw = model.hardware;
+  const double m = static_cast<double>(model.train.microbatches);
+  auto inter = [&](double bw) { return bw == hw.pp_link_bw && hw.pp_link_bw != hw.peer_bw; };
+  double bytes = 0;
+  if (par.ep > 1 && inter(links.ep)) {
+    for (int64_t layer : rank_layers) {
+      const LayerGraph& g = layers[static_cast<size_t>(layer)];
+      for (const auto& op : g.ops) {
+        if (op.op != OpKind::kDispatch && op.op != OpKind::kCombine) continue;
+        const OpComm c = OpCommunication(g, op, par, links);
+        bytes += m * (c.fwd_s + c.bwd_s) * links.ep;
+      }
+    }
+  }
+  if (par.dp * par.cp > 1 && inter(links.dp)) bytes += DataParallelSeconds(model, layers, rank_layers, links) * links.dp;
+  // Megatron's order puts tp, cp and dp inside a pipeline stage: the next
+  // stage is tp*cp*dp ranks away. Per microbatch and chunk, an activation
+  // leaves and a gradient arrives at each end of the chunk.
+  if (par.pp > 1 && par.tp * par.cp * par.dp >= hw.gpus_per_node && !rank_layers.empty()) {
+    const LayerGraph& g = layers[static_cast<size_t>(rank_layers.front())];
+    double stream = 0;
+    for (const auto& t : g.tensors) {
+      if (t.name.size() > 12 && t.name.compare(t.name.size() - 12, 12, ".attn_norm.x") == 0) stream = static_cast<double>(t.bytes);
+    }
+    bytes += 4 * m * static_cast<double>(chunks) * stream;
+  }
+  return bytes;
+}
+
 }  // namespace memplan::planner

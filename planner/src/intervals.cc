@@ -89,7 +89,7 @@ void IntervalsOf(const PlanningProblem& p, int32_t rank, int32_t index, Storage 
   double done_s = tl.end_s[static_cast<size_t>(std::min(out_done, tl.steps - 1))];
   const SavedTensor& t = p.tensors[static_cast<size_t>(rank)][static_cast<size_t>(in.tensor)];
   const Hardware& hw = p.model->hardware;
-  double bw = IsRemote(s) ? hw.pp_link_bw : hw.h2d_bw;
+  double bw = IsRemote(s) ? hw.pp_link_bw : (hw.h2d_bw * p.offload_bw_share);
   double arrive_s = in.pf_start_s + static_cast<double>(MovedBytes(t, s)) / bw;
   EmitInstance(p, rank, index, s, target, done_s, arrive_s, out);
 }
@@ -162,7 +162,7 @@ void InstanceIntervals(const PlanningProblem& p, const Assignment& a, int32_t ra
     bool remote = IsRemote(s);
     double& q = remote ? q_link : q_host;
     double start = std::max(q, in.prod_end_s);
-    q = start + static_cast<double>(MovedBytes(ts[static_cast<size_t>(in.tensor)], s)) / (remote ? hw.pp_link_bw : hw.d2h_bw);
+    q = start + static_cast<double>(MovedBytes(ts[static_cast<size_t>(in.tensor)], s)) / (remote ? hw.pp_link_bw : (hw.d2h_bw * p.offload_bw_share));
     done[static_cast<size_t>(i)] = q;
   }
   double q_in = 0, q_link_in = 0;
@@ -173,7 +173,7 @@ void InstanceIntervals(const PlanningProblem& p, const Assignment& a, int32_t ra
     bool remote = IsRemote(s);
     double& q = remote ? q_link_in : q_in;
     double start = std::max(q, in.pf_start_s);
-    q = start + static_cast<double>(MovedBytes(t, s)) / (remote ? hw.pp_link_bw : hw.h2d_bw);
+    q = start + static_cast<double>(MovedBytes(t, s)) / (remote ? hw.pp_link_bw : (hw.h2d_bw * p.offload_bw_share));
     arrive[static_cast<size_t>(i)] = q;
     if (stats) {
       stats->exposed_s += static_cast<double>(InstanceWeight(p, rank, i)) *
@@ -257,14 +257,14 @@ OffloadCapacity HostCapacity(const PlanningProblem& p, int32_t rank) {
     window[l] = std::min(window[l], in.need_s - in.pf_start_s);
   }
   for (size_t l = 0; l < window.size(); ++l) {
-    if (std::isfinite(window[l])) cap.layer_in_bytes[l] = std::max(0.0, window[l]) * hw.h2d_bw;
+    if (std::isfinite(window[l])) cap.layer_in_bytes[l] = std::max(0.0, window[l]) * (hw.h2d_bw * p.offload_bw_share);
   }
   for (int64_t c = 0; c < p.model->parallel.vp; ++c) {
     size_t stage = static_cast<size_t>(c * pp + rank);
     // Copy-outs of one forward pass must drain within that pass: warm-up
     // runs forwards back to back, and a queue that grows there makes later
     // copy-outs miss their windows.
-    cap.chunk_out_bytes[static_cast<size_t>(c)] = p.stage_fwd_s[stage] * hw.d2h_bw;
+    cap.chunk_out_bytes[static_cast<size_t>(c)] = p.stage_fwd_s[stage] * (hw.d2h_bw * p.offload_bw_share);
   }
   return cap;
 }
@@ -280,7 +280,7 @@ double InstanceCost(const PlanningProblem& p, int32_t rank, int32_t index, Stora
     if (t.cost_offload_s) {
       cost += *t.cost_offload_s;
     } else {
-      double bw = IsRemote(s) ? hw.pp_link_bw : hw.h2d_bw;
+      double bw = IsRemote(s) ? hw.pp_link_bw : (hw.h2d_bw * p.offload_bw_share);
       double window = in.need_s - in.pf_start_s;
       cost += std::max(0.0, static_cast<double>(MovedBytes(t, s)) / bw - window);
     }

@@ -445,6 +445,19 @@ PlanningProblem BuildProblem(const Model& model, std::vector<LayerGraph> layers,
   // --- Pipeline timing ---------------------------------------------------------
   PipelineTimes times = PipelineTiming(model, p.layers, p.layout, p.schedules, info, links);
   p.makespan_s = times.makespan_s;
+  // PCIe contention: the busiest rank's inter-node rate, per direction (half
+  // of what it sends and receives), leaves the rest of the host link to
+  // offload copies; at least a tenth is kept (copies are not starved).
+  if (hw.d2h_bw > 0 && p.makespan_s > 0) {
+    for (int64_t r = 0; r < pp; ++r) {
+      std::vector<int64_t> rank_layers;
+      for (const auto& chunk : p.layout.chunks[static_cast<size_t>(r)]) rank_layers.insert(rank_layers.end(), chunk.begin(), chunk.end());
+      const double rate = InterNodeBytes(model, p.layers, rank_layers, vp, links) / 2 / p.makespan_s;
+      p.inter_node_bytes_per_s = std::max(p.inter_node_bytes_per_s, rate);
+    }
+    const double link = std::min(hw.d2h_bw, hw.h2d_bw);
+    p.offload_bw_share = std::clamp((link - p.inter_node_bytes_per_s) / link, 0.1, 1.0);
+  }
   p.stage_fwd_s = times.stage_fwd_s;
   p.stage_bwd_s = times.stage_bwd_s;
   std::vector<std::vector<double>> pass_start = std::move(times.pass_start);

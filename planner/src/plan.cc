@@ -159,6 +159,8 @@ Overhead OverheadOf(const PlanningProblem& problem, const Evaluation& e) {
     }
   }
   o.step_s = problem.makespan_s + std::max(0.0, worst);
+  o.offload_bw_share = problem.offload_bw_share;
+  o.inter_node_bytes_per_s = problem.inter_node_bytes_per_s;
   for (size_t r = 0; r < e.ranks.size(); ++r) {
     const RankTimeline& tl = problem.timelines[r];
     o.emulated_s += tl.compute_s + e.ranks[r].recompute_s + e.ranks[r].quantize_s;
@@ -533,6 +535,10 @@ OrderedJson PlanToJson(const Plan& plan) {
                    {"emulated_s", plan.overhead.emulated_s},
                    {"comm_s", plan.overhead.comm_s},
                    {"dp_exposed_s", plan.overhead.dp_exposed_s}};
+  if (plan.overhead.offload_bw_share < 1) {
+    j["overhead"]["offload_bw_share"] = plan.overhead.offload_bw_share;
+    j["overhead"]["inter_node_bytes_per_s"] = plan.overhead.inter_node_bytes_per_s;
+  }
   j["rebalance"] = {{"ratio_before", plan.rebalance.ratio_before},
                     {"ratio_after", plan.rebalance.ratio_after},
                     {"moved_tensors", plan.rebalance.moved_tensors}};
@@ -666,6 +672,12 @@ std::string RenderPlanTable(const Plan& plan) {
   if (o.comm_s > 0 || o.dp_exposed_s > 0) {
     out += "communication: " + FormatFixed(o.comm_s * 1e3, 2) + " ms of TP/CP/EP on the busiest rank, " +
            FormatFixed(o.dp_exposed_s * 1e3, 2) + " ms of data-parallel reduction exposed (in the base step)\n";
+  }
+  if (o.offload_bw_share < 1) {
+    const double link = std::min(plan.model.hardware.d2h_bw, plan.model.hardware.h2d_bw);
+    out += "pcie: offload copies get " + FormatFixed(link * o.offload_bw_share / 1e9, 1) + " of " +
+           FormatFixed(link / 1e9, 1) + " GB/s per direction; inter-node traffic (EP, DP, PP) through the same link "
+           "averages " + FormatFixed(o.inter_node_bytes_per_s / 1e9, 1) + " GB/s on the busiest rank\n";
   }
   if (plan.model.parallel.pp > 1) {
     out += "pp balance: max/min lower bound " + FormatFixed(plan.rebalance.ratio_before, 2) + " -> " +

@@ -29,7 +29,7 @@ void QueueFree(const PlanningProblem& p, int32_t rank, int32_t index, Storage s,
   int64_t done = in.prod;
   if (IsOffload(s)) {
     done = CopyDoneStep(p.timelines[static_cast<size_t>(rank)], in, MovedBytes(t, s),
-                        IsRemote(s) ? hw.pp_link_bw : hw.d2h_bw);
+                        IsRemote(s) ? hw.pp_link_bw : (hw.d2h_bw * p.offload_bw_share));
   }
   IntervalsOf(p, rank, index, s, target, done, out);
 }

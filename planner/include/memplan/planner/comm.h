@@ -51,4 +51,13 @@ double AllToAllSeconds(double bytes, int64_t n, double bw);
 double DataParallelSeconds(const Model& model, const std::vector<LayerGraph>& layers,
                            const std::vector<int64_t>& rank_layers, const GroupLinks& links);
 
+// Bytes one GPU of a pipeline rank holding `rank_layers` (in `chunks`
+// model chunks) moves per step over the inter-node network, both
+// directions: expert all-to-alls and the data-parallel reduction where
+// their group leaves the node, and the pipeline's activations and
+// gradients where the neighbouring stage is on another node. Inter-node
+// traffic crosses the GPU's PCIe link to its NIC, which host copies share.
+double InterNodeBytes(const Model& model, const std::vector<LayerGraph>& layers, const std::vector<int64_t>& rank_layers,
+                      int64_t chunks, const GroupLinks& links);
+
 }  // namespace memplan::planner

@@ -228,6 +228,12 @@ struct PlanningProblem {
   // Base step time: the pipeline, then each rank's exposed data-parallel
   // reduction.
   double makespan_s = 0;
+  // PCIe contention (docs/planner.md, "PCIe contention"): the share of the
+  // host link's d2h/h2d bandwidth left to offload copies once inter-node
+  // traffic, which crosses the same PCIe link to the NIC, takes its
+  // average rate on the busiest rank. 1 where no group leaves the node.
+  double offload_bw_share = 1;
+  double inter_node_bytes_per_s = 0;  // that average rate, bytes/s per direction
   // Per virtual stage (chunk * pp + rank): one microbatch's forward and
   // backward pass times.
   std::vector<double> stage_fwd_s, stage_bwd_s;

@@ -83,6 +83,9 @@ struct Overhead {
   // reduction left after a rank's last backward.
   double comm_s = 0;
   double dp_exposed_s = 0;
+  // PCIe contention (liveness.h PlanningProblem::offload_bw_share).
+  double offload_bw_share = 1;
+  double inter_node_bytes_per_s = 0;
 };
 
 struct SweepPoint {
