@@ -7,6 +7,7 @@
 #include <chrono>
 #include <functional>
 #include <map>
+#include <set>
 
 #include "memplan/common/parallel.h"
 #include "memplan/common/table.h"
@@ -465,8 +466,60 @@ OrderedJson PolicyJson(const std::vector<Policy>& policy) {
 
 }  // namespace
 
+namespace {
+
+// The host side must fit too (docs/accounting.md section 7): where a rank's
+// offloaded activations pass hardware.host_memory at their peak, its
+// largest host-offloaded tensors are pinned to recompute (a tensor without
+// a recompute chain falls back to keep) and the model re-planned, until
+// every rank's host side fits or nothing is left to pin. The pins are
+// annotations in the plan's model, so the plan re-makes itself.
+Plan FitHost(const Model& input, const PlanOptions& options) {
+  Plan plan = BuildPlanOrThrow(input, options);
+  const int64_t host = input.hardware.host_memory;
+  std::vector<PolicyAnnotation> pins;
+  std::set<int64_t> ranks;
+  for (int round = 0; round < 8; ++round) {
+    size_t added = 0;
+    for (const auto& rp : plan.ranks) {
+      if (rp.host_peak <= host || rp.statics.host > host) continue;
+      ranks.insert(rp.pp_rank);
+      int64_t in_flight = 1;
+      for (int64_t n : rp.in_flight_chunks) in_flight = std::max(in_flight, n);
+      std::vector<const TensorEntry*> offloaded;
+      for (const auto& t : plan.tensors) {
+        if (t.pp_rank == rp.pp_rank && std::find(t.effective.begin(), t.effective.end(), Policy::kOffloadHost) != t.effective.end()) {
+          offloaded.push_back(&t);
+        }
+      }
+      std::stable_sort(offloaded.begin(), offloaded.end(), [](const TensorEntry* a, const TensorEntry* b) { return a->bytes > b->bytes; });
+      int64_t freed = 0;
+      for (const TensorEntry* t : offloaded) {
+        if (freed >= rp.host_peak - host) break;
+        pins.push_back({t->name, {Policy::kRecompute}});
+        freed += t->bytes * in_flight;
+        ++added;
+      }
+    }
+    if (added == 0) break;
+    Model pinned = input;
+    pinned.policies.insert(pinned.policies.begin(), pins.begin(), pins.end());
+    plan = BuildPlanOrThrow(pinned, options);
+  }
+  if (!pins.empty()) {
+    std::string list;
+    for (int64_t r : ranks) list += (list.empty() ? "" : ", ") + std::to_string(r);
+    plan.warnings.push_back("host memory: " + std::to_string(pins.size()) + " host-offloaded tensors on pp rank(s) " +
+                            list + " pinned to recompute so that offloaded activations fit hardware.host_memory (" +
+                            FormatBytes(host) + " per GPU); PLAN.json tensors[].annotation names each");
+  }
+  return plan;
+}
+
+}  // namespace
+
 Expected<Plan> BuildPlan(const Model& model, const PlanOptions& options) {
-  return CatchErrors([&] { return BuildPlanOrThrow(model, options); });
+  return CatchErrors([&] { return FitHost(model, options); });
 }
 
 OrderedJson PlanToJson(const Plan& plan) {
