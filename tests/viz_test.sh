@@ -97,6 +97,10 @@ start=$(date +%s)
 browse "$tmp/k3.html" k3 && ok || bad "chromium on the K3-like report"
 rendered k3 ranks memory schedule && ok || bad "K3-like report: $(tail -3 "$tmp/k3.log")"
 grep -q "down-sampled to 4000 points" "$tmp/k3.dom" && ok || bad "the K3-like report does not say it down-samples"
+# A GPU preset's plan: the memory outside the framework under the bars and
+# listed (docs/accounting.md section 9b); the host-only tiny plan has none.
+grep -q "outside the framework, per GPU (the bars' grey base; fits: peak + these &lt;= budget): cuda_context 512.00 MiB" "$tmp/k3.dom" \
+  && ! grep -q 'class="note runtime-items"' "$tmp/ll.dom" && ok || bad "the runtime items are not in the K3-like report (or are in the host one)"
 echo "K3-like report: $(( $(date +%s) - start )) s in the browser, $(stat -c %s "$tmp/k3.html") bytes"
 
 # 5. Hostile strings (issue 23, class 1): a model name and trace events

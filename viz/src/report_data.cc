@@ -84,7 +84,11 @@ Json RankSummaries(const Json& plan) {
                    {"buffers", st.value("buffers", int64_t{0})},
                    {"buffer_detail", st.value("buffer_detail", Json::object())},
                    {"static", st.value("total", int64_t{0})},
+                   // Outside the framework (CUDA context, NCCL): not in `static`.
+                   {"runtime", st.value("runtime", int64_t{0})},
+                   {"runtime_detail", st.value("runtime_detail", Json::object())},
                    {"host", rk.value("host", int64_t{0})},
+                   {"host_peak", rk.value("host_peak", rk.value("host", int64_t{0}))},
                    {"activations_peak", rk.value("activations_peak", int64_t{0})},
                    {"activations_by_policy", policies},
                    {"peak", rk.value("peak", int64_t{0})},

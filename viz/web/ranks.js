@@ -5,12 +5,16 @@
 MP.views.ranks = (section, data) => {
   const ranks = data.ranks;
   const policies = [...new Set(ranks.flatMap((r) => Object.keys(r.activations_by_policy)))].sort();
-  const maxBytes = Math.max(...ranks.map((r) => Math.max(r.peak, r.keep_all_lower_bound)));
+  const maxBytes = Math.max(...ranks.map((r) => Math.max(r.peak + r.runtime, r.keep_all_lower_bound + r.runtime)));
   const unit = MP.unitFor(maxBytes);
   // Layers bottom to top; each rank's activations at the peak are split by
   // the share of its per-microbatch device bytes each policy holds.
   const layers = ["weights", "grads", "optimizer", "buffers"].map((k) => ({ name: k, color: MP.staticColors[k],
     value: (r) => r[k] }));
+  // Memory outside the framework (CUDA context, NCCL communicators): under
+  // the framework's bytes, so the bar's top is what the GPU holds.
+  const outside = ranks.some((r) => r.runtime > 0);
+  if (outside) layers.unshift({ name: "outside the framework", color: "#6b6b6b", value: (r) => r.runtime });
   for (const p of policies) {
     layers.push({ name: "activations: " + p, color: MP.policyColors[p] || "#999", value: (r) => {
       const total = Object.values(r.activations_by_policy).reduce((a, b) => a + b, 0);
@@ -30,8 +34,9 @@ MP.views.ranks = (section, data) => {
       value: (u, v, si, idx) => (idx == null ? "" : (layers[i].value(ranks[idx]) / unit.div).toFixed(2)) });
     values.push(cumulative[i]);
   }
-  const marks = [["peak", (r) => r.peak, "#111"], ["lower bound", (r) => r.lower_bound, "#2ca02c"],
-                 ["any-plan lower bound", (r) => r.any_plan_lower_bound, "#9467bd"]];
+  // Marks on the bars' scale: with the outside items under them.
+  const marks = [["peak", (r) => r.peak + r.runtime, "#111"], ["lower bound", (r) => r.lower_bound + r.runtime, "#2ca02c"],
+                 ["any-plan lower bound", (r) => r.any_plan_lower_bound + r.runtime, "#9467bd"]];
   const budgetInRange = ranks.some((r) => r.budget > 0 && r.budget <= 1.5 * maxBytes);
   if (budgetInRange) marks.push(["budget", (r) => r.budget, "#d62728"]);
   for (const [name, f, color] of marks) {
@@ -49,14 +54,20 @@ MP.views.ranks = (section, data) => {
     section.querySelector(".plots").append(MP.el("div", { class: "note",
       text: `budget ${MP.fmtBytes(ranks[0].budget)} per rank is off this scale (every rank fits far below it)` }));
   }
-  // Host memory (offloaded payloads, host gradient partitions), apart.
-  if (ranks.some((r) => r.host > 0)) {
-    const hu = MP.unitFor(Math.max(...ranks.map((r) => r.host)));
-    MP.plot(section.querySelector(".plots"), `host memory per rank (${hu.name}): ranks[].host`, {
+  if (outside) {
+    const items = Object.entries(ranks[0].runtime_detail).map(([k, v]) => `${k} ${MP.fmtBytes(v)}`).join(", ");
+    section.querySelector(".plots").append(MP.el("div", { class: "note runtime-items",
+      text: `outside the framework, per GPU (the bars' grey base; fits: peak + these <= budget): ${items}` }));
+  }
+  // Host memory at its peak (offloaded activations, host gradient
+  // partitions), apart.
+  if (ranks.some((r) => r.host_peak > 0)) {
+    const hu = MP.unitFor(Math.max(...ranks.map((r) => r.host_peak)));
+    MP.plot(section.querySelector(".plots"), `host memory per GPU at its peak (${hu.name}): ranks[].host_peak`, {
       height: 160, scales: { x: { time: false, range: [-0.6, ranks.length - 0.4] } },
       axes: [{ label: "pp rank", values: (u, t) => t.map((v) => (Number.isInteger(v) ? v : "")) }, { label: hu.name, size: 60 }],
-      series: [{}, { label: "host", fill: "#8c6d31", stroke: "#8c6d31", paths: bars, points: { show: false } }],
-    }, [xs, ranks.map((r) => r.host / hu.div)]);
+      series: [{}, { label: "host_peak", fill: "#8c6d31", stroke: "#8c6d31", paths: bars, points: { show: false } }],
+    }, [xs, ranks.map((r) => r.host_peak / hu.div)]);
   }
   const f = (v) => MP.fmt(v, unit);
   MP.table(section.querySelector(".tables"), [
@@ -64,12 +75,13 @@ MP.views.ranks = (section, data) => {
     { name: `static (${unit.name})`, key: (r) => r.static, fmt: f },
     { name: `activations (${unit.name})`, key: (r) => r.activations_peak, fmt: f },
     { name: `peak (${unit.name})`, key: (r) => r.peak, fmt: f },
+    { name: `outside the framework (${unit.name})`, key: (r) => r.runtime, fmt: f },
     { name: `lower bound (${unit.name})`, key: (r) => r.lower_bound, fmt: f },
     { name: `any-plan (${unit.name})`, key: (r) => r.any_plan_lower_bound, fmt: f },
     { name: `keep-all (${unit.name})`, key: (r) => r.keep_all_lower_bound, fmt: f },
     { name: `budget (${unit.name})`, key: (r) => r.budget, fmt: f },
     { name: "fits", key: (r) => (r.fits ? "yes" : "NO"), text: true },
-    { name: `host (${unit.name})`, key: (r) => r.host, fmt: f },
+    { name: `host peak (${unit.name})`, key: (r) => r.host_peak, fmt: f },
     { name: "added (ms)", key: (r) => r.added_ms, fmt: (v) => v.toFixed(2) },
   ], ranks);
 };
