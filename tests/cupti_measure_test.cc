@@ -51,6 +51,14 @@ TEST_CASE("CUPTI records become per-rank bytes and the process total; check flag
   CHECK_FALSE(r->process->pass);
   CHECK(r->process->verdict.find("+64 B") != std::string::npos);
   CHECK_FALSE(r->pass);
+  // The plan's CUDA context item against the context the run measured
+  // (informational; docs/accounting.md section 9b): none for a host plan.
+  CHECK(RenderCheckTable(*r, false).find("outside the framework") == std::string::npos);
+  plan.cuda_context = 400 << 20;
+  auto with_item = Check(plan, m, {});
+  REQUIRE(with_item.ok());
+  CHECK(RenderCheckTable(*with_item, false).find("CUDA context measured 500.0 MiB, planned 400.0 MiB (+25.0 %") !=
+        std::string::npos);
   // The measurement round-trips with its CUPTI objects.
   Json j = Json::parse(MeasuredToJson(m).dump());
   auto back = ParseMeasured(j, "m.json");

@@ -272,6 +272,18 @@ Expected<Calibration> Calibrate(const CalibrateOptions& options) {
                                                           : "h100";
   }
   c.hardware = *planner::HardwarePreset(preset);
+  if (options.backend == BackendKind::kCuda) {
+    // The CUDA context: device bytes in use once the backend holds it and
+    // before anything is allocated (cudaMemGetInfo; on a GPU no other
+    // process uses). It replaces the preset's estimate
+    // (docs/accounting.md section 9b); NCCL's items stay estimates.
+    const int64_t context = backend->DeviceBytesInUse();
+    if (context > 0) {
+      c.hardware.runtime.cuda_context = context;
+      c.probes.push_back({"cuda_context", "device bytes in use after the CUDA context is created", static_cast<double>(context),
+                          "B", 0, 1});
+    }
+  }
   try {
     Prober probe(*backend, options);
     if (auto s = probe.Kernels(c); !s) return s.error();

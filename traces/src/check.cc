@@ -65,6 +65,13 @@ Expected<PlanBounds> ParsePlanBounds(const Json& json, const std::string& file) 
         ThrowAt(rr.At("pp_rank"), "pp_rank " + std::to_string(b.pp_rank) + " appears twice");
       }
       plan.ranks.push_back(b);
+      if (i == 0 && ranks[i].contains("static") && ranks[i]["static"].is_object()) {
+        const Json& st = ranks[i]["static"];
+        if (st.contains("runtime_detail") && st["runtime_detail"].is_object() &&
+            st["runtime_detail"].contains("cuda_context") && st["runtime_detail"]["cuda_context"].is_number_integer()) {
+          plan.cuda_context = st["runtime_detail"]["cuda_context"].get<int64_t>();
+        }
+      }
     }
     if (const Json* o = json.contains("overhead") ? &json["overhead"] : nullptr) {
       if (o->is_object() && o->contains("emulated_s") && (*o)["emulated_s"].is_number()) {
@@ -223,6 +230,7 @@ Expected<CheckResult> Check(const PlanBounds& plan, const Measured& measured, co
     pc.cupti_device_bytes = measured.process->device_bytes_peak;
     pc.context_bytes = measured.process->context_bytes;
     pc.profiler_bytes = measured.process->profiler_bytes;
+    pc.planned_context = plan.cuda_context;
     for (const auto& r : measured.ranks) {
       if (__builtin_add_overflow(pc.expected_bytes, r.peak, &pc.expected_bytes)) pc.expected_bytes = kMaxBytes;
     }
@@ -274,6 +282,19 @@ std::string RenderCheckTable(const CheckResult& result, bool failures_only) {
            cell(pc.expected_bytes) + u.substr(1, 3) + " (context " + cell(pc.context_bytes) + u.substr(1, 3) +
            " and profiler " + cell(pc.profiler_bytes) + u.substr(1, 3) + " reported, not counted): " + pc.verdict +
            "\n";
+    if (pc.planned_context > 0) {
+      // Outside the framework (docs/accounting.md section 9b): the plan's
+      // estimate against what the device held before the first allocation.
+      const double diff = 100.0 * static_cast<double>(pc.context_bytes - pc.planned_context) /
+                          static_cast<double>(pc.planned_context);
+      char line[240];
+      std::snprintf(line, sizeof line,
+                    "outside the framework: CUDA context measured %.1f MiB, planned %.1f MiB (%+.1f %%; informational: "
+                    "memplan calibrate --backend cuda measures it into hardware.runtime)\n",
+                    static_cast<double>(pc.context_bytes) / (1 << 20), static_cast<double>(pc.planned_context) / (1 << 20),
+                    diff);
+      out += line;
+    }
   }
   if (result.cupti_missing) {
     out += "FAIL: CUPTI did not start or dropped records during this cuda run: no witness of its device bytes "

@@ -51,6 +51,9 @@ struct PlanBounds {
   double emulated_s = 0;  // overhead.emulated_s (0: an older plan without it)
   int64_t dp = 1;         // model.parallel.dp: replicas of every pipeline rank
   int64_t ep = 1;         // model.parallel.ep: a replica's place in its EP group is dp_rank % ep
+  // static.runtime_detail.cuda_context of the first rank: the plan's CUDA
+  // context (0: a host plan or an older one).
+  int64_t cuda_context = 0;
 };
 
 // Reads the bounds from a PLAN.json document; other keys are ignored.
@@ -91,6 +94,7 @@ struct ProcessCheck {
   int64_t expected_bytes = 0;      // sum of the ranks' measured peaks
   int64_t context_bytes = 0;       // reported only
   int64_t profiler_bytes = 0;      // reported only
+  int64_t planned_context = 0;     // the plan's cuda_context item (informational)
   bool pass = false;
   std::string verdict;
 };
