@@ -298,6 +298,11 @@ expect_exit 2 "export a model file (not a plan)" "$memplan" export megatron "$ro
   -o "$tmp/never.args"
 [ "$(wc -l <"$tmp/err")" -eq 1 ] && grep -q "tiny-gpt.json: /model: expected a PLAN.json" "$tmp/err" \
   && [ ! -e "$tmp/never.args" ] && ok || bad "export error: $(cat "$tmp/err")"
+python3 -c "
+import json; p=json.load(open('$tmp/l70.plan.json')); p['model']['arch']['layers']=10**9; json.dump(p,open('$tmp/huge.plan.json','w'))"
+expect_exit 2 "export a plan whose model is absurd" "$memplan" export megatron "$tmp/huge.plan.json" -o "$tmp/never.args"
+[ "$(wc -l <"$tmp/err")" -eq 1 ] && grep -q "huge.plan.json: /model/arch/layers: expected an integer" "$tmp/err" \
+  && [ ! -e "$tmp/never.args" ] && ok || bad "export of an absurd model: $(cat "$tmp/err")"
 fi
 
 if want search; then

@@ -21,7 +21,16 @@ int RunExport(const Command& c) {
     return Fail({ErrorCode::kBadInput, c.input + ": /model: expected a PLAN.json (memplan plan -o) with its model"});
   }
   auto model = planner::ParseModel((*doc)["model"], c.input + " /model");
-  if (!model) return Fail(model.error());
+  if (!model) {
+    // "PLAN.json /model: /arch/layers: ..." -> "PLAN.json: /model/arch/layers: ...".
+    Error e = model.error();
+    const std::string head = c.input + " /model: /";
+    if (e.message.rfind(head, 0) == 0) {
+      const std::string rest = e.message.substr(head.size());
+      e.message = c.input + ": /model" + (rest.rfind(": ", 0) == 0 ? "" : "/") + rest;
+    }
+    return Fail(e);
+  }
   auto plan = planner::BuildPlan(*model);
   if (!plan) return Fail(plan.error());
   if (doc->contains("digest") && (*doc)["digest"] != plan->digest) {
