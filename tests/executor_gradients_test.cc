@@ -156,6 +156,18 @@ TEST_CASE("gradients match central differences: MoE and Block AttnRes") {
   CHECK(total >= 25);
 }
 
+// DeepSeek-V3's routing (docs/runtime.md, "MoE routing"): the gates times
+// routed_scaling (2.5) and the selection by score + bias. The bias enters
+// the selection only, so with every expert selected it changes nothing and
+// the router's gradient is the scaled gates' (the MoE roles).
+TEST_CASE("gradients match central differences: DeepSeek-V3 routing") {
+  Json moe = DenseRouting(LoadJson(kModels[2]));
+  moe["arch"]["moe"]["routed_scaling"] = 2.5;
+  moe["arch"]["moe"]["selection_bias"] = true;
+  int total = CheckCase({"tiny-deepseek-v3-routing", moe, "moe."});
+  CHECK(total >= 5);
+}
+
 // MLA: low-rank q and kv, the decoupled RoPE key shared by the heads.
 TEST_CASE("gradients match central differences: MLA") {
   int total = CheckCase({"tiny-mla", LoadJson("examples/models/tiny-mla.json"), ""});

@@ -345,6 +345,12 @@ Expected<ExportedSettings> ExportMegatron(const Plan& plan) {
     arg("--moe-layer-freq", "\"" + pattern + "]\"");
     arg("--moe-router-score-function", moe.router == Router::kSigmoid ? "sigmoid" : "softmax");
     if (moe.capacity_factor) arg("--moe-expert-capacity-factor", Fmt(*moe.capacity_factor));
+    if (moe.routed_scaling != 1.0) {
+      std::ostringstream v;
+      v << moe.routed_scaling;
+      arg("--moe-router-topk-scaling-factor", v.str());
+    }
+    if (moe.selection_bias) arg("--moe-router-enable-expert-bias");
     arg("--moe-grouped-gemm");
     arg("--moe-token-dispatcher-type", "alltoall");
     if (moe.latent_dim) e.not_expressed.push_back("the experts' latent projection (arch.moe.latent_dim): Megatron has none");

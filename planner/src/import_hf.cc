@@ -210,6 +210,14 @@ Json ArchOf(const Json& config, const std::string& file, Family family, const st
     moe["shared_experts"] = r.Int("n_shared_experts", 0, 1024, 0);
     // DeepSeek's scoring function: softmax (V2) or sigmoid (V3, K2).
     moe["router"] = r.Enum("scoring_func", {"softmax", "sigmoid"}, type == "deepseek_v2" ? "softmax" : "sigmoid");
+    // Routing that changes the computation, not the bytes (executed by the
+    // runtime): the gates' scale, and DeepSeek-V3's aux-loss-free bias
+    // (topk_method "noaux_tc": the bias enters the selection only).
+    if (const auto it = config.find("routed_scaling_factor"); it != config.end() && it->is_number() &&
+                                                              it->get<double>() != 1.0) {
+      moe["routed_scaling"] = it->get<double>();
+    }
+    if (const auto it = config.find("topk_method"); it != config.end() && *it == "noaux_tc") moe["selection_bias"] = true;
     // Transformers' rule: layer l is sparse when l >= first_k_dense_replace
     // and l % moe_layer_freq == 0.
     first = r.Int("first_k_dense_replace", 0, layers, 0);

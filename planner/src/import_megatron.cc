@@ -30,8 +30,8 @@ const std::set<std::string, std::less<>>& Ignored() {
       "--no-rope-fusion", "--disable-bias-linear", "--add-bias-linear", "--add-qkv-bias", "--rotary-base",
       "--rotary-percent", "--rotary-scaling-factor", "--norm-epsilon", "--layernorm-epsilon",
       "--overlap-grad-reduce", "--overlap-param-gather", "--moe-grouped-gemm", "--moe-aux-loss-coeff",
-      "--moe-router-load-balancing-type", "--moe-z-loss-coeff", "--moe-router-topk-scaling-factor",
-      "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "--moe-router-num-groups",
+      "--moe-router-load-balancing-type", "--moe-z-loss-coeff", 
+      "--moe-router-bias-update-rate", "--moe-router-num-groups",
       "--moe-router-group-topk", "--moe-router-dtype", "--moe-permute-fusion", "--qk-layernorm",
       "--rotary-scaling-factor", "--mscale", "--mscale-all-dim", "--use-checkpoint-args", "--exit-duration-in-mins",
       "--no-load-optim", "--mtp-loss-scaling-factor", "--no-load-rng", "--finetune", "--log-throughput", "--log-timers-to-tensorboard",
@@ -47,7 +47,7 @@ const std::set<std::string, std::less<>>& Flags() {
   static const std::set<std::string, std::less<>> s = {
       "--swiglu", "--group-query-attention", "--untie-embeddings-and-output-weights", "--sequence-parallel",
       "--use-distributed-optimizer", "--bf16", "--fp16", "--multi-latent-attention", "--use-flash-attn",
-      "--accumulate-allreduce-grads-in-fp32", "--fine-grained-activation-offloading"};
+      "--accumulate-allreduce-grads-in-fp32", "--fine-grained-activation-offloading", "--moe-router-enable-expert-bias"};
   return s;
 }
 
@@ -65,7 +65,8 @@ const std::set<std::string, std::less<>>& Valued() {
       "--moe-shared-expert-intermediate-size", "--moe-layer-freq", "--moe-router-score-function",
       "--moe-expert-capacity-factor", "--moe-token-dispatcher-type", "--q-lora-rank", "--kv-lora-rank",
       "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim", "--recompute-granularity", "--recompute-method",
-      "--recompute-num-layers", "--mtp-num-layers", "--recompute-modules", "--offload-modules"};
+      "--recompute-num-layers", "--mtp-num-layers", "--recompute-modules", "--offload-modules",
+      "--moe-router-topk-scaling-factor"};
   return s;
 }
 
@@ -334,6 +335,10 @@ OrderedJson Build(const Args& args, const ImportOptions& o) {
       moe["capacity_factor"] = args.Number("--moe-expert-capacity-factor", 1e-3, 64, 1);
     }
     moe["router"] = args.Choice("--moe-router-score-function", {"softmax", "sigmoid"}, "softmax");
+    if (args.Has("--moe-router-topk-scaling-factor")) {
+      moe["routed_scaling"] = args.Number("--moe-router-topk-scaling-factor", 1e-3, 1e3, 1);
+    }
+    if (args.Flag("--moe-router-enable-expert-bias")) moe["selection_bias"] = true;
     args.Choice("--moe-token-dispatcher-type", {"alltoall", "flex"}, "alltoall");
     a["moe"] = moe;
   }

@@ -244,6 +244,8 @@ void ParseArch(ObjectReader& r, Model& m) {
     c.latent_dim = o.OptIntNullable("latent_dim", 1, kMaxHidden);
     if (o.Get("capacity_factor")) c.capacity_factor = o.Number("capacity_factor", 1e-3, 64, 1.0);
     c.imbalance = o.Number("imbalance", 1.0, 1 << 20, MoeConfig::kDefaultMoeImbalance);
+    c.routed_scaling = o.Number("routed_scaling", 1e-3, 1e3, 1.0);
+    c.selection_bias = o.Bool("selection_bias", false);
     c.router = o.Enum("router", {"softmax", "sigmoid"}, "softmax") == "sigmoid" ? Router::kSigmoid
                                                                                 : Router::kSoftmax;
     o.Finish();
@@ -655,6 +657,8 @@ Json NormalizedModelJson(const Model& m) {
                    {"router", c.router == Router::kSigmoid ? "sigmoid" : "softmax"}};
     if (!c.dense_layers.empty()) arch["moe"]["dense_layers"] = c.dense_layers;  // absent: digests unchanged
     if (c.capacity_factor) arch["moe"]["capacity_factor"] = *c.capacity_factor;  // absent: dropless
+    if (c.routed_scaling != 1.0) arch["moe"]["routed_scaling"] = c.routed_scaling;  // absent: digests unchanged
+    if (c.selection_bias) arch["moe"]["selection_bias"] = true;
   }
   if (a.attn_res) arch["attn_res"] = {{"block_layers", a.attn_res->block_layers}};
   if (a.linear_attention) {

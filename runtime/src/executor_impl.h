@@ -177,6 +177,7 @@ struct Rank {
   std::unordered_map<std::string, size_t> param_index;
   std::map<std::pair<int64_t, int32_t>, Routing> routing;  // (layer, mb) -> its routing (host)
   int64_t dropped_rows = 0;  // expert parallelism: routed rows past an expert rank's capacity
+  std::map<int64_t, std::vector<float>> router_bias;  // layer -> arch.moe.selection_bias's bias (host)
   bool routing_seen = false;  // MoE: the skew its forwards saw (MEASURED.json moe_routing)
   double max_expert_load = 0, max_rank_load = 0;
   std::vector<std::vector<int32_t>> produced_at;  // step -> instances produced there

@@ -76,6 +76,14 @@ class ExecOpContext final : public OpContext {
     return e_.ExchangeExperts(std::move(out));
   }
   void NoteDropped(int64_t rows) override { r_.dropped_rows += rows; }
+  std::vector<float>& RouterBias() override {
+    auto [it, fresh] = r_.router_bias.try_emplace(blk_.layer);
+    if (fresh) {
+      it->second.assign(static_cast<size_t>(e_.model_.arch.moe->experts), 0.f);
+      if (e_.options_.init_hook) e_.options_.init_hook("layer" + std::to_string(blk_.layer) + ".moe.router.bias", &it->second);
+    }
+    return it->second;
+  }
   void NoteRouting(double expert_load, double rank_load) override {
     r_.routing_seen = true;
     r_.max_expert_load = std::max(r_.max_expert_load, expert_load);

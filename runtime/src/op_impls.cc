@@ -319,15 +319,65 @@ void CrossEntropyBwd(OpContext& c) {
 
 // --- Mixture of experts -------------------------------------------------------------
 
+// DeepSeek-V3's routing (docs/runtime.md, "MoE routing"), on the host:
+// the top-k by score + bias (ties to the lower expert), the gates the
+// selected unbiased scores, renormalized (summed best first), times
+// routed_scaling. Without a bias or a scale the kernel's path, unchanged.
+bool HostRouting(OpContext& c) { return A(c).moe->selection_bias || A(c).moe->routed_scaling != 1.0; }
+
+void ScaleOnHost(OpContext& c, Buffer b, int64_t n, float s) {
+  std::vector<float> h(static_cast<size_t>(n));
+  c.ToHost(h.data(), b.ptr, n * 4);
+  for (float& v : h) v *= s;
+  c.FromHost(b.ptr, h.data(), n * 4);
+}
+
 void TopKFwd(OpContext& c) {
   Dims2 d = RowsCols(c.InSpec(0));
-  c.k().TopKFwd(c.In(0).as<float>(), d.rows, d.cols, A(c).moe->top_k, kRouterRenormalize, c.Out(0).as<int32_t>(),
-                c.Out(1).as<float>());
+  const auto& moe = *A(c).moe;
+  if (!HostRouting(c)) {
+    c.k().TopKFwd(c.In(0).as<float>(), d.rows, d.cols, moe.top_k, kRouterRenormalize, c.Out(0).as<int32_t>(),
+                  c.Out(1).as<float>());
+    return;
+  }
+  const int64_t k = moe.top_k;
+  std::vector<float> p(static_cast<size_t>(d.rows * d.cols));
+  c.ToHost(p.data(), c.In(0).ptr, d.rows * d.cols * 4);
+  const std::vector<float> zero(static_cast<size_t>(d.cols), 0.f);
+  const std::vector<float>& bias = moe.selection_bias ? c.RouterBias() : zero;
+  std::vector<int32_t> idx(static_cast<size_t>(d.rows * k));
+  std::vector<float> w(static_cast<size_t>(d.rows * k));
+  std::vector<int32_t> order(static_cast<size_t>(d.cols));
+  for (int64_t t = 0; t < d.rows; ++t) {
+    const float* row = p.data() + t * d.cols;
+    for (int64_t e = 0; e < d.cols; ++e) order[static_cast<size_t>(e)] = static_cast<int32_t>(e);
+    std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int32_t a, int32_t b) {
+      const float sa = row[a] + bias[static_cast<size_t>(a)], sb = row[b] + bias[static_cast<size_t>(b)];
+      return sa > sb || (sa == sb && a < b);
+    });
+    float sum = 0;
+    for (int64_t i = 0; i < k; ++i) sum += row[order[static_cast<size_t>(i)]];
+    for (int64_t i = 0; i < k; ++i) {
+      const int32_t e = order[static_cast<size_t>(i)];
+      idx[static_cast<size_t>(t * k + i)] = e;
+      const float gate = kRouterRenormalize ? row[e] / sum : row[e];
+      w[static_cast<size_t>(t * k + i)] = gate * static_cast<float>(moe.routed_scaling);
+    }
+  }
+  c.FromHost(c.Out(0).ptr, idx.data(), d.rows * k * 4);
+  c.FromHost(c.Out(1).ptr, w.data(), d.rows * k * 4);
 }
 void TopKBwd(OpContext& c) {
   Dims2 d = RowsCols(c.InSpec(0));
+  const auto& moe = *A(c).moe;
+  if (moe.routed_scaling != 1.0) {
+    // The kernel's backward for the unscaled gates: dL/dw = s dL/dw', w = w'/s.
+    const int64_t n = d.rows * moe.top_k;
+    ScaleOnHost(c, c.DOut(1), n, static_cast<float>(moe.routed_scaling));
+    ScaleOnHost(c, c.Out(1), n, static_cast<float>(1.0 / moe.routed_scaling));
+  }
   c.k().TopKBwd(c.In(0).as<float>(), c.Out(0).as<int32_t>(), c.Out(1).as<float>(), c.DOut(1).as<float>(), d.rows,
-                d.cols, A(c).moe->top_k, kRouterRenormalize, c.InputGrad(0).as<float>());
+                d.cols, moe.top_k, kRouterRenormalize, c.InputGrad(0).as<float>());
   c.FinishInputGrad(0);
 }
 

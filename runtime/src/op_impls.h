@@ -56,6 +56,10 @@ class OpContext {
   // The routing one MoE layer saw in one forward: its most-loaded expert's
   // rows over the mean per expert, and (EP) this rank's rows over its share.
   virtual void NoteRouting(double expert_load, double rank_load) = 0;
+  // arch.moe.selection_bias: this layer's per-expert bias (experts floats,
+  // host memory, zeros unless a test's init hook sets them), added to the
+  // scores for the top-k selection only.
+  virtual std::vector<float>& RouterBias() = 0;
   // Device <-> host, in order with the ops (the exchange's staging).
   virtual void ToHost(void* dst, const void* src, int64_t bytes) = 0;
   virtual void FromHost(void* dst, const void* src, int64_t bytes) = 0;

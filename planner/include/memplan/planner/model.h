@@ -77,6 +77,11 @@ struct MoeConfig {
   std::optional<double> capacity_factor;
   double imbalance = kDefaultMoeImbalance;
   Router router = Router::kSoftmax;
+  // DeepSeek-V3 / Kimi K2 routing (docs/runtime.md, "MoE routing"): the
+  // gates times this factor, and a per-expert bias added to the scores for
+  // the selection only (aux-loss-free balancing; the gates stay unbiased).
+  double routed_scaling = 1.0;
+  bool selection_bias = false;
 
   static constexpr double kDefaultMoeImbalance = 1.2;
   // Routed rows an EP rank holds, over its mean share (s*b*top_k): the
