@@ -69,6 +69,9 @@ using planner::TensorSpec;
 // The exact math the runtime applies (docs/runtime.md repeats it).
 constexpr float kLayerNormEps = 1e-5f;
 constexpr float kRmsNormEps = 1e-6f;
+// KDA's gated output norm: the reference code's eps (Kimi Linear / FLA's
+// FusedRMSNormGated, 1e-5), not the residual norms' 1e-6 (docs/runtime.md).
+constexpr float kKdaGatedNormEps = 1e-5f;
 constexpr float kDropoutP = 0.1f;
 constexpr bool kRouterRenormalize = true;
 

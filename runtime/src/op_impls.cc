@@ -512,11 +512,11 @@ void KdaBwd(OpContext& c) {
   for (size_t i = 0; i < 5; ++i) c.FinishInputGrad(i);
 }
 
-// KDA's output norm per head (rows of dk): y = RMSNorm(o; w, 1e-6) * sigmoid(gate).
+// KDA's output norm per head (rows of dk): y = RMSNorm(o; w, 1e-5) * sigmoid(gate).
 void GatedRmsNormFwd(OpContext& c) {
   const ParamState& w = c.Param(0);
   const int64_t n = Elements(c.InSpec(0).shape);
-  c.k().RmsNormFwd(c.In(0).as<float>(), w.weight.as<float>(), n / w.elements, w.elements, kRmsNormEps,
+  c.k().RmsNormFwd(c.In(0).as<float>(), w.weight.as<float>(), n / w.elements, w.elements, kKdaGatedNormEps,
                    c.Out(0).as<float>());
   c.k().SigmoidGateFwd(c.Out(0).as<float>(), c.In(1).as<float>(), n, c.Out(0).as<float>());
 }
@@ -527,9 +527,9 @@ void GatedRmsNormBwd(OpContext& c) {
   const int64_t n = Elements(c.InSpec(0).shape);
   float* normed = c.Workspace().as<float>();
   float* dnormed = normed + n;
-  c.k().RmsNormFwd(c.In(0).as<float>(), w.weight.as<float>(), n / w.elements, w.elements, kRmsNormEps, normed);
+  c.k().RmsNormFwd(c.In(0).as<float>(), w.weight.as<float>(), n / w.elements, w.elements, kKdaGatedNormEps, normed);
   c.k().SigmoidGateBwd(normed, c.In(1).as<float>(), c.DOut(0).as<float>(), n, dnormed, c.InputGrad(1).as<float>());
-  c.k().RmsNormBwd(c.In(0).as<float>(), w.weight.as<float>(), dnormed, n / w.elements, w.elements, kRmsNormEps,
+  c.k().RmsNormBwd(c.In(0).as<float>(), w.weight.as<float>(), dnormed, n / w.elements, w.elements, kKdaGatedNormEps,
                    c.InputGrad(0).as<float>(), w.grad.as<float>());
   c.FinishInputGrad(0);
   c.FinishInputGrad(1);
