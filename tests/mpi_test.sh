@@ -265,7 +265,7 @@ PY
 # What the run saw of the routing, against the plan's assumption (docs/
 # accounting.md section 8b): capacity 2 on k3-ep2; dropless at an assumed
 # skew of 1 on tiny-moe, which an untrained router exceeds, so the run warns
-# naming /model/arch/moe/imbalance and every row still fits (F = 1 = mean).
+# naming /model/arch/moe/imbalance (rows past the buffers, F = 1, are dropped and said).
 python3 - "$tmp/k3-ep2.dp.m.json" <<'PY' && ok || bad "k3-ep2: no moe_routing"
 import json, sys
 m = json.load(open(sys.argv[1]))
