@@ -282,12 +282,11 @@ TEST_CASE("embedding on the first stage, head on the last, tied copies") {
 }
 
 TEST_CASE("MTP: one block, a projection and its norms on the last stage; the embedding copied there under pp > 1") {
-  // Megatron-LM: the MTP block runs on the last pipeline stage
-  // (megatron/core/transformer/multi_token_prediction.py), which builds its
-  // own word embedding when it is not the first (gpt_model.py: "if
-  // self.pre_process or self.mtp_process: self.embedding = ..."); a tied
-  // head already is that copy. DeepSeek-V3 section 2.2: M_k is d x 2d, two
-  // RMSNorms, one transformer block; the output head is shared.
+  // docs/accounting.md section 2 (with its sources): Megatron-LM runs the
+  // MTP block on the last pipeline stage, which builds its own word
+  // embedding when it is not the first; a tied head already is that copy.
+  // DeepSeek-V3 section 2.2: M_k is d x 2d, two RMSNorms, one transformer
+  // block; the output head is shared.
   const int64_t h = 512, V = 4096;
   const int64_t block = 4 * h * h + 3 * h * 2048 + 2 * h;  // attention (q, k, v, o), SwiGLU MLP, its two norms
   const int64_t mtp = block + 2 * h * h + 3 * h;          // + eh_proj (two h x h) + enorm, hnorm, head norm

@@ -296,13 +296,19 @@ expect_exit 0 "export torchtitan to stdout" "$memplan" export torchtitan "$tmp/l
 grep -q '^\[activation_checkpoint\]' "$tmp/out" && ok || bad "export torchtitan printed: $(cat "$tmp/out")"
 expect_exit 2 "export a model file (not a plan)" "$memplan" export megatron "$root/examples/models/tiny-gpt.json" \
   -o "$tmp/never.args"
-[ "$(wc -l <"$tmp/err")" -eq 1 ] && grep -q "tiny-gpt.json: /model: expected a PLAN.json" "$tmp/err" \
+[ "$(wc -l <"$tmp/err")" -eq 1 ] && grep -q "tiny-gpt.json: not a memplan plan (expected an object with /model and /tensors)" "$tmp/err" \
   && [ ! -e "$tmp/never.args" ] && ok || bad "export error: $(cat "$tmp/err")"
 python3 -c "
 import json; p=json.load(open('$tmp/l70.plan.json')); p['model']['arch']['layers']=10**9; json.dump(p,open('$tmp/huge.plan.json','w'))"
 expect_exit 2 "export a plan whose model is absurd" "$memplan" export megatron "$tmp/huge.plan.json" -o "$tmp/never.args"
-[ "$(wc -l <"$tmp/err")" -eq 1 ] && grep -q "huge.plan.json: /model/arch/layers: expected an integer" "$tmp/err" \
+[ "$(wc -l <"$tmp/err")" -eq 1 ] && grep -q "huge.plan.json /model: /arch/layers: expected an integer" "$tmp/err" \
   && [ ! -e "$tmp/never.args" ] && ok || bad "export of an absurd model: $(cat "$tmp/err")"
+# Read as `run` reads a plan: one whose model was edited is refused.
+python3 -c "
+import json; p=json.load(open('$tmp/l70.plan.json')); p['model']['arch']['vocab']=1000; json.dump(p,open('$tmp/edited.plan.json','w'))"
+expect_exit 2 "export an edited plan" "$memplan" export megatron "$tmp/edited.plan.json" -o "$tmp/never.args"
+[ "$(wc -l <"$tmp/err")" -eq 1 ] && grep -q "edited.plan.json: /digest does not match the embedded model" "$tmp/err" \
+  && [ ! -e "$tmp/never.args" ] && ok || bad "export of an edited plan: $(cat "$tmp/err")"
 fi
 
 if want search; then

@@ -354,6 +354,7 @@ TEST_CASE("export megatron: the argument list imports to the model the export re
     REQUIRE(e.ok());
     auto coarse = BuildPlan(e->coarse);
     REQUIRE(coarse.ok());
+    SamePlan(*coarse, e->coarse_plan);  // the plan the export kept is its settings' plan
     ImportOptions o;
     o.gpus = m.parallel.Processes();
     o.hardware = m.hardware.preset;

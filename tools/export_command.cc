@@ -10,6 +10,7 @@
 #include "memplan/planner/framework.h"
 #include "memplan/planner/model.h"
 #include "memplan/planner/plan.h"
+#include "memplan/planner/replay.h"
 
 namespace memplan::cli {
 
@@ -17,30 +18,14 @@ int RunExport(const Command& c) {
   if (auto ok = CheckOutputs({c.output}, c.input); !ok) return Fail(ok.error());
   auto doc = ReadJsonFile(c.input);
   if (!doc) return Fail(doc.error());
-  if (!doc->is_object() || !doc->contains("model")) {
-    return Fail({ErrorCode::kBadInput, c.input + ": /model: expected a PLAN.json (memplan plan -o) with its model"});
-  }
-  auto model = planner::ParseModel((*doc)["model"], c.input + " /model");
-  if (!model) {
-    // "PLAN.json /model: /arch/layers: ..." -> "PLAN.json: /model/arch/layers: ...".
-    Error e = model.error();
-    const std::string head = c.input + " /model: /";
-    if (e.message.rfind(head, 0) == 0) {
-      const std::string rest = e.message.substr(head.size());
-      e.message = c.input + ": /model" + (rest.rfind(": ", 0) == 0 ? "" : "/") + rest;
-    }
-    return Fail(e);
-  }
+  // The embedded model, read as `run` reads it (schema, digest).
+  auto model = planner::ReadPlanModel(*doc, c.input);
+  if (!model) return Fail(model.error());
   auto plan = planner::BuildPlan(*model);
   if (!plan) return Fail(plan.error());
-  if (doc->contains("digest") && (*doc)["digest"] != plan->digest) {
-    std::fprintf(stderr, "memplan: warning: %s was not written from its model by this memplan (digest differs); "
-                         "exporting the plan re-made from its model\n", c.input.c_str());
-  }
   auto exported = c.import_kind == "megatron" ? planner::ExportMegatron(*plan) : planner::ExportTorchtitan(*plan);
   if (!exported) return Fail(exported.error());
-  auto coarse = planner::BuildPlan(exported->coarse);
-  if (!coarse) return Fail(coarse.error());
+  const planner::Plan* coarse = &exported->coarse_plan;
 
   if (c.output.empty()) {
     std::fputs(exported->text.c_str(), stdout);

@@ -168,13 +168,12 @@ StaticBreakdown AccountRank(const Model& model, const std::vector<LayerGraph>& l
     // the order; without, every unit of the rank (between a microbatch's
     // forward and its backward the pipeline holds them all). Unsharded
     // gradients of one unit before its reduce-scatter.
-    std::vector<int64_t> sorted = units;
-    std::sort(sorted.begin(), sorted.end(), std::greater<>());
+    std::sort(units.begin(), units.end(), std::greater<>());
     int64_t gathered = 0;
-    const size_t live = par.fsdp_reshard_after_forward ? static_cast<size_t>(1 + par.fsdp_prefetch) : sorted.size();
-    for (size_t i = 0; i < std::min(live, sorted.size()); ++i) gathered += sorted[i];
+    const size_t live = par.fsdp_reshard_after_forward ? static_cast<size_t>(1 + par.fsdp_prefetch) : units.size();
+    for (size_t i = 0; i < std::min(live, units.size()); ++i) gathered += units[i];
     s.buffer_detail["fsdp_params"] = CheckedMul(gathered, pbytes, "FSDP parameter buffers");
-    s.buffer_detail["fsdp_grads"] = CheckedMul(sorted.front(), gbytes, "FSDP gradient buffer");
+    s.buffer_detail["fsdp_grads"] = CheckedMul(units.front(), gbytes, "FSDP gradient buffer");
   }
 
   if (par.pipeline_zero2) {

@@ -154,12 +154,10 @@ double InterNodeBytes(const Model& model, const std::vector<LayerGraph>& layers,
   // stage is tp*cp*dp ranks away. Per microbatch and chunk, an activation
   // leaves and a gradient arrives at each end of the chunk.
   if (par.pp > 1 && par.tp * par.cp * par.dp >= hw.gpus_per_node && !rank_layers.empty()) {
-    const LayerGraph& g = layers[static_cast<size_t>(rank_layers.front())];
-    double stream = 0;
-    for (const auto& t : g.tensors) {
-      if (t.name.size() > 12 && t.name.compare(t.name.size() - 12, 12, ".attn_norm.x") == 0) stream = static_cast<double>(t.bytes);
-    }
-    bytes += 4 * m * static_cast<double>(chunks) * stream;
+    // The residual stream: the layer's input, attn_norm.x (templates.cc).
+    const int64_t first = rank_layers.front();
+    const TensorSpec* stream = layers[static_cast<size_t>(first)].FindTensor("layer" + std::to_string(first) + ".attn_norm.x");
+    if (stream) bytes += 4 * m * static_cast<double>(chunks) * static_cast<double>(stream->bytes);
   }
   return bytes;
 }

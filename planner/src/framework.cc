@@ -10,6 +10,8 @@
 #include <set>
 #include <sstream>
 
+#include "memplan/common/table.h"
+
 namespace memplan::planner {
 namespace {
 
@@ -30,9 +32,9 @@ std::string Join(const std::vector<std::string>& v, const std::string& sep) {
 
 }  // namespace
 
-// Megatron-LM's TransformerConfig.recompute_modules (megatron/core/
-// transformer/transformer_config.py): a recomputed module keeps its input
-// and drops what it saved inside.
+// Megatron-LM's selective recompute modules (docs/export.md, which cites
+// Megatron's definitions): a recomputed module keeps its input and drops
+// what it saved inside.
 const std::vector<FrameworkModule>& MegatronRecomputeModules() {
   static const std::vector<FrameworkModule> m = {
       {"core_attn", {"attn.lse", "attn.softmax_out", "attn.attn_dropout_mask", "attn.probs"}},
@@ -48,7 +50,7 @@ const std::vector<FrameworkModule>& MegatronRecomputeModules() {
   return m;
 }
 
-// docs/source/api-guide/fine_grained_activation_offloading.md: a module in
+// Megatron-LM's fine-grained offload modules (docs/export.md): a module in
 // --offload-modules offloads the tensors it saves for backward (its input).
 const std::vector<FrameworkModule>& MegatronOffloadModules() {
   static const std::vector<FrameworkModule> m = {
@@ -116,10 +118,9 @@ Expected<std::vector<PolicyAnnotation>> MegatronPolicies(bool mla, const std::ve
 namespace {
 
 // The plan's decisions by suffix: bytes recomputed, offloaded (host or
-// another rank), in FP8, and in all.
+// another rank), and in all.
 struct Tally {
-  int64_t all = 0, recompute = 0, offload = 0, fp8 = 0, remote = 0;
-  int64_t tensors = 0;
+  int64_t all = 0, recompute = 0, offload = 0;
 };
 
 std::map<std::string, Tally> TallyBySuffix(const Plan& plan) {
@@ -127,11 +128,8 @@ std::map<std::string, Tally> TallyBySuffix(const Plan& plan) {
   for (const auto& t : plan.tensors) {
     Tally& s = out[Suffix(t.name)];
     s.all += t.bytes;
-    ++s.tensors;
     if (Has(t.effective, Policy::kRecompute)) s.recompute += t.bytes;
     if (Has(t.effective, Policy::kOffloadHost) || Has(t.effective, Policy::kOffloadRemote)) s.offload += t.bytes;
-    if (Has(t.effective, Policy::kOffloadRemote)) s.remote += t.bytes;
-    if (Has(t.effective, Policy::kFp8)) s.fp8 += t.bytes;
   }
   return out;
 }
@@ -156,13 +154,6 @@ std::vector<std::string> Majority(const std::vector<FrameworkModule>& table, con
   return out;
 }
 
-std::string Fmt(double gib) {
-  std::ostringstream s;
-  s.precision(2);
-  s << std::fixed << gib;
-  return s.str();
-}
-
 // What neither framework says: FP8 storage of single tensors, offload into
 // another rank, and per-tensor choices the module settings override.
 std::vector<std::string> NotExpressed(const Plan& plan, const Model& coarse) {
@@ -182,16 +173,16 @@ std::vector<std::string> NotExpressed(const Plan& plan, const Model& coarse) {
   }
   const double g = 1.0 / (1 << 30);
   if (fp8_n) {
-    out.push_back("FP8 storage of " + std::to_string(fp8_n) + " saved tensors (" + Fmt(fp8 * g) +
+    out.push_back("FP8 storage of " + std::to_string(fp8_n) + " saved tensors (" + FormatFixed(fp8 * g, 2) +
                   " GiB per microbatch): no per-tensor setting; kept or as their module says");
   }
   if (remote_n) {
     out.push_back("offload into another pipeline rank's memory of " + std::to_string(remote_n) + " tensors (" +
-                  Fmt(remote * g) + " GiB per microbatch): to host where their module is offloaded, else kept");
+                  FormatFixed(remote * g, 2) + " GiB per microbatch): to host where their module is offloaded, else kept");
   }
   if (differ) {
     out.push_back(std::to_string(differ) + " of " + std::to_string(plan.tensors.size()) + " saved tensors (" +
-                  Fmt(differ_bytes * g) + " GiB per microbatch) are stored otherwise than memplan's plan stores them");
+                  FormatFixed(differ_bytes * g, 2) + " GiB per microbatch) are stored otherwise than memplan's plan stores them");
   }
   return out;
 }
@@ -292,9 +283,12 @@ Expected<ExportedSettings> ExportMegatron(const Plan& plan) {
   };
   order(MegatronRecomputeModules(), e.recompute);
   order(MegatronOffloadModules(), e.offload);
+  // The settings' policies do not depend on the lists' order: `current` is
+  // their plan.
   auto final_model = coarse(e.recompute, e.offload);
   if (!final_model) return final_model.error();
   e.coarse = std::move(*final_model);
+  e.coarse_plan = std::move(*current);
   e.not_expressed = NotExpressed(plan, e.coarse);
 
   std::vector<std::string> lines;
@@ -344,7 +338,7 @@ Expected<ExportedSettings> ExportMegatron(const Plan& plan) {
     for (int64_t l = 0; l < a.layers; ++l) pattern += std::string(l ? "," : "") + (a.IsMoeLayer(l) ? "1" : "0");
     arg("--moe-layer-freq", "\"" + pattern + "]\"");
     arg("--moe-router-score-function", moe.router == Router::kSigmoid ? "sigmoid" : "softmax");
-    if (moe.capacity_factor) arg("--moe-expert-capacity-factor", Fmt(*moe.capacity_factor));
+    if (moe.capacity_factor) arg("--moe-expert-capacity-factor", FormatFixed(*moe.capacity_factor, 2));
     if (moe.routed_scaling != 1.0) {
       std::ostringstream v;
       v << moe.routed_scaling;
@@ -355,7 +349,7 @@ Expected<ExportedSettings> ExportMegatron(const Plan& plan) {
     arg("--moe-token-dispatcher-type", "alltoall");
     if (moe.latent_dim) e.not_expressed.push_back("the experts' latent projection (arch.moe.latent_dim): Megatron has none");
     if (!moe.capacity_factor && moe.imbalance != MoeConfig::kDefaultMoeImbalance) {
-      e.not_expressed.push_back("the assumed routing skew (arch.moe.imbalance " + Fmt(moe.imbalance) +
+      e.not_expressed.push_back("the assumed routing skew (arch.moe.imbalance " + FormatFixed(moe.imbalance, 2) +
                                 "): a planning assumption, not a setting; the import restores the default");
     }
   }
@@ -427,7 +421,7 @@ Expected<ExportedSettings> ExportTorchtitan(const Plan& plan) {
   const Parallel& p = m.parallel;
   ExportedSettings e;
   e.framework = "torchtitan";
-  // TorchTitan's [activation_checkpoint] (torchtitan/config/job_config.py):
+  // TorchTitan's [activation_checkpoint] (docs/export.md):
   // "full" recomputes every block from its input; "selective" with an
   // integer N every N-th block; with "op" it saves matmul and attention
   // outputs and recomputes the rest (norms, activations). Per layer: the
@@ -484,8 +478,9 @@ Expected<ExportedSettings> ExportTorchtitan(const Plan& plan) {
     choice = c;
     auto q = BuildPlan(Coarse(plan, policies_of(c)));
     if (!q) return q.error();
+    e.coarse_plan = std::move(*q);
     bool fits = true;
-    for (const auto& r : q->ranks) fits &= r.fits;
+    for (const auto& r : e.coarse_plan.ranks) fits &= r.fits;
     if (fits) break;
     if (c != next.back()) e.added.push_back("activation_checkpoint " + c + " did not fit: more recomputation");
   }

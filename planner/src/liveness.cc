@@ -330,12 +330,12 @@ PipelineTimes PipelineTiming(const Model& model, const std::vector<LayerGraph>& 
     for (int64_t c = 0; c < vp; ++c) {
       const auto& chunk = layout.chunks[static_cast<size_t>(r)][static_cast<size_t>(c)];
       rank_layers.insert(rank_layers.end(), chunk.begin(), chunk.end());
-      window += t.stage_bwd_s[static_cast<size_t>(c * pp + r)];
-      // ZeRO-3 gathers and reduce-scatters beside every pass (prefetched).
-      if (model.parallel.zero >= 3) {
-        window += static_cast<double>(model.train.microbatches - 1) * t.stage_bwd_s[static_cast<size_t>(c * pp + r)] +
-                  static_cast<double>(model.train.microbatches) * t.stage_fwd_s[static_cast<size_t>(c * pp + r)];
-      }
+      // ZeRO-3 gathers and reduce-scatters beside every pass (prefetched);
+      // otherwise the reduction overlaps the chunk's last backward.
+      const size_t stage = static_cast<size_t>(c * pp + r);
+      window += model.parallel.zero >= 3
+                    ? static_cast<double>(model.train.microbatches) * (t.stage_fwd_s[stage] + t.stage_bwd_s[stage])
+                    : t.stage_bwd_s[stage];
     }
     const size_t ri = static_cast<size_t>(r);
     t.dp_exposed_s[ri] = std::max(0.0, DataParallelSeconds(model, layers, rank_layers, links) - window);

@@ -485,16 +485,37 @@ std::string AddMoe(Builder& B, const Dims& d, const std::string& x_in) {
   return a.dropout ? AddResidualDropout(B, d, "moe", out) : out;
 }
 
-// Multi-token prediction (DeepSeek-V3, section 2.2; Megatron-LM's
-// megatron/core/transformer/multi_token_prediction.py), after the main loss
-// in the last layer's graph: depth k normalises the previous depth's hidden
-// state `h_prev` (the main model's, before its final norm, at k = 0) and the
-// embedding of the token k + 1 ahead, projects the two (eh_proj, as two
-// h x h linears and an add), runs one transformer block of the last layer's
-// kind and a cross-entropy through the shared output head with its own norm.
-// With pp > 1 the last stage keeps its own word embedding for the lookups
-// (Megatron's gpt_model.py builds the embedding where mtp_process), a copy
-// unless the head is tied (then the head's copy serves both).
+// A transformer block's attention (or KDA) and FFN (MLP or MoE) on the
+// layer input `x` (attn_norm.x): the residual stream between them (h2,
+// ffn_norm.x) and the FFN's output, whose residual add the caller names.
+struct BlockParts {
+  std::string h2, ffn_out, ffn_module;
+};
+BlockParts AddAttentionAndFfn(Builder& B, const Dims& d, const std::string& x, bool kda, bool moe) {
+  const Arch& a = B.model().arch;
+  const std::string attn_module = kda ? "kda" : "attn";
+  std::string normed = AddNorm(B, d, "attn_norm", x, attn_module, kda ? "in" : "qkv_in", true);
+  std::string attn_out = kda     ? AddKda(B, d, normed)
+                         : a.mla ? AddMlaAttention(B, d, normed)
+                                 : AddStandardAttention(B, d, normed);
+  BlockParts out;
+  out.h2 = B.Act("ffn_norm", "x", {d.tokens_r, d.h}, true, d.shard_r);
+  B.Op(attn_module, "residual", "add", {x, attn_out}, {out.h2}, static_cast<double>(d.tokens_r * d.h));
+  out.ffn_module = moe ? "moe" : "mlp";
+  std::string ffn_in = AddNorm(B, d, "ffn_norm", out.h2, out.ffn_module, moe ? "x" : "fc1_in", true);
+  out.ffn_out = moe ? AddMoe(B, d, ffn_in) : AddMlp(B, d, ffn_in);
+  return out;
+}
+
+// Multi-token prediction (DeepSeek-V3, section 2.2, as Megatron-LM runs it:
+// docs/accounting.md section 2), after the main loss in the last layer's
+// graph: depth k normalises the previous depth's hidden state `h_prev` (the
+// main model's, before its final norm, at k = 0) and the embedding of the
+// token k + 1 ahead, projects the two (eh_proj, as two h x h linears and an
+// add), runs one transformer block of the last layer's kind and a
+// cross-entropy through the shared output head with its own norm. With
+// pp > 1 the last stage keeps its own word embedding for the lookups, a
+// copy unless the head is tied (then the head's copy serves both).
 void AddMtp(Builder& B, const Dims& d, std::string h_prev) {
   const Model& model = B.model();
   const Arch& a = model.arch;
@@ -530,16 +551,9 @@ void AddMtp(Builder& B, const Dims& d, std::string h_prev) {
     std::string x = B.Act("attn_norm", "x", {d.tokens_r, d.h}, true, d.shard_r);
     B.Op("proj", "add", "add", {e_out, h_out}, {x}, static_cast<double>(d.tokens_r * d.h));
     // The block, as a main layer of the last layer's kind.
-    const std::string attn_module = kda ? "kda" : "attn";
-    std::string normed = AddNorm(B, d, "attn_norm", x, attn_module, kda ? "in" : "qkv_in", true);
-    std::string attn_out = kda ? AddKda(B, d, normed) : a.mla ? AddMlaAttention(B, d, normed) : AddStandardAttention(B, d, normed);
-    std::string h2 = B.Act("ffn_norm", "x", {d.tokens_r, d.h}, true, d.shard_r);
-    B.Op(attn_module, "residual", "add", {x, attn_out}, {h2}, static_cast<double>(d.tokens_r * d.h));
-    const std::string ffn_module = moe ? "moe" : "mlp";
-    std::string ffn_in = AddNorm(B, d, "ffn_norm", h2, ffn_module, moe ? "x" : "fc1_in", true);
-    std::string ffn_out = moe ? AddMoe(B, d, ffn_in) : AddMlp(B, d, ffn_in);
+    const BlockParts block = AddAttentionAndFfn(B, d, x, kda, moe);
     std::string out = B.Act("head", "norm_x", {d.tokens_r, d.h}, true, d.shard_r);
-    B.Op(ffn_module, "residual", "add", {h2, ffn_out}, {out}, static_cast<double>(d.tokens_r * d.h));
+    B.Op(block.ffn_module, "residual", "add", {block.h2, block.ffn_out}, {out}, static_cast<double>(d.tokens_r * d.h));
     // Its loss through the shared output head.
     std::string head_in = AddNorm(B, d, "head_norm", out, "head", "in", true);
     std::string logits = B.Act("head", "logits", {d.tokens, vocab_local}, false, "tp");
@@ -694,19 +708,11 @@ LayerGraph ExpandTemplateLayer(const Model& model, int64_t layer) {
     B.SetProducer(x, LayerInputProducer(layer, model));
   }
 
-  // --- Attention (or KDA) ----------------------------------------------------
-  std::string attn_module = kda ? "kda" : "attn";
-  std::string normed = AddNorm(B, d, "attn_norm", x, attn_module, kda ? "in" : "qkv_in", true);
-  std::string attn_out = kda ? AddKda(B, d, normed)
-                         : a.mla ? AddMlaAttention(B, d, normed)
-                                 : AddStandardAttention(B, d, normed);
-  std::string h2 = B.Act("ffn_norm", "x", {d.tokens_r, d.h}, true, d.shard_r);
-  B.Op(attn_module, "residual", "add", {x, attn_out}, {h2}, static_cast<double>(d.tokens_r * d.h));
-
-  // --- FFN -------------------------------------------------------------------
-  std::string ffn_module = moe ? "moe" : "mlp";
-  std::string ffn_in = AddNorm(B, d, "ffn_norm", h2, ffn_module, moe ? "x" : "fc1_in", true);
-  std::string ffn_out = moe ? AddMoe(B, d, ffn_in) : AddMlp(B, d, ffn_in);
+  // --- Attention (or KDA), then the FFN ------------------------------------
+  const BlockParts block = AddAttentionAndFfn(B, d, x, kda, moe);
+  const std::string& h2 = block.h2;
+  const std::string& ffn_module = block.ffn_module;
+  const std::string& ffn_out = block.ffn_out;
 
   // --- Layer output ----------------------------------------------------------
   const bool single = a.attn_res && model.options.attn_res_single_copy;

@@ -54,6 +54,7 @@ struct ExportedSettings {
   std::vector<std::string> added;
   std::vector<std::string> not_expressed;  // one line each: what the settings cannot say
   Model coarse;                         // the plan's model under exactly these settings
+  Plan coarse_plan;                     // its plan (BuildPlan(coarse))
 };
 
 // From a plan: a module's tensors are recomputed (offloaded) in the export
