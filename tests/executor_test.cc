@@ -155,14 +155,41 @@ TEST_CASE("tiny-k3-fp32: loss and grad_norm do not depend on where saved tensors
   CheckSameNumbers("examples/models/tiny-k3-fp32.json", 0.2);
 }
 
-TEST_CASE("tiny-k3-fp32: KDA's gated norm at the reference eps keeps the gradients tame") {
-  // docs/runtime.md, KDA: at eps 1e-6 the output norm's gain reached 1000 at
-  // initialisation and the gradient norm was 96.3; at the reference code's
-  // 1e-5 it is 28.5 (3.5 without KDA: the missing short convolutions and
-  // SiLU are the rest, docs/design.md).
-  RunResult r = MustRun(PlanOf(LoadJson("examples/models/tiny-k3-fp32.json")));
-  CHECK(r.measured.grad_norm < 40);
-  CHECK(r.measured.grad_norm > 10);
+// docs/runtime.md, KDA: with the layer as published (short convolutions
+// with SiLU on q, k, v, dt_bias in the decay, the gated norm at eps 1e-5)
+// tiny-k3-fp32's gradient norm at initialisation is 13.1, against 3.5 for
+// the same model without KDA (28.5 without the convolutions and dt_bias,
+// 96.3 at eps 1e-6 as well); most of it is layer 0's, upstream of the KDA
+// layers' gated norms. Its bf16 twin's gradients follow fp32's: median
+// cosine 0.92 over the parameters.
+TEST_CASE("tiny-k3: the faithful KDA keeps the gradients tame and bf16 gradients follow fp32's") {
+  const auto dir = UniqueTempDir("memplan_k3_cosine");
+  std::filesystem::remove_all(dir);
+  RunOptions o32, o16;
+  o32.dump_dir = (dir / "fp32").string();
+  o16.dump_dir = (dir / "bf16").string();
+  RunResult r = MustRun(PlanOf(LoadJson("examples/models/tiny-k3-fp32.json")), o32);
+  CHECK(r.measured.grad_norm < 20);
+  CHECK(r.measured.grad_norm > 5);
+  MustRun(PlanOf(LoadJson("examples/models/tiny-k3.json")), o16);
+  std::vector<double> cosines;
+  for (const auto& e : std::filesystem::directory_iterator(dir / "fp32" / "grads")) {
+    const std::vector<float> a = NpyFloats(e.path()), b = NpyFloats(dir / "bf16" / "grads" / e.path().filename());
+    REQUIRE(a.size() == b.size());
+    double ab = 0, aa = 0, bb = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+      ab += double(a[i]) * b[i];
+      aa += double(a[i]) * a[i];
+      bb += double(b[i]) * b[i];
+    }
+    if (aa > 0 && bb > 0) cosines.push_back(ab / std::sqrt(aa * bb));
+  }
+  std::filesystem::remove_all(dir);
+  REQUIRE(cosines.size() > 150);  // 192 parameters with a gradient
+  std::sort(cosines.begin(), cosines.end());
+  const double median = cosines[cosines.size() / 2];
+  CAPTURE(median);
+  CHECK(median > 0.85);
 }
 
 // tiny-k3 itself: bf16 activations and weights (fp32 master weights,

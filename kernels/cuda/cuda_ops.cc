@@ -328,14 +328,23 @@ class CudaOps final : public Ops {
   }
 
   void KdaFwd(const float* q, const float* k, const float* v, const float* g, const float* beta, const float* a_log,
-              const KdaShape& shape, float* o, float* states) override {
-    MEMPLAN_CUDA_CHECK(cuda::LaunchKdaFwd(ctx_, q, k, v, g, beta, a_log, shape, o, states));
+              const float* dt_bias, const KdaShape& shape, float* o, float* states) override {
+    MEMPLAN_CUDA_CHECK(cuda::LaunchKdaFwd(ctx_, q, k, v, g, beta, a_log, dt_bias, shape, o, states));
   }
   void KdaBwd(const float* q, const float* k, const float* v, const float* g, const float* beta, const float* a_log,
-              const float* states, const float* d_o, const KdaShape& shape, float* dq, float* dk, float* dv,
-              float* dg, float* dbeta, float* da_log, float* workspace) override {
-    MEMPLAN_CUDA_CHECK(cuda::LaunchKdaBwd(ctx_, q, k, v, g, beta, a_log, states, d_o, shape, dq, dk, dv, dg, dbeta,
-                                          da_log, workspace));
+              const float* dt_bias, const float* states, const float* d_o, const KdaShape& shape, float* dq,
+              float* dk, float* dv, float* dg, float* dbeta, float* da_log, float* d_dt_bias,
+              float* workspace) override {
+    MEMPLAN_CUDA_CHECK(cuda::LaunchKdaBwd(ctx_, q, k, v, g, beta, a_log, dt_bias, states, d_o, shape, dq, dk, dv, dg,
+                                          dbeta, da_log, d_dt_bias, workspace));
+  }
+  void ShortConvFwd(const float* x, const float* w, int64_t batch, int64_t seq, int64_t channels, int64_t taps,
+                    float* y) override {
+    MEMPLAN_CUDA_CHECK(cuda::LaunchShortConvFwd(ctx_, x, w, batch, seq, channels, taps, y));
+  }
+  void ShortConvBwd(const float* x, const float* w, const float* dy, int64_t batch, int64_t seq, int64_t channels,
+                    int64_t taps, float* dx, float* dw) override {
+    MEMPLAN_CUDA_CHECK(cuda::LaunchShortConvBwd(ctx_, x, w, dy, batch, seq, channels, taps, dx, dw));
   }
   void SigmoidGateFwd(const float* x, const float* g, int64_t n, float* y) override {
     MEMPLAN_CUDA_CHECK(cuda::LaunchSigmoidGateFwd(ctx_, x, g, n, y));

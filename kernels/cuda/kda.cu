@@ -44,8 +44,8 @@ struct KdaVec {
 
 // Loads token row `r` of head h: normalized q (scaled) and k, the decays,
 // beta. Ends with a barrier.
-__device__ void LoadToken(const float* q, const float* k, const float* g, const float* beta, float a_log, int64_t r,
-                          int64_t h, const KdaShape& sh, KdaVec& t, float* red, float* scal) {
+__device__ void LoadToken(const float* q, const float* k, const float* g, const float* dt_bias, const float* beta,
+                          float a_log, int64_t r, int64_t h, const KdaShape& sh, KdaVec& t, float* red, float* scal) {
   const float* qr = q + (r * sh.heads + h) * sh.dk;
   const float* kr = k + (r * sh.heads + h) * sh.dk;
   const float* gr = g + (r * sh.heads + h) * sh.dk;
@@ -61,7 +61,7 @@ __device__ void LoadToken(const float* q, const float* k, const float* g, const 
   for (int64_t i = threadIdx.x; i < sh.dk; i += blockDim.x) {
     t.q[i] = qr[i] / qn * scale;
     t.k[i] = kr[i] / kn;
-    t.log_alpha[i] = -c * SoftplusF(gr[i]);
+    t.log_alpha[i] = -c * SoftplusF(gr[i] + (dt_bias != nullptr ? dt_bias[h * sh.dk + i] : 0.f));
     t.alpha[i] = expf(t.log_alpha[i]);
   }
   if (threadIdx.x == 0) scal[0] = SigmoidF(beta[r * sh.heads + h]);
@@ -113,7 +113,7 @@ __device__ void Step(float* S, const KdaVec& t, const float* vr, const KdaShape&
 
 __global__ void __launch_bounds__(kKdaThreads)
     KdaFwdKernel(const float* q, const float* k, const float* v, const float* g, const float* beta,
-                 const float* a_log, KdaShape sh, float* o, float* states) {
+                 const float* a_log, const float* dt_bias, KdaShape sh, float* o, float* states) {
   extern __shared__ float4 kda_fwd_smem[];
   __shared__ float red[kKdaThreads / 32];
   float* S = reinterpret_cast<float*>(kda_fwd_smem);
@@ -129,14 +129,15 @@ __global__ void __launch_bounds__(kKdaThreads)
       float* dst = states + ((b * sh.heads + h) * chunks + s / sh.chunk) * sh.dk * sh.dv;
       for (int64_t e = threadIdx.x; e < sh.dk * sh.dv; e += blockDim.x) dst[e] = S[e];
     }
-    LoadToken(q, k, g, beta, a_log[h], r, h, sh, t, red, scal);
+    LoadToken(q, k, g, dt_bias, beta, a_log[h], r, h, sh, t, red, scal);
     Step(S, t, v + (r * sh.heads + h) * sh.dv, sh, o + (r * sh.heads + h) * sh.dv);
   }
 }
 
 __global__ void __launch_bounds__(kKdaThreads)
     KdaBwdKernel(const float* q, const float* k, const float* v, const float* g, const float* beta,
-                 const float* a_log, const float* states, const float* d_o, KdaShape sh, float* dq, float* dk,
+                 const float* a_log, const float* dt_bias, const float* states, const float* d_o, KdaShape sh,
+                 float* dq, float* dk,
                  float* dv, float* dg, float* dbeta, float* work, float* da_part) {
   extern __shared__ float4 kda_bwd_smem[];
   __shared__ float red[kKdaThreads / 32];
@@ -159,7 +160,7 @@ __global__ void __launch_bounds__(kKdaThreads)
     for (int64_t s = s0; s < s1; ++s) {
       const int64_t r = b * sh.seq + s;
       for (int64_t e = threadIdx.x; e < n; e += blockDim.x) W[(s - s0) * n + e] = S[e];
-      LoadToken(q, k, g, beta, a_log[h], r, h, sh, t, red, scal);
+      LoadToken(q, k, g, dt_bias, beta, a_log[h], r, h, sh, t, red, scal);
       Step(S, t, v + (r * sh.heads + h) * sh.dv, sh, nullptr);
     }
     for (int64_t s = s1 - 1; s >= s0; --s) {
@@ -167,7 +168,7 @@ __global__ void __launch_bounds__(kKdaThreads)
       const float* Sp = W + (s - s0) * n;
       const float* vr = v + (r * sh.heads + h) * sh.dv;
       const float* dor = d_o + (r * sh.heads + h) * sh.dv;
-      LoadToken(q, k, g, beta, a_log[h], r, h, sh, t, red, scal);
+      LoadToken(q, k, g, dt_bias, beta, a_log[h], r, h, sh, t, red, scal);
       // Columns: ka = A^T k, u, then dS += q do^T, du = dS^T k.
       float dbeta_part = 0.f;
       for (int64_t j = threadIdx.x; j < sh.dv; j += blockDim.x) {
@@ -219,7 +220,7 @@ __global__ void __launch_bounds__(kKdaThreads)
         dq[at] = (dq[at] - qz * zq) / t.qn;
         dk[at] = (dk[at] - t.k[i] * zk) / t.kn;
         const float dl = dg[at] * t.alpha[i];
-        dg[at] = dl * (-c) * SigmoidF(g[at]);
+        dg[at] = dl * (-c) * SigmoidF(g[at] + (dt_bias != nullptr ? dt_bias[h * sh.dk + i] : 0.f));
         da_part += dl * t.log_alpha[i];
       }
       da += BlockSum(da_part, red);
@@ -237,6 +238,75 @@ __global__ void KdaALogKernel(const float* part, int64_t batch, int64_t heads, f
     float s = 0.f;
     for (int64_t b = 0; b < batch; ++b) s += part[b * heads + h];
     da_log[h] += s;
+  }
+}
+
+// d_dt_bias[c] += sum over rows (in order) of dg[r, c].
+__global__ void ColumnSumKernel(const float* x, int64_t rows, int64_t cols, float* out) {
+  for (int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < cols;
+       c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float s = 0.f;
+    for (int64_t r = 0; r < rows; ++r) s += x[r * cols + c];
+    out[c] += s;
+  }
+}
+
+// Short convolution (ops.h ShortConvFwd/Bwd): one thread per element; the
+// weight gradient one thread per (tap, channel), rows in order.
+__device__ float ShortConvPre(const float* x, const float* w, int64_t seq, int64_t channels, int64_t taps,
+                              int64_t row, int64_t c) {
+  const int64_t s = row % seq;
+  float acc = 0.f;
+  for (int64_t j = 0; j < taps; ++j) {
+    const int64_t t = s - taps + 1 + j;
+    if (t >= 0) acc += w[j * channels + c] * x[(row - s + t) * channels + c];
+  }
+  return acc;
+}
+
+__global__ void ShortConvFwdKernel(const float* x, const float* w, int64_t rows, int64_t seq, int64_t channels,
+                                   int64_t taps, float* y) {
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < rows * channels;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float pre = ShortConvPre(x, w, seq, channels, taps, e / channels, e % channels);
+    y[e] = pre * SigmoidF(pre);
+  }
+}
+
+// dpre = dy * silu'(pre) of element (row, c), pre re-made from x: the
+// backward keeps nothing between its kernels (no workspace).
+__device__ float ShortConvDpre(const float* x, const float* w, const float* dy, int64_t seq, int64_t channels,
+                               int64_t taps, int64_t row, int64_t c) {
+  const float pre = ShortConvPre(x, w, seq, channels, taps, row, c);
+  const float sg = SigmoidF(pre);
+  return dy[row * channels + c] * (sg * (1.f + pre * (1.f - sg)));
+}
+
+__global__ void ShortConvDxKernel(const float* x, const float* w, const float* dy, int64_t rows, int64_t seq,
+                                  int64_t channels, int64_t taps, float* dx) {
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < rows * channels;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = e / channels, c = e % channels, t = row % seq;
+    float acc = 0.f;
+    for (int64_t j = 0; j < taps; ++j) {
+      const int64_t s = t + taps - 1 - j;
+      if (s < seq) acc += w[j * channels + c] * ShortConvDpre(x, w, dy, seq, channels, taps, row - t + s, c);
+    }
+    dx[e] = acc;
+  }
+}
+
+__global__ void ShortConvDwKernel(const float* x, const float* w, const float* dy, int64_t rows, int64_t seq,
+                                  int64_t channels, int64_t taps, float* dw) {
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < taps * channels;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t j = e / channels, c = e % channels;
+    float acc = 0.f;
+    for (int64_t row = 0; row < rows; ++row) {
+      const int64_t t = row % seq - taps + 1 + j;
+      if (t >= 0) acc += ShortConvDpre(x, w, dy, seq, channels, taps, row, c) * x[(row - row % seq + t) * channels + c];
+    }
+    dw[e] += acc;
   }
 }
 
@@ -270,27 +340,53 @@ cudaError_t Smem(const LaunchContext& ctx, const void* kernel, int64_t bytes) {
 }  // namespace
 
 cudaError_t LaunchKdaFwd(const LaunchContext& ctx, const float* q, const float* k, const float* v, const float* g,
-                         const float* beta, const float* a_log, const KdaShape& sh, float* o, float* states) {
+                         const float* beta, const float* a_log, const float* dt_bias, const KdaShape& sh, float* o,
+                         float* states) {
   if (sh.batch <= 0 || sh.seq <= 0 || sh.heads <= 0 || sh.chunk <= 0) return cudaSuccess;
   const int64_t bytes = SharedBytes(sh, false);
   if (cudaError_t e = Smem(ctx, reinterpret_cast<const void*>(&KdaFwdKernel), bytes); e != cudaSuccess) return e;
   KdaFwdKernel<<<static_cast<unsigned>(sh.batch * sh.heads), kKdaThreads, bytes, ctx.stream>>>(q, k, v, g, beta,
-                                                                                                a_log, sh, o, states);
+                                                                                                a_log, dt_bias, sh, o,
+                                                                                                states);
   return cudaGetLastError();
 }
 
 cudaError_t LaunchKdaBwd(const LaunchContext& ctx, const float* q, const float* k, const float* v, const float* g,
-                         const float* beta, const float* a_log, const float* states, const float* d_o,
-                         const KdaShape& sh, float* dq, float* dk, float* dv, float* dg, float* dbeta,
-                         float* da_log, float* workspace) {
+                         const float* beta, const float* a_log, const float* dt_bias, const float* states,
+                         const float* d_o, const KdaShape& sh, float* dq, float* dk, float* dv, float* dg,
+                         float* dbeta, float* da_log, float* d_dt_bias, float* workspace) {
   if (sh.batch <= 0 || sh.seq <= 0 || sh.heads <= 0 || sh.chunk <= 0) return cudaSuccess;
   const int64_t bytes = SharedBytes(sh, true);
   if (cudaError_t e = Smem(ctx, reinterpret_cast<const void*>(&KdaBwdKernel), bytes); e != cudaSuccess) return e;
   float* part = workspace + sh.batch * sh.heads * sh.chunk * sh.dk * sh.dv;
   KdaBwdKernel<<<static_cast<unsigned>(sh.batch * sh.heads), kKdaThreads, bytes, ctx.stream>>>(
-      q, k, v, g, beta, a_log, states, d_o, sh, dq, dk, dv, dg, dbeta, workspace, part);
+      q, k, v, g, beta, a_log, dt_bias, states, d_o, sh, dq, dk, dv, dg, dbeta, workspace, part);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   KdaALogKernel<<<FlatBlocks(ctx, sh.heads), 256, 0, ctx.stream>>>(part, sh.batch, sh.heads, da_log);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  if (dt_bias != nullptr && d_dt_bias != nullptr) {
+    const int64_t width = sh.heads * sh.dk;
+    ColumnSumKernel<<<FlatBlocks(ctx, width), 256, 0, ctx.stream>>>(dg, sh.batch * sh.seq, width, d_dt_bias);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchShortConvFwd(const LaunchContext& ctx, const float* x, const float* w, int64_t batch, int64_t seq,
+                               int64_t channels, int64_t taps, float* y) {
+  const int64_t n = batch * seq * channels;
+  if (n <= 0) return cudaSuccess;
+  ShortConvFwdKernel<<<FlatBlocks(ctx, n), 256, 0, ctx.stream>>>(x, w, batch * seq, seq, channels, taps, y);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchShortConvBwd(const LaunchContext& ctx, const float* x, const float* w, const float* dy,
+                               int64_t batch, int64_t seq, int64_t channels, int64_t taps, float* dx, float* dw) {
+  const int64_t n = batch * seq * channels;
+  if (n <= 0) return cudaSuccess;
+  ShortConvDwKernel<<<FlatBlocks(ctx, taps * channels), 256, 0, ctx.stream>>>(x, w, dy, batch * seq, seq, channels,
+                                                                              taps, dw);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  ShortConvDxKernel<<<FlatBlocks(ctx, n), 256, 0, ctx.stream>>>(x, w, dy, batch * seq, seq, channels, taps, dx);
   return cudaGetLastError();
 }
 

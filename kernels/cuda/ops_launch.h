@@ -173,11 +173,16 @@ cudaError_t LaunchRoundToBf16(const LaunchContext& ctx, const float* x, int64_t 
 
 // KDA (kda.cu). The backward's workspace holds workspace::KdaBwdBytes.
 cudaError_t LaunchKdaFwd(const LaunchContext& ctx, const float* q, const float* k, const float* v, const float* g,
-                         const float* beta, const float* a_log, const KdaShape& shape, float* o, float* states);
+                         const float* beta, const float* a_log, const float* dt_bias, const KdaShape& shape,
+                         float* o, float* states);
 cudaError_t LaunchKdaBwd(const LaunchContext& ctx, const float* q, const float* k, const float* v, const float* g,
-                         const float* beta, const float* a_log, const float* states, const float* d_o,
-                         const KdaShape& shape, float* dq, float* dk, float* dv, float* dg, float* dbeta,
-                         float* da_log, float* workspace);
+                         const float* beta, const float* a_log, const float* dt_bias, const float* states,
+                         const float* d_o, const KdaShape& shape, float* dq, float* dk, float* dv, float* dg,
+                         float* dbeta, float* da_log, float* d_dt_bias, float* workspace);
+cudaError_t LaunchShortConvFwd(const LaunchContext& ctx, const float* x, const float* w, int64_t batch, int64_t seq,
+                               int64_t channels, int64_t taps, float* y);
+cudaError_t LaunchShortConvBwd(const LaunchContext& ctx, const float* x, const float* w, const float* dy,
+                               int64_t batch, int64_t seq, int64_t channels, int64_t taps, float* dx, float* dw);
 cudaError_t LaunchSigmoidGateFwd(const LaunchContext& ctx, const float* x, const float* g, int64_t n, float* y);
 cudaError_t LaunchSigmoidGateBwd(const LaunchContext& ctx, const float* x, const float* g, const float* dy, int64_t n,
                                  float* dx, float* dg);

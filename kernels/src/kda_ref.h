@@ -28,13 +28,14 @@ T KdaSigmoid(T x) {
 
 // One token of one head, the values the recurrence uses: q and k
 // L2-normalized (q also scaled by 1/sqrt(dk)), the per-channel decay
-// alpha = exp(-exp(a_log) softplus(g)) and beta = sigmoid(beta_raw).
+// alpha = exp(-exp(a_log) softplus(g + dt_bias)) and beta = sigmoid(beta_raw).
 template <typename T>
 struct KdaToken {
   std::vector<T> q, k, alpha, log_alpha;
   T qn = 0, kn = 0, beta = 0;
 
-  void Load(const T* qr, const T* kr, const T* gr, T braw, T a_log, int64_t dk) {
+  // dtb: the decay's per-channel bias dt_bias of this head (nullptr: none).
+  void Load(const T* qr, const T* kr, const T* gr, const T* dtb, T braw, T a_log, int64_t dk) {
     q.assign(qr, qr + dk);
     k.assign(kr, kr + dk);
     alpha.resize(static_cast<size_t>(dk));
@@ -49,7 +50,7 @@ struct KdaToken {
     for (int64_t i = 0; i < dk; ++i) {
       q[static_cast<size_t>(i)] = qr[i] / qn * scale;
       k[static_cast<size_t>(i)] = kr[i] / kn;
-      log_alpha[static_cast<size_t>(i)] = -c * KdaSoftplus(gr[i]);
+      log_alpha[static_cast<size_t>(i)] = -c * KdaSoftplus(gr[i] + (dtb ? dtb[i] : T(0)));
       alpha[static_cast<size_t>(i)] = std::exp(log_alpha[static_cast<size_t>(i)]);
     }
     beta = KdaSigmoid(braw);
@@ -83,11 +84,13 @@ struct KdaIndex {
   int64_t V(int64_t b, int64_t s, int64_t h) const { return ((b * sh.seq + s) * sh.heads + h) * sh.dv; }
   int64_t Beta(int64_t b, int64_t s, int64_t h) const { return (b * sh.seq + s) * sh.heads + h; }
   int64_t State(int64_t b, int64_t h, int64_t c) const { return ((b * sh.heads + h) * sh.Chunks() + c) * sh.dk * sh.dv; }
+  template <typename T>
+  const T* DtBias(const T* dt_bias, int64_t h) const { return dt_bias ? dt_bias + h * sh.dk : nullptr; }
 };
 
 template <typename T>
-void KdaFwd(const T* q, const T* k, const T* v, const T* g, const T* beta, const T* a_log, const KdaShape& sh, T* o,
-            T* states) {
+void KdaFwd(const T* q, const T* k, const T* v, const T* g, const T* beta, const T* a_log, const T* dt_bias,
+            const KdaShape& sh, T* o, T* states) {
   const KdaIndex ix{sh};
   std::vector<T> S(static_cast<size_t>(sh.dk * sh.dv));
   KdaToken<T> tk;
@@ -96,7 +99,8 @@ void KdaFwd(const T* q, const T* k, const T* v, const T* g, const T* beta, const
       std::fill(S.begin(), S.end(), T(0));
       for (int64_t s = 0; s < sh.seq; ++s) {
         if (s % sh.chunk == 0) std::copy(S.begin(), S.end(), states + ix.State(b, h, s / sh.chunk));
-        tk.Load(q + ix.QK(b, s, h), k + ix.QK(b, s, h), g + ix.QK(b, s, h), beta[ix.Beta(b, s, h)], a_log[h], sh.dk);
+        tk.Load(q + ix.QK(b, s, h), k + ix.QK(b, s, h), g + ix.QK(b, s, h), ix.DtBias(dt_bias, h),
+                beta[ix.Beta(b, s, h)], a_log[h], sh.dk);
         KdaStep(tk, v + ix.V(b, s, h), sh.dk, sh.dv, S.data(), o + ix.V(b, s, h));
       }
     }
@@ -106,10 +110,13 @@ void KdaFwd(const T* q, const T* k, const T* v, const T* g, const T* beta, const
 // Backward, chunk by chunk from the last: the chunk's states are re-made
 // from its saved start (into `work`: chunk x dk x dv, the state before each
 // token), then its tokens run backwards carrying dS = dL/dS. Input
-// gradients are written; da_log is added into, head by head, batch by batch.
+// gradients are written; da_log is added into, head by head, batch by batch,
+// and d_dt_bias (when dt_bias is given) receives the column sums of dg in
+// row order.
 template <typename T>
-void KdaBwd(const T* q, const T* k, const T* v, const T* g, const T* beta, const T* a_log, const T* states,
-            const T* d_o, const KdaShape& sh, T* dq, T* dk, T* dv, T* dg, T* dbeta, T* da_log, T* work) {
+void KdaBwd(const T* q, const T* k, const T* v, const T* g, const T* beta, const T* a_log, const T* dt_bias,
+            const T* states, const T* d_o, const KdaShape& sh, T* dq, T* dk, T* dv, T* dg, T* dbeta, T* da_log,
+            T* d_dt_bias, T* work) {
   const KdaIndex ix{sh};
   const int64_t DK = sh.dk, DV = sh.dv, n = DK * DV;
   std::vector<T> local;
@@ -132,14 +139,16 @@ void KdaBwd(const T* q, const T* k, const T* v, const T* g, const T* beta, const
         std::copy(states + ix.State(b, h, ch), states + ix.State(b, h, ch) + n, S.begin());
         for (int64_t s = s0; s < s1; ++s) {
           std::copy(S.begin(), S.end(), work + (s - s0) * n);
-          tk.Load(q + ix.QK(b, s, h), k + ix.QK(b, s, h), g + ix.QK(b, s, h), beta[ix.Beta(b, s, h)], a_log[h], DK);
+          tk.Load(q + ix.QK(b, s, h), k + ix.QK(b, s, h), g + ix.QK(b, s, h), ix.DtBias(dt_bias, h),
+                  beta[ix.Beta(b, s, h)], a_log[h], DK);
           KdaStep(tk, v + ix.V(b, s, h), DK, DV, S.data(), scratch.data());
         }
         for (int64_t s = s1 - 1; s >= s0; --s) {
           const T* Sp = work + (s - s0) * n;  // the state before token s
           const T* vr = v + ix.V(b, s, h);
           const T* dor = d_o + ix.V(b, s, h);
-          tk.Load(q + ix.QK(b, s, h), k + ix.QK(b, s, h), g + ix.QK(b, s, h), beta[ix.Beta(b, s, h)], a_log[h], DK);
+          tk.Load(q + ix.QK(b, s, h), k + ix.QK(b, s, h), g + ix.QK(b, s, h), ix.DtBias(dt_bias, h),
+                  beta[ix.Beta(b, s, h)], a_log[h], DK);
           const auto& qh = tk.q;
           const auto& kh = tk.k;
           const auto& al = tk.alpha;
@@ -201,13 +210,19 @@ void KdaBwd(const T* q, const T* k, const T* v, const T* g, const T* beta, const
             dq[ix.QK(b, s, h) + i] = (dqh[static_cast<size_t>(i)] * scale - (qr[i] / tk.qn) * zq) / tk.qn;
             dk[ix.QK(b, s, h) + i] = (dkh[static_cast<size_t>(i)] - kh[static_cast<size_t>(i)] * zk) / tk.kn;
             const T dl = dal[static_cast<size_t>(i)] * al[static_cast<size_t>(i)];  // d log alpha
-            dg[ix.QK(b, s, h) + i] = dl * (-c) * KdaSigmoid(gr[i]);
+            dg[ix.QK(b, s, h) + i] = dl * (-c) * KdaSigmoid(gr[i] + (dt_bias ? dt_bias[h * DK + i] : T(0)));
             da += dl * tk.log_alpha[static_cast<size_t>(i)];
           }
           dbeta[ix.Beta(b, s, h)] = dbeta_s * tk.beta * (T(1) - tk.beta);
         }
       }
       da_log[h] += da;
+    }
+  }
+  if (dt_bias != nullptr && d_dt_bias != nullptr) {
+    const int64_t width = sh.heads * DK;
+    for (int64_t r = 0; r < sh.batch * sh.seq; ++r) {
+      for (int64_t c = 0; c < width; ++c) d_dt_bias[c] += dg[r * width + c];
     }
   }
 }
@@ -223,6 +238,71 @@ void SigmoidGateBwd(const T* x, const T* g, const T* dy, int64_t n, T* dx, T* dg
     const T s = KdaSigmoid(g[i]);
     dx[i] = dy[i] * s;
     dg[i] = dy[i] * x[i] * (s * (T(1) - s));
+  }
+}
+
+// KDA's short convolution: causal, depthwise over the sequence, then SiLU.
+// x, y [batch * seq, channels]; w [taps, channels]:
+//   pre[b,s,c] = sum_j w[j,c] x[b, s - taps + 1 + j, c] (zero before s = 0),
+//   y = pre * sigmoid(pre).
+template <typename T>
+T ShortConvPre(const T* x, const T* w, int64_t seq, int64_t channels, int64_t taps, int64_t b, int64_t s,
+               int64_t c) {
+  T acc = 0;
+  for (int64_t j = 0; j < taps; ++j) {
+    const int64_t t = s - taps + 1 + j;
+    if (t >= 0) acc += w[j * channels + c] * x[(b * seq + t) * channels + c];
+  }
+  return acc;
+}
+template <typename T>
+void ShortConvFwd(const T* x, const T* w, int64_t batch, int64_t seq, int64_t channels, int64_t taps, T* y) {
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t s = 0; s < seq; ++s) {
+      for (int64_t c = 0; c < channels; ++c) {
+        const T pre = ShortConvPre(x, w, seq, channels, taps, b, s, c);
+        y[(b * seq + s) * channels + c] = pre * KdaSigmoid(pre);
+      }
+    }
+  }
+}
+// Backward, keeping nothing between its passes (the CUDA kernels' order):
+// dpre = dy * silu'(pre), pre re-made from x wherever it is read;
+// dw[j,c] += sum over rows in order of dpre[b,s,c] x[b, s - taps + 1 + j, c],
+// then dx[b,t,c] = sum_j w[j,c] dpre[b, t + taps - 1 - j, c] (written).
+template <typename T>
+T ShortConvDpre(const T* x, const T* w, const T* dy, int64_t seq, int64_t channels, int64_t taps, int64_t b,
+                int64_t s, int64_t c) {
+  const T pre = ShortConvPre(x, w, seq, channels, taps, b, s, c);
+  const T sg = KdaSigmoid(pre);
+  return dy[(b * seq + s) * channels + c] * (sg * (T(1) + pre * (T(1) - sg)));
+}
+template <typename T>
+void ShortConvBwd(const T* x, const T* w, const T* dy, int64_t batch, int64_t seq, int64_t channels, int64_t taps,
+                  T* dx, T* dw) {
+  for (int64_t j = 0; j < taps; ++j) {
+    for (int64_t c = 0; c < channels; ++c) {
+      T acc = 0;
+      for (int64_t b = 0; b < batch; ++b) {
+        for (int64_t s = 0; s < seq; ++s) {
+          const int64_t t = s - taps + 1 + j;
+          if (t >= 0) acc += ShortConvDpre(x, w, dy, seq, channels, taps, b, s, c) * x[(b * seq + t) * channels + c];
+        }
+      }
+      dw[j * channels + c] += acc;
+    }
+  }
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t t = 0; t < seq; ++t) {
+      for (int64_t c = 0; c < channels; ++c) {
+        T acc = 0;
+        for (int64_t j = 0; j < taps; ++j) {
+          const int64_t s = t + taps - 1 - j;
+          if (s < seq) acc += w[j * channels + c] * ShortConvDpre(x, w, dy, seq, channels, taps, b, s, c);
+        }
+        dx[(b * seq + t) * channels + c] = acc;
+      }
+    }
   }
 }
 

@@ -84,6 +84,8 @@ int64_t MuonNsScratchBytes(int64_t rows, int64_t cols) {
 bool UsesMuon(const Model& model, const ParamSpec& param) {
   if (model.train.optimizer != Optimizer::kMuon) return false;
   if (param.kind == ParamKind::kEmbedding || param.kind == ParamKind::kHead) return false;
+  // Norm-like parameters (gains, decays, KDA's convolution taps) keep AdamW.
+  if (param.kind == ParamKind::kNorm) return false;
   return param.shape.size() >= 2;
 }
 

@@ -264,6 +264,7 @@ void ParseArch(ObjectReader& r, Model& m) {
     c.full_attention_offset = o.Int("full_attention_offset", 0, c.full_attention_every - 1, 0);
     c.head_dim = o.Int("head_dim", 1, kMaxHidden);
     c.chunk = o.Int("chunk", 1, 1 << 16, 64);
+    c.conv_size = o.Int("conv_size", 0, 64, 4);
     o.Finish();
     a.linear_attention = c;
   }
@@ -667,7 +668,8 @@ Json NormalizedModelJson(const Model& m) {
                                 {"full_attention_every", l.full_attention_every},
                                 {"full_attention_offset", l.full_attention_offset},
                                 {"head_dim", l.head_dim},
-                                {"chunk", l.chunk}};
+                                {"chunk", l.chunk},
+                                {"conv_size", l.conv_size}};
   }
   const Train& t = m.train;
   const Parallel& p = m.parallel;

@@ -42,7 +42,11 @@ std::vector<OpDef> MakeTable() {
       {K::kCombine, "combine", {InIfSaved(0), In(1), In(2)}, false, {}, ParamNaming::kByName, kRuns, ""},
       {K::kCrossEntropy, "cross_entropy", {Out(0), In(1)}, false, {}, ParamNaming::kByName, kRuns, ""},
       // q, k, v, g, beta and the per-chunk states (its second output).
-      {K::kKdaChunked, "kda_chunked", {AllIn(), Out(1)}, false, {"a_log"}, ParamNaming::kByName, kRuns, ""},
+      {K::kKdaChunked, "kda_chunked", {AllIn(), Out(1)}, false, {"a_log", "dt_bias"}, ParamNaming::kByName, kRuns,
+       ""},
+      // KDA's causal depthwise convolution on q, k or v, then SiLU; the
+      // backward re-makes the SiLU's input from the saved input.
+      {K::kShortConv, "short_conv", {In(0)}, false, {"weight"}, ParamNaming::kByName, kRuns, ""},
       // Its inputs are the blocks (one tensor of them all, or each block read
       // in place); the backward recomputes the weights from them.
       {K::kAttnRes, "attn_res", {AllIn()}, true, {"query", "norm.weight"}, ParamNaming::kAttnRes, kRuns, ""},

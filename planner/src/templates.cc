@@ -343,9 +343,14 @@ std::string AddLowRank(Builder& B, const Dims& d, const std::string& name, const
   return out;
 }
 
-// Kimi Delta Attention: a chunked gated delta rule. Saves q, k, v, the
-// per-channel decay gates and beta (fp32), the per-chunk states (fp32), the
-// output before the gated norm, the output gate and the projection input.
+// Kimi Delta Attention as the reference layer runs it (docs/templates.md):
+// q, k, v projections, each through a short causal depthwise convolution
+// with SiLU (arch.linear_attention.conv_size taps; 0: none), the chunked
+// gated delta rule (decay softplus(g + dt_bias)), the sigmoid-gated norm and
+// the output projection. Saves the convolutions' inputs (their backward
+// re-makes the SiLU's input), q, k, v, the per-channel decay gates and beta
+// (fp32), the per-chunk states (fp32), the output before the gated norm, the
+// output gate and the projection input.
 std::string AddKda(Builder& B, const Dims& d, const std::string& x_in) {
   const Arch& a = B.model().arch;
   const LinearAttentionConfig& la = *a.linear_attention;
@@ -353,18 +358,27 @@ std::string AddKda(Builder& B, const Dims& d, const std::string& x_in) {
   int64_t dk = la.head_dim;
   int64_t width_full = a.heads * dk;
   int64_t width = heads * dk;
-  int64_t wq = B.Param("kda", "q.weight", {d.h, width_full}, ParamKind::kLinear, true);
-  int64_t wk = B.Param("kda", "k.weight", {d.h, width_full}, ParamKind::kLinear, true);
-  int64_t wv = B.Param("kda", "v.weight", {d.h, width_full}, ParamKind::kLinear, true);
-  std::string q = B.Act("kda", "q", {d.tokens, width}, true, "tp");
-  std::string k = B.Act("kda", "k", {d.tokens, width}, true, "tp");
-  std::string v = B.Act("kda", "v", {d.tokens, width}, true, "tp");
-  B.Op("kda", "q_proj", "linear", {x_in}, {q}, Gemm(d.tokens, d.h, width), wq);
-  B.SetParams("kda", {"q.weight"});
-  B.Op("kda", "k_proj", "linear", {x_in}, {k}, Gemm(d.tokens, d.h, width), wk);
-  B.SetParams("kda", {"k.weight"});
-  B.Op("kda", "v_proj", "linear", {x_in}, {v}, Gemm(d.tokens, d.h, width), wv);
-  B.SetParams("kda", {"v.weight"});
+  std::string qkv[3];
+  const char* names[3] = {"q", "k", "v"};
+  for (int i = 0; i < 3; ++i) {
+    const std::string n = names[i];
+    int64_t w = B.Param("kda", n + ".weight", {d.h, width_full}, ParamKind::kLinear, true);
+    qkv[i] = B.Act("kda", n, {d.tokens, width}, true, "tp");
+    if (la.conv_size == 0) {
+      B.Op("kda", n + "_proj", "linear", {x_in}, {qkv[i]}, Gemm(d.tokens, d.h, width), w);
+      B.SetParams("kda", {n + ".weight"});
+      continue;
+    }
+    std::string conv_in = B.Act("kda", n + "_conv_in", {d.tokens, width}, true, "tp");
+    B.Op("kda", n + "_proj", "linear", {x_in}, {conv_in}, Gemm(d.tokens, d.h, width), w);
+    B.SetParams("kda", {n + ".weight"});
+    int64_t wc = B.Param("kda", n + "_conv.weight", {la.conv_size, width_full}, ParamKind::kNorm, true);
+    // Taps' multiply-adds plus SiLU.
+    B.Op("kda", n + "_conv", "short_conv", {conv_in}, {qkv[i]},
+         static_cast<double>(2 * la.conv_size + 4) * static_cast<double>(d.tokens * width), wc);
+    B.SetParams("kda", {n + "_conv.weight"});
+  }
+  const std::string &q = qkv[0], &k = qkv[1], &v = qkv[2];
   // Decay gate: a low-rank projection, two GEMMs (hidden -> head_dim ->
   // heads*head_dim) through a transient (rebuilt for g_b's weight gradient).
   std::string g = AddLowRank(B, d, "g", x_in, dk, width, width_full, DType::kFP32);
@@ -379,8 +393,9 @@ std::string AddKda(Builder& B, const Dims& d, const std::string& x_in) {
   double delta_flops = 4.0 * static_cast<double>(d.tokens) * static_cast<double>(heads) *
                        static_cast<double>(dk) * static_cast<double>(dk + la.chunk);
   int64_t wa = B.Param("kda", "a_log", {a.heads}, ParamKind::kNorm, false);
-  B.Op("kda", "delta_rule", "kda_chunked", {q, k, v, g, beta}, {o, states}, delta_flops, wa);
-  B.SetParams("kda", {"a_log"});
+  int64_t wdt = B.Param("kda", "dt_bias", {width_full}, ParamKind::kNorm, true);
+  B.Op("kda", "delta_rule", "kda_chunked", {q, k, v, g, beta}, {o, states}, delta_flops, wa + wdt);
+  B.SetParams("kda", {"a_log", "dt_bias"});
   B.SetWorkspace(workspace::KdaBwdBytes(d.b, heads, la.chunk, dk, dk));
   std::string gate = AddLowRank(B, d, "o_gate", x_in, dk, width, width_full, B.model().train.act_dtype);
   int64_t wn = B.Param("kda", "o_norm.weight", {dk}, ParamKind::kNorm, false);

@@ -499,17 +499,35 @@ kernels::KdaShape KdaShapeOf(OpContext& c) {
 }
 void KdaFwd(OpContext& c) {
   c.k().KdaFwd(c.In(0).as<float>(), c.In(1).as<float>(), c.In(2).as<float>(), c.In(3).as<float>(),
-               c.In(4).as<float>(), c.Param(0).weight.as<float>(), KdaShapeOf(c), c.Out(0).as<float>(),
-               c.Out(1).as<float>());
+               c.In(4).as<float>(), c.Param(0).weight.as<float>(), c.Param(1).weight.as<float>(), KdaShapeOf(c),
+               c.Out(0).as<float>(), c.Out(1).as<float>());
 }
 void KdaBwd(OpContext& c) {
   const ParamState& a_log = c.Param(0);
+  const ParamState& dt_bias = c.Param(1);
   c.k().KdaBwd(c.In(0).as<float>(), c.In(1).as<float>(), c.In(2).as<float>(), c.In(3).as<float>(),
-               c.In(4).as<float>(), a_log.weight.as<float>(), c.Out(1).as<float>(), c.DOut(0).as<float>(),
-               KdaShapeOf(c), c.InputGrad(0).as<float>(), c.InputGrad(1).as<float>(), c.InputGrad(2).as<float>(),
-               c.InputGrad(3).as<float>(), c.InputGrad(4).as<float>(), a_log.grad.as<float>(),
-               c.Workspace().as<float>());
+               c.In(4).as<float>(), a_log.weight.as<float>(), dt_bias.weight.as<float>(), c.Out(1).as<float>(),
+               c.DOut(0).as<float>(), KdaShapeOf(c), c.InputGrad(0).as<float>(), c.InputGrad(1).as<float>(),
+               c.InputGrad(2).as<float>(), c.InputGrad(3).as<float>(), c.InputGrad(4).as<float>(),
+               a_log.grad.as<float>(), dt_bias.grad.as<float>(), c.Workspace().as<float>());
   for (size_t i = 0; i < 5; ++i) c.FinishInputGrad(i);
+}
+
+// KDA's short convolution: x, y [batch * seq, channels], the weight
+// [taps, channels] (taps = its global first dimension).
+void ShortConvFwd(OpContext& c) {
+  const Dims2 x = RowsCols(c.InSpec(0));
+  const int64_t batch = c.model().train.micro_batch;
+  c.k().ShortConvFwd(c.In(0).as<float>(), c.Param(0).weight.as<float>(), batch, x.rows / batch, x.cols,
+                     c.Param(0).shape[0], c.Out(0).as<float>());
+}
+void ShortConvBwd(OpContext& c) {
+  const Dims2 x = RowsCols(c.InSpec(0));
+  const int64_t batch = c.model().train.micro_batch;
+  const ParamState& w = c.Param(0);
+  c.k().ShortConvBwd(c.In(0).as<float>(), w.weight.as<float>(), c.DOut(0).as<float>(), batch, x.rows / batch, x.cols,
+                     w.shape[0], c.InputGrad(0).as<float>(), w.grad.as<float>());
+  c.FinishInputGrad(0);
 }
 
 // KDA's output norm per head (rows of dk): y = RMSNorm(o; w, 1e-5) * sigmoid(gate).
@@ -645,6 +663,7 @@ std::array<OpImpl, static_cast<size_t>(OpKind::kCount)> MakeImpls() {
   set(OpKind::kGroupedGemm, GroupedGemmFwd, GroupedGemmBwd);
   set(OpKind::kCombine, CombineFwd, CombineBwd);
   set(OpKind::kKdaChunked, KdaFwd, KdaBwd);
+  set(OpKind::kShortConv, ShortConvFwd, ShortConvBwd);
   set(OpKind::kGatedRmsNorm, GatedRmsNormFwd, GatedRmsNormBwd);
   set(OpKind::kAttnRes, AttnResFwd, AttnResBwd);
   set(OpKind::kAttnResAccumulate, AttnResAccumulateFwd, AttnResAccumulateBwd);

@@ -136,22 +136,37 @@ void Executor::InitParams(Rank& r) {
       // (the embedding and a tied head: hidden).
       std::vector<float> w(static_cast<size_t>(n), 0.f);
       const std::string& name = spec.name;
-      bool is_bias = name.size() >= 5 && name.compare(name.size() - 5, 5, ".bias") == 0;
-      if (spec.kind == planner::ParamKind::kNorm) {
+      const bool is_bias = name.ends_with(".bias");
+      const uint64_t id = Fnv1a(name);
+      if (name.ends_with("dt_bias")) {
+        // KDA's decay bias as Mamba's: softplus^-1(dt), dt log-uniform in
+        // [1e-3, 0.1] (docs/runtime.md).
+        for (int64_t i = 0; i < n; ++i) {
+          const double u = kernels::Uniform01(options_.seed, id, static_cast<uint64_t>(i));
+          const double dt = std::exp(std::log(1e-3) + u * (std::log(0.1) - std::log(1e-3)));
+          w[static_cast<size_t>(i)] = static_cast<float>(dt + std::log(-std::expm1(-dt)));
+        }
+      } else if (name.ends_with("_conv.weight")) {
+        // A depthwise convolution's taps, U(-a, a) with a = 1/sqrt(taps) (its fan-in).
+        const float a = 1.f / std::sqrt(static_cast<float>(spec.shape[0]));
+        for (int64_t i = 0; i < n; ++i) {
+          w[static_cast<size_t>(i)] = (2.f * kernels::Uniform01(options_.seed, id, static_cast<uint64_t>(i)) - 1.f) * a;
+        }
+      } else if (spec.kind == planner::ParamKind::kNorm) {
         std::fill(w.begin(), w.end(), is_bias ? 0.f : 1.f);
       } else {
         int64_t fan_in = spec.shape.size() >= 3 ? spec.shape[1] : spec.shape[0];
         if (spec.kind == planner::ParamKind::kEmbedding || ps.tied_head) fan_in = model_.arch.hidden;
         float a = 1.f / std::sqrt(static_cast<float>(fan_in));
         // A tied head starts as the embedding it shares.
-        uint64_t id = Fnv1a(ps.tied_head ? G(0).params.front().name : name);
+        const uint64_t head_id = ps.tied_head ? Fnv1a(G(0).params.front().name) : id;
         // Counter-based: any split over threads gives the same values, and
         // an EP rank's experts the values they have in the whole tensor.
         const uint64_t base = static_cast<uint64_t>(ps.expert ? EpRank() * n : 0);
         auto fill = [&](int64_t lo, int64_t hi) {
           for (int64_t i = lo; i < hi; ++i) {
             w[static_cast<size_t>(i)] =
-                (2.f * kernels::Uniform01(options_.seed, id, base + static_cast<uint64_t>(i)) - 1.f) * a;
+                (2.f * kernels::Uniform01(options_.seed, head_id, base + static_cast<uint64_t>(i)) - 1.f) * a;
           }
         };
         int64_t threads = n < (int64_t{1} << 20) ? 1 : std::max<int64_t>(1, std::thread::hardware_concurrency());

@@ -11,6 +11,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -623,25 +624,48 @@ TEST_CASE("KDA and the sigmoid gate against the reference") {
     const auto g = Random(nk, ++seed, -2.f, 2.f), beta = Random(nb, ++seed, -2.f, 2.f);
     const auto a_log = Random(static_cast<size_t>(sh.heads), ++seed, -1.f, 0.5f), d_o = Random(nv, ++seed, -1.f, 1.f);
     auto da = Random(static_cast<size_t>(sh.heads), ++seed);
-    DevF d_q(q), d_k(k), d_v(v), d_g(g), d_beta(beta), d_a(a_log), d_do(d_o), d_da(da);
+    const auto dt_bias = Random(static_cast<size_t>(sh.heads * sh.dk), ++seed, -3.f, 0.f);
+    auto ddt = Random(static_cast<size_t>(sh.heads * sh.dk), ++seed);
+    DevF d_q(q), d_k(k), d_v(v), d_g(g), d_beta(beta), d_a(a_log), d_do(d_o), d_da(da), d_dt(dt_bias), d_ddt(ddt);
     DevF d_o_out(nv), d_states(ns), d_dq(nk), d_dk(nk), d_dv(nv), d_dg(nk), d_db(nb);
     DevF d_ws(static_cast<size_t>(memplan::workspace::KdaBwdBytes(sh.batch, sh.heads, sh.chunk, sh.dk, sh.dv) / 4));
     std::vector<float> o(nv), states(ns), dq(nk), dk(nk), dv(nv), dg(nk), db(nb);
-    env.cuda->KdaFwd(d_q.get(), d_k.get(), d_v.get(), d_g.get(), d_beta.get(), d_a.get(), sh, d_o_out.get(),
-                     d_states.get());
-    env.ref->KdaFwd(q.data(), k.data(), v.data(), g.data(), beta.data(), a_log.data(), sh, o.data(), states.data());
+    env.cuda->KdaFwd(d_q.get(), d_k.get(), d_v.get(), d_g.get(), d_beta.get(), d_a.get(), d_dt.get(), sh,
+                     d_o_out.get(), d_states.get());
+    env.ref->KdaFwd(q.data(), k.data(), v.data(), g.data(), beta.data(), a_log.data(), dt_bias.data(), sh, o.data(),
+                    states.data());
     ExpectNear(d_o_out.ToHost(), o, kReductionTol, what + " o");
     ExpectNear(d_states.ToHost(), states, kReductionTol, what + " states");
-    env.cuda->KdaBwd(d_q.get(), d_k.get(), d_v.get(), d_g.get(), d_beta.get(), d_a.get(), d_states.get(), d_do.get(), sh,
-                     d_dq.get(), d_dk.get(), d_dv.get(), d_dg.get(), d_db.get(), d_da.get(), d_ws.get());
-    env.ref->KdaBwd(q.data(), k.data(), v.data(), g.data(), beta.data(), a_log.data(), states.data(), d_o.data(), sh,
-                    dq.data(), dk.data(), dv.data(), dg.data(), db.data(), da.data(), nullptr);
+    env.cuda->KdaBwd(d_q.get(), d_k.get(), d_v.get(), d_g.get(), d_beta.get(), d_a.get(), d_dt.get(), d_states.get(),
+                     d_do.get(), sh, d_dq.get(), d_dk.get(), d_dv.get(), d_dg.get(), d_db.get(), d_da.get(),
+                     d_ddt.get(), d_ws.get());
+    env.ref->KdaBwd(q.data(), k.data(), v.data(), g.data(), beta.data(), a_log.data(), dt_bias.data(), states.data(),
+                    d_o.data(), sh, dq.data(), dk.data(), dv.data(), dg.data(), db.data(), da.data(), ddt.data(),
+                    nullptr);
     ExpectNear(d_dq.ToHost(), dq, kReductionTol, what + " dq");
     ExpectNear(d_dk.ToHost(), dk, kReductionTol, what + " dk");
     ExpectNear(d_dv.ToHost(), dv, kReductionTol, what + " dv");
     ExpectNear(d_dg.ToHost(), dg, kReductionTol, what + " dg");
     ExpectNear(d_db.ToHost(), db, kReductionTol, what + " dbeta");
     ExpectNear(d_da.ToHost(), da, kReductionTol, what + " da_log");
+    ExpectNear(d_ddt.ToHost(), ddt, kReductionTol, what + " d_dt_bias");
+  }
+  // The short convolution (q, k, v's), taps 4 and 1, sequences shorter than the taps included.
+  for (const auto& [batch, seq, channels, taps] :
+       std::vector<std::array<int64_t, 4>>{{2, 37, 48, 4}, {3, 2, 16, 4}, {1, 9, 8, 1}}) {
+    const std::string what = "short conv taps=" + std::to_string(taps) + " seq=" + std::to_string(seq);
+    const size_t n = static_cast<size_t>(batch * seq * channels), nw = static_cast<size_t>(taps * channels);
+    const auto x = Random(n, ++seed, -2.f, 2.f), w = Random(nw, ++seed, -1.f, 1.f), dy = Random(n, ++seed, -1.f, 1.f);
+    auto dw = Random(nw, ++seed);
+    DevF d_x(x), d_w(w), d_dy(dy), d_dw(dw), d_y(n), d_dx(n);
+    std::vector<float> y(n), dx(n);
+    env.cuda->ShortConvFwd(d_x.get(), d_w.get(), batch, seq, channels, taps, d_y.get());
+    env.ref->ShortConvFwd(x.data(), w.data(), batch, seq, channels, taps, y.data());
+    ExpectNear(d_y.ToHost(), y, kReductionTol, what + " y");
+    env.cuda->ShortConvBwd(d_x.get(), d_w.get(), d_dy.get(), batch, seq, channels, taps, d_dx.get(), d_dw.get());
+    env.ref->ShortConvBwd(x.data(), w.data(), dy.data(), batch, seq, channels, taps, dx.data(), dw.data());
+    ExpectNear(d_dx.ToHost(), dx, kReductionTol, what + " dx");
+    ExpectNear(d_dw.ToHost(), dw, kReductionTol, what + " dw");
   }
   const size_t n = 5000;
   const auto x = Random(n, 950, -1.f, 1.f), gate = Random(n, 951, -3.f, 3.f), dy = Random(n, 952, -1.f, 1.f);

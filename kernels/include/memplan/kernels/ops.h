@@ -346,18 +346,30 @@ class Ops {
                           float* workspace) = 0;
   // KDA (Kimi Delta Attention), the gated delta rule of each head with a
   // state S [dk, dv] starting at 0 per sequence, token by token:
-  //   q^ = q / ||q|| / sqrt(dk), k^ = k / ||k||, alpha = exp(-exp(a_log[h]) softplus(g)),
+  //   q^ = q / ||q|| / sqrt(dk), k^ = k / ||k||, alpha = exp(-exp(a_log[h]) softplus(g + dt_bias)),
   //   beta = sigmoid(beta_raw), S = (I - beta k^ k^T) Diag(alpha) S + beta k^ v^T, o = S^T q^.
   // q, k, g [rows, heads * dk], v, o [rows, heads * dv], beta_raw [rows, heads],
-  // a_log [heads]; states [batch, heads, chunks, dk, dv] receives S at the
-  // start of every chunk (saved for the backward, which re-makes each chunk's
-  // states from it). Backward: dq, dk, dv, dg, dbeta (overwrite), da_log
-  // (added into); `workspace` holds workspace::KdaBwdBytes(shape).
+  // a_log [heads], dt_bias [heads * dk] (nullptr: zero); states [batch, heads,
+  // chunks, dk, dv] receives S at the start of every chunk (saved for the
+  // backward, which re-makes each chunk's states from it). Backward: dq, dk,
+  // dv, dg, dbeta (overwrite), da_log and d_dt_bias (the column sums of dg;
+  // added into, ignored without dt_bias); `workspace` holds
+  // workspace::KdaBwdBytes(shape).
   virtual void KdaFwd(const float* q, const float* k, const float* v, const float* g, const float* beta,
-                      const float* a_log, const KdaShape& shape, float* o, float* states) = 0;
+                      const float* a_log, const float* dt_bias, const KdaShape& shape, float* o, float* states) = 0;
   virtual void KdaBwd(const float* q, const float* k, const float* v, const float* g, const float* beta,
-                      const float* a_log, const float* states, const float* d_o, const KdaShape& shape, float* dq,
-                      float* dk, float* dv, float* dg, float* dbeta, float* da_log, float* workspace) = 0;
+                      const float* a_log, const float* dt_bias, const float* states, const float* d_o,
+                      const KdaShape& shape, float* dq, float* dk, float* dv, float* dg, float* dbeta, float* da_log,
+                      float* d_dt_bias, float* workspace) = 0;
+  // KDA's short convolution on q, k and v: causal and depthwise over the
+  // sequence, then SiLU. x, y [batch * seq, channels], w [taps, channels]:
+  //   pre[b,s,c] = sum_j w[j,c] x[b, s - taps + 1 + j, c] (zero before the
+  //   sequence's start), y = pre * sigmoid(pre).
+  // Backward re-makes pre from x: dx (overwrite), dw (added into).
+  virtual void ShortConvFwd(const float* x, const float* w, int64_t batch, int64_t seq, int64_t channels,
+                            int64_t taps, float* y) = 0;
+  virtual void ShortConvBwd(const float* x, const float* w, const float* dy, int64_t batch, int64_t seq,
+                            int64_t channels, int64_t taps, float* dx, float* dw) = 0;
   // KDA's output gate: y = x * sigmoid(g) (y may be x); backward
   // dx = dy * sigmoid(g), dg = dy * x * s (1 - s) (overwrite).
   virtual void SigmoidGateFwd(const float* x, const float* g, int64_t n, float* y) = 0;

@@ -104,6 +104,9 @@ struct LinearAttentionConfig {
   int64_t full_attention_offset = 0;
   int64_t head_dim = 0;
   int64_t chunk = 64;
+  // Taps of the short causal convolutions (with SiLU) on q, k and v; 0: none
+  // (the simplified layer). 4 is the reference code's conv_size.
+  int64_t conv_size = 4;
 };
 
 struct Arch {

@@ -43,6 +43,7 @@ enum class OpKind : uint8_t {
   kCombine,
   kCrossEntropy,
   kKdaChunked,
+  kShortConv,
   kAttnRes,
   kAttnResSoftmax,
   kAttnResMix,
