@@ -159,7 +159,7 @@ PY
 expect_exit 0 "plan tiny-llama" "$memplan" plan "$root/examples/models/tiny-llama.json" -o "$tmp/llama.plan.json" -q
 expect_exit 0 "run host" "$memplan" run "$tmp/llama.plan.json" -o "$tmp/llama.measured.json" --trace "$tmp/llama.trace.json" --dump "$tmp/dump"
 grep -q "meas_peak(MiB)" "$tmp/out" && ok || bad "run table missing: $(cat "$tmp/out")"
-grep -q "run: .*steps (100%)" "$tmp/err" && ok || bad "no progress on stderr: $(cat "$tmp/err")"
+grep -q "run: .*ops (100%)" "$tmp/err" && ok || bad "no progress on stderr: $(cat "$tmp/err")"
 expect_exit 0 "check host run" "$memplan" check "$tmp/llama.plan.json" "$tmp/llama.measured.json"
 grep -q "check passed: 2 ranks .*host backend, arena allocator, runtime" "$tmp/out" && ok || bad "check line: $(cat "$tmp/out")"
 python3 - "$tmp/llama.trace.json" "$tmp/dump" <<'PY' && ok || bad "trace or dump malformed"
@@ -169,6 +169,24 @@ assert any(e["ph"] == "C" for e in t["traceEvents"]) and any(e["ph"] == "X" for 
 assert os.path.exists(os.path.join(sys.argv[2], "grads", "layer0.attn.qkv.weight.npy"))
 assert open(os.path.join(sys.argv[2], "batch", "tokens_mb0.npy"), "rb").read(6) == b"\x93NUMPY"
 PY
+# Several steps: a row per step, MEASURED.json's steps (schema-checked by
+# check), a dump per step; --steps 0 refused, nothing written.
+expect_exit 0 "run 3 steps" "$memplan" run "$tmp/llama.plan.json" --steps 3 --allocator eager -o "$tmp/steps.json" --dump "$tmp/sdump"
+grep -q "run: step 3/3 done: loss" "$tmp/err" && [ "$(grep -c '^ *[123]  *[0-9.]* ' "$tmp/out")" -ge 3 ] && ok || bad "steps output: $(cat "$tmp/out" "$tmp/err")"
+expect_exit 0 "check a 3-step run" "$memplan" check "$tmp/llama.plan.json" "$tmp/steps.json"
+python3 - "$tmp/steps.json" "$tmp/sdump" <<'PY' && ok || bad "steps in MEASURED.json or the dump"
+import json, os, sys
+m = json.load(open(sys.argv[1]))
+s = m["steps"]
+assert [x["step"] for x in s] == [1, 2, 3] and len({x["loss"] for x in s}) == 3, s
+assert m["loss"] == s[-1]["loss"] and all(x["ranks"][0]["allocations"] > 0 for x in s)
+for k in (1, 2, 3):
+    for sub in ("weights", "grads", "updated", "batch"):
+        assert os.path.isdir(os.path.join(sys.argv[2], "step%d" % k, sub)), (k, sub)
+assert os.path.exists(os.path.join(sys.argv[2], "step3", "batch", "tokens_mb8.npy"))  # step 3 starts at microbatch 2 x 4
+PY
+expect_exit 2 "run --steps 0" "$memplan" run "$tmp/llama.plan.json" --steps 0 -o "$tmp/steps0.json"
+[ ! -e "$tmp/steps0.json" ] && ok || bad "--steps 0 wrote MEASURED.json"
 python3 - "$root/examples/models/tiny-llama.json" "$tmp/tp2.json" <<'PY'
 import json, sys
 m = json.load(open(sys.argv[1])); m["parallel"]["tp"] = 2

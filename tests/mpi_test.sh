@@ -49,7 +49,7 @@ same_step() {  # name model.json ranks
     return
   fi
   # Rank 0 alone prints: one table, one last progress line.
-  [ "$(grep -c "meas_peak" "$tmp/out")" -eq 1 ] && [ "$(grep -c "steps (100%)" "$tmp/err")" -eq 1 ] \
+  [ "$(grep -c "meas_peak" "$tmp/out")" -eq 1 ] && [ "$(grep -c "ops (100%)" "$tmp/err")" -eq 1 ] \
     && ok || bad "$name: output: $(cat "$tmp/out" "$tmp/err")"
   python3 - "$tmp/$name.one.json" "$tmp/$name.mpi.json" "$tmp/$name.trace.json" "$n" "$tmp/$name.plan.json" <<'PY' \
     && ok || bad "$name: the processes' step differs from the single process's"

@@ -138,7 +138,7 @@ Expected<Command> ParseCommandLine(const std::vector<std::string>& args) {
 
   std::string run_plan, run_out;
   bool run_quiet = false;
-  auto* run = app.add_subcommand("run", "Execute one training step of PLAN.json and measure its memory (under mpirun: one process per rank, mpirun -np pp*dp)");
+  auto* run = app.add_subcommand("run", "Execute training steps of PLAN.json and measure their memory (under mpirun: one process per rank, mpirun -np pp*dp)");
   run->add_option("plan", run_plan, "plan file (memplan.plan/1)")->required();
   run->add_option("--backend", c.backend, "host (default: CPU reference kernels) or cuda")
       ->check(CLI::IsMember({"host", "cuda"}));
@@ -151,7 +151,12 @@ Expected<Command> ParseCommandLine(const std::vector<std::string>& args) {
   run->add_flag("--no-cupti", c.no_cupti, "cuda: do not collect CUPTI's memory records");
   run->add_option("-o,--output", run_out, "write MEASURED.json (memplan.measured/1)");
   run->add_option("--trace", c.trace, "write a Chrome trace (chrome://tracing, Perfetto)");
-  run->add_option("--dump", c.dump, "write initial weights, batch and gradients as .npy files into DIR");
+  run->add_option("--dump", c.dump,
+                  "write initial weights, batch, gradients and updated weights as .npy files into DIR (with --steps "
+                  "N > 1: DIR/step<k>/ per step)");
+  run->add_option("--steps", c.steps, "optimizer steps, each on fresh microbatches (default 1); MEASURED.json lists "
+                                      "each step's loss and peaks")
+      ->check(CLI::Range(int64_t{1}, int64_t{10000}));
   run->add_flag("-q,--quiet", run_quiet, "no table, no progress");
 
   std::string calibrate_out;
@@ -257,7 +262,8 @@ std::string LaunchOptions(const Command& c) {
   auto given = [](bool yes) { return std::string(yes ? "given" : "not given"); };
   const std::pair<const char*, std::string> options[] = {
       {"--backend", c.backend},  {"--allocator", c.allocator},      {"--no-cupti", given(c.no_cupti)},
-      {"-o", given(!c.output.empty())}, {"--trace", given(!c.trace.empty())}, {"--dump", given(!c.dump.empty())}};
+      {"-o", given(!c.output.empty())}, {"--trace", given(!c.trace.empty())}, {"--dump", given(!c.dump.empty())},
+      {"--steps", std::to_string(c.steps)}};
   std::string out;
   for (const auto& [name, value] : options) out += std::string(name) + "=" + value + "\n";
   return out;

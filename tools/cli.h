@@ -60,6 +60,7 @@ struct Command {
   bool no_cupti = false;            // cuda: do not collect CUPTI records
   std::string trace;
   std::string dump;
+  int64_t steps = 1;  // run: optimizer steps
 
   // check
   std::optional<double> tolerance;

@@ -284,8 +284,25 @@ void PrintRunTable(const Json& plan_json, const traces::Measured& m) {
     t.AddRow(row);
   }
   std::fputs(t.Render().c_str(), stdout);
-  std::printf("\n%s backend (%s): step %s ms, loss %.6f, grad_norm %.6f\n", m.backend.c_str(), m.device.c_str(),
-              FormatFixed(1000 * m.step_s, 2).c_str(), m.loss, m.grad_norm);
+  if (!m.steps.empty()) {
+    // --steps: one row per step, each rank's own peak of that step.
+    std::vector<std::string> sh{"step", "loss", "grad_norm", "time(ms)"};
+    for (const auto& sr : m.steps.front().ranks) {
+      sh.push_back("pp" + std::to_string(sr.pp_rank) + (replicas ? "/dp" + std::to_string(sr.dp_rank) : "") +
+                   " alloc_peak(MiB)");
+    }
+    Table st(sh);
+    for (const auto& s : m.steps) {
+      std::vector<std::string> row{std::to_string(s.step), FormatFixed(s.loss, 6), FormatFixed(s.grad_norm, 6),
+                                   FormatFixed(1000 * s.step_s, 2)};
+      for (const auto& sr : s.ranks) row.push_back(FormatFixed(static_cast<double>(sr.allocated_peak) / mib, 3));
+      st.AddRow(row);
+    }
+    std::fputs(("\n" + st.Render()).c_str(), stdout);
+  }
+  const std::string which = m.steps.empty() ? "" : " (the last, step " + std::to_string(m.steps.back().step) + ")";
+  std::printf("\n%s backend (%s): step %s ms, loss %.6f, grad_norm %.6f%s\n", m.backend.c_str(), m.device.c_str(),
+              FormatFixed(1000 * m.step_s, 2).c_str(), m.loss, m.grad_norm, which.c_str());
 }
 
 // Every rank of one launch was started with the same options (cli.h).
@@ -334,6 +351,7 @@ int RunExecute(const Command& c) {
   options.cupti = !c.no_cupti;
   options.plan_file = c.input;
   options.trace = !c.trace.empty();
+  options.steps = c.steps;
   options.comm = comm.get();
   if (!c.dump.empty()) {
     // Under mpirun rank 0 stages the directory and every rank writes its

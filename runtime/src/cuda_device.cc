@@ -437,6 +437,10 @@ int64_t CudaDevice::allocated_peak() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   return impl_->allocated_peak;
 }
+void CudaDevice::ResetAllocatedPeak() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->allocated_peak = impl_->allocated_bytes;
+}
 int64_t CudaDevice::live_buffers() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   return static_cast<int64_t>(impl_->live.size());

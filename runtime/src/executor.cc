@@ -1,5 +1,7 @@
 #include "executor_impl.h"
 
+#include "memplan/common/table.h"
+
 namespace memplan::runtime {
 
 std::string_view BackendName(BackendKind kind) { return kind == BackendKind::kCuda ? "cuda" : "host"; }
@@ -340,50 +342,74 @@ Expected<RunResult> Executor::RunHere() {
   }
   try {
     if (auto s = MakeRanks(); !s.ok()) return s.error();
-    MakeBatch();
-    if (!options_.dump_dir.empty()) {
-      if (auto d = Dump(DumpWhat::kWeights); !d.ok()) return d.error();
-    }
     for (auto& r : ranks_) backend_->Finish(*r->stat);
-    if (options_.comm) options_.comm->Barrier();  // every rank's clock starts together
-    t0_ = std::chrono::steady_clock::now();
-    if (cupti_) cupti_epoch_ns_ = cupti_->NowNs();
-    int64_t next_report = 0;
-    while (steps_done_ < steps_total_) {
-      Step(*NextRank());
-      if (options_.progress && (steps_done_ >= next_report || steps_done_ == steps_total_)) {
-        options_.progress("run: " + std::to_string(steps_done_) + "/" + std::to_string(steps_total_) + " steps (" +
-                          std::to_string(100 * steps_done_ / steps_total_) + "%)");
-        next_report = steps_done_ + std::max<int64_t>(1, steps_total_ / 10);
+    const int64_t steps = options_.eager_record_only ? 1 : std::max<int64_t>(1, options_.steps);
+    double grad_norm = 0, step_s = 0;
+    for (step_ = 0; step_ < steps;) {
+      if (auto s = RunStep(&grad_norm, &step_s); !s.ok()) return s.error();
+      if (options_.eager_record_only) return RunResult{};  // eager's record pass: its log is all it gives
+      RecordStep(grad_norm, step_s);
+      if (options_.progress && steps > 1) {
+        const auto& s = step_records_.back();
+        options_.progress("run: step " + std::to_string(s.step) + "/" + std::to_string(steps) + " done: loss " +
+                          FormatFixed(s.loss, 6) + ", " + FormatFixed(1000 * s.step_s, 1) + " ms");
+      }
+      if (step_ + 1 < steps) {
+        BeginNextStep();
+      } else {
+        break;
       }
     }
-    if (options_.eager_record_only) {  // eager's record pass: its log is all it gives
-      acts_->FinishEager();
-      return RunResult{};
-    }
-    acts_->FinishEager();
-    for (auto& r : ranks_) {
-      r->dev->Synchronize();
-      backend_->Finish(*r->dev);
-      RetireCopies(*r, true);
-      MEMPLAN_CHECK(r->dev->allocated_bytes() == 0, "activation memory left allocated after the step");
-    }
-    compute_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
-    SyncTied();
-    ReduceGradients();
-    if (!options_.dump_dir.empty()) {
-      if (auto d = Dump(DumpWhat::kGrads); !d.ok()) return d.error();
-    }
-    double grad_norm = 0;
-    Optimize(&grad_norm);
-    if (!options_.dump_dir.empty()) {
-      if (auto d = Dump(DumpWhat::kUpdated); !d.ok()) return d.error();
-    }
-    double step_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
     return Finish(grad_norm, step_s);
   } catch (const ErrorException& e) {
     return e.error();
   }
+}
+
+// One optimizer step: the batch, every rank's forwards and backwards, the
+// gradients' reduction, the optimizer (docs/runtime.md, "Several steps").
+Expected<std::monostate> Executor::RunStep(double* grad_norm, double* step_s) {
+  MakeBatch();
+  if (!options_.dump_dir.empty()) {
+    if (auto d = Dump(DumpWhat::kWeights); !d.ok()) return d.error();
+  }
+  if (options_.comm) options_.comm->Barrier();  // every rank's clock starts together
+  const auto start = std::chrono::steady_clock::now();
+  if (step_ == 0) {
+    t0_ = start;
+    if (cupti_) cupti_epoch_ns_ = cupti_->NowNs();
+  }
+  int64_t next_report = 0;
+  // Several steps: a line per step (RunHere) rather than per tenth of one.
+  const bool op_progress = options_.progress && options_.steps <= 1;
+  while (steps_done_ < steps_total_) {
+    Step(*NextRank());
+    if (op_progress && (steps_done_ >= next_report || steps_done_ == steps_total_)) {
+      options_.progress("run: " + std::to_string(steps_done_) + "/" + std::to_string(steps_total_) + " ops (" +
+                        std::to_string(100 * steps_done_ / steps_total_) + "%)");
+      next_report = steps_done_ + std::max<int64_t>(1, steps_total_ / 10);
+    }
+  }
+  acts_->FinishEager();
+  if (options_.eager_record_only) return std::monostate{};
+  for (auto& r : ranks_) {
+    r->dev->Synchronize();
+    backend_->Finish(*r->dev);
+    RetireCopies(*r, true);
+    MEMPLAN_CHECK(r->dev->allocated_bytes() == 0, "activation memory left allocated after the step");
+  }
+  compute_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  SyncTied();
+  ReduceGradients();
+  if (!options_.dump_dir.empty()) {
+    if (auto d = Dump(DumpWhat::kGrads); !d.ok()) return d.error();
+  }
+  Optimize(grad_norm);
+  if (!options_.dump_dir.empty()) {
+    if (auto d = Dump(DumpWhat::kUpdated); !d.ok()) return d.error();
+  }
+  *step_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return std::monostate{};
 }
 
 

@@ -191,6 +191,9 @@ struct Rank {
   std::map<std::string, int64_t> events;  // the executor's own; the manager's are merged at the end
   std::vector<CopySpan> copies;
   double queue_end_us[traces::kStreamCount] = {0, 0, 0, 0};
+  // --steps: the largest of the steps' peaks (the device's allocated peak
+  // starts again with each step).
+  int64_t run_allocated_peak = 0, run_high_water = 0;
 };
 
 class Executor {
@@ -206,6 +209,7 @@ class Executor {
   Expected<std::monostate> MakeBackend();
   // Run's work in this process (Run adds the ranks' agreement around it).
   Expected<RunResult> RunHere();
+  Expected<std::monostate> RunStep(double* grad_norm, double* step_s);
   // With a communicator: every rank's Validate outcome, the same plan on
   // every rank, as many processes as the plan's grid has ranks.
   Expected<std::monostate> AgreeAcrossRanks(const Expected<std::monostate>& local);
@@ -249,8 +253,11 @@ class Executor {
   // replica (ranks are pp-major: world rank = pp * dp + dp rank).
   int World(int32_t pp) const { return static_cast<int>(pp * model_.parallel.dp + dp_rank_); }
   // The microbatch's index in the global batch (data, dropout masks).
+  // A microbatch's index in the whole run: optimizer step, data-parallel
+  // replica, then microbatch (the batch, dropout masks and dumps use it).
   int32_t GlobalMicrobatch(int32_t mb) const {
-    return static_cast<int32_t>(dp_rank_ * model_.train.microbatches + mb);
+    const int64_t mbs = model_.train.microbatches;
+    return static_cast<int32_t>((step_ * model_.parallel.dp + dp_rank_) * mbs + mb);
   }
   // The data-parallel group a parameter's gradient is reduced over and its
   // optimizer state divided across (docs/runtime.md, "Expert
@@ -461,6 +468,15 @@ class Executor {
   std::vector<std::vector<int32_t>> tokens_, targets_;  // per microbatch
   double loss_sum_ = 0;
   int64_t steps_total_ = 0, steps_done_ = 0;
+  int64_t step_ = 0;  // the optimizer step running, from 0 (RunOptions::steps)
+  // --steps: the activation manager of a step, made again for the next
+  // (MakeManager); each rank's counters back to the step's start, its
+  // gradients zeroed (BeginNextStep); the step's record (RecordStep).
+  void MakeManager();
+  void BeginNextStep();
+  void RecordStep(double grad_norm, double step_s);
+  std::vector<traces::MeasuredStep> step_records_;
+  std::string DumpDir() const;
   std::chrono::steady_clock::time_point t0_;
   traces::ChromeTrace trace_;
   // cuda: CUPTI's view of the step (started before any device memory).

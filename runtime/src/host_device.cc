@@ -171,6 +171,10 @@ int64_t HostArena::allocated_peak() const {
   std::lock_guard<std::mutex> lock(mu_);
   return allocated_peak_;
 }
+void HostArena::ResetAllocatedPeak() {
+  std::lock_guard<std::mutex> lock(mu_);
+  allocated_peak_ = allocated_bytes_;
+}
 int64_t HostArena::aligned_allocated_bytes() const {
   std::lock_guard<std::mutex> lock(mu_);
   return heap_.allocated_bytes();

@@ -6,9 +6,16 @@
 
 namespace memplan::runtime::exec {
 
+// --steps N > 1: DIR/step<k>/, each step's weights before it, batch,
+// gradients and weights after it.
+std::string Executor::DumpDir() const {
+  if (options_.steps <= 1) return options_.dump_dir;
+  return (std::filesystem::path(options_.dump_dir) / ("step" + std::to_string(step_ + 1))).string();
+}
+
 Expected<std::monostate> Executor::Dump(DumpWhat what) {
   namespace fs = std::filesystem;
-  fs::path dir(options_.dump_dir);
+  fs::path dir(DumpDir());
   const bool grads = what == DumpWhat::kGrads;
   const char* sub = what == DumpWhat::kWeights ? "weights" : grads ? "grads" : "updated";
   std::error_code ec;
@@ -67,14 +74,16 @@ Expected<RunResult> Executor::Finish(double grad_norm, double step_s) {
   m.compute_s = compute_s_;
   m.loss = loss_sum_ / GlobalTokens();
   m.grad_norm = grad_norm;
+  if (options_.steps > 1) m.steps = step_records_;
   for (auto& r : ranks_) {
     traces::MeasuredRank mr;
     mr.pp_rank = r->index;
     mr.dp_rank = dp_rank_;
     mr.ep_rank = EpRank();
     mr.static_bytes = r->static_bytes;
-    mr.allocated_peak = r->static_bytes + r->dev->allocated_peak();
-    mr.peak = r->static_bytes + r->dev->high_water();
+    // The largest step's (RecordStep): one step's when there is one.
+    mr.allocated_peak = std::max(r->run_allocated_peak, r->static_bytes + r->dev->allocated_peak());
+    mr.peak = std::max(r->run_high_water, r->static_bytes + r->dev->high_water());
     if (options_.backend == BackendKind::kCuda && m.allocator != "arena") {
       // Both pools' own marks: the driver rounds the statics' pool too.
       mr.pool = traces::PoolMarks{r->stat->high_water() + r->dev->high_water(),

@@ -69,12 +69,7 @@ Expected<std::monostate> Executor::MakeRanks() {
     }
     ranks_.push_back(std::move(rank));
   }
-  std::vector<RankMemory> mem(static_cast<size_t>(pp));  // another process's rank: none here
-  for (auto& r : ranks_) mem[static_cast<size_t>(r->index)] = {r->dev.get(), r->host.get()};
-  MemoryMode mode;
-  mode.eager = options_.eager;
-  mode.last_access = options_.eager_last_access;
-  acts_ = std::make_unique<ActivationManager>(p_, assign_, eval_.intervals, std::move(mem), *backend_, mode);
+  MakeManager();
   for (auto& r : ranks_) {
     steps_total_ += p_.timelines[static_cast<size_t>(r->index)].steps;
     InitParams(*r);
@@ -85,6 +80,62 @@ Expected<std::monostate> Executor::MakeRanks() {
     }
   }
   return std::monostate{};
+}
+
+void Executor::MakeManager() {
+  std::vector<RankMemory> mem(p_.tensors.size());  // another process's rank: none here
+  for (auto& r : ranks_) mem[static_cast<size_t>(r->index)] = {r->dev.get(), r->host.get()};
+  MemoryMode mode;
+  mode.eager = options_.eager;
+  mode.last_access = options_.eager_last_access;
+  acts_.reset();
+  acts_ = std::make_unique<ActivationManager>(p_, assign_, eval_.intervals, std::move(mem), *backend_, mode);
+}
+
+void Executor::BeginNextStep() {
+  ++step_;
+  MakeManager();
+  steps_done_ = 0;
+  loss_sum_ = 0;
+  for (auto& r : ranks_) {
+    r->block = 0;
+    r->next_step = 0;
+    r->grad_passes = 0;
+    r->routing.clear();
+    r->events.clear();
+    r->dev->ResetAllocatedPeak();
+    // The gradients the optimizer consumed, zeroed for the next step's sums.
+    for (auto& ps : r->params) {
+      if (!ps.grad.empty()) r->ops->Zero(ps.grad.ptr, ps.grad.bytes);
+      if (!ps.part.empty() && !r->grad_host) r->ops->Zero(ps.part.ptr, ps.part.bytes);
+      if (!ps.part.empty() && r->grad_host) std::memset(ps.part.ptr, 0, static_cast<size_t>(ps.part.bytes));
+    }
+    backend_->Finish(*r->dev);
+  }
+}
+
+void Executor::RecordStep(double grad_norm, double step_s) {
+  traces::MeasuredStep s;
+  s.step = step_ + 1;
+  s.loss = loss_sum_ / GlobalTokens();
+  s.grad_norm = grad_norm;
+  s.step_s = step_s;
+  for (auto& r : ranks_) {
+    traces::MeasuredStepRank sr;
+    sr.pp_rank = r->index;
+    sr.dp_rank = dp_rank_;
+    sr.allocated_peak = r->static_bytes + r->dev->allocated_peak();
+    sr.peak = r->static_bytes + r->dev->high_water();
+    r->run_allocated_peak = std::max(r->run_allocated_peak, sr.allocated_peak);
+    r->run_high_water = std::max(r->run_high_water, sr.peak);
+    for (const auto& e : acts_->allocation_events(r->index)) {
+      if (e.bytes <= 0) continue;
+      ++sr.allocations;
+      sr.allocated_bytes += e.bytes;
+    }
+    s.ranks.push_back(sr);
+  }
+  step_records_.push_back(std::move(s));
 }
 
 void Executor::InitParams(Rank& r) {
@@ -310,11 +361,11 @@ void Executor::Optimize(double* grad_norm) {
         // bf16 parameter's shard-sized master.
         const int64_t from = RangeStart(ps);
         float* master = ps.master.empty() ? ps.weight.as<float>() + from : ps.master.as<float>();
-        r->ops->AdamStep(master, OwnGrad(ps, from), ps.m.as<float>(), ps.v.as<float>(), Owned(ps), cfg, 1);
+        r->ops->AdamStep(master, OwnGrad(ps, from), ps.m.as<float>(), ps.v.as<float>(), Owned(ps), cfg, step_ + 1);
         if (!ps.master.empty()) r->ops->RoundToBf16(master, Owned(ps), ps.weight.as<uint16_t>() + from);
         continue;
       } else {
-        r->ops->AdamStep(ps.Master(), OwnGrad(ps, 0), ps.m.as<float>(), ps.v.as<float>(), ps.elements, cfg, 1);
+        r->ops->AdamStep(ps.Master(), OwnGrad(ps, 0), ps.m.as<float>(), ps.v.as<float>(), ps.elements, cfg, step_ + 1);
       }
       if (!ps.master.empty()) r->ops->RoundToBf16(ps.master.as<float>(), ps.elements, ps.weight.as<uint16_t>());
     }

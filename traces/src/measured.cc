@@ -162,6 +162,30 @@ MeasuredProcess ParseProcess(const Json& json, const JsonLocation& where) {
   return p;
 }
 
+MeasuredStep ParseStep(const Json& json, const JsonLocation& where) {
+  ObjectReader r(json, where);
+  MeasuredStep s;
+  s.step = r.Int("step", 1, int64_t{1} << 30);
+  s.loss = NonNegative(r, "loss");
+  s.grad_norm = NonNegative(r, "grad_norm");
+  s.step_s = NonNegative(r, "step_s");
+  const Json& ranks = ExpectArray(r.Required("ranks"), r.At("ranks"));
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    ObjectReader k(ranks[i], r.At("ranks").Child(i));
+    MeasuredStepRank sr;
+    sr.pp_rank = k.Int("pp_rank", 0, 1 << 20);
+    sr.dp_rank = k.Int("dp_rank", 0, 1 << 20, 0);
+    sr.allocated_peak = ByteCount(k, "allocated_peak");
+    sr.peak = ByteCount(k, "peak");
+    sr.allocations = k.Int("allocations", 0, kMaxBytes, 0);
+    sr.allocated_bytes = k.Int("allocated_bytes", 0, kMaxBytes, 0);
+    k.Finish();
+    s.ranks.push_back(sr);
+  }
+  r.Finish();
+  return s;
+}
+
 MeasuredRank ParseRank(const Json& json, const JsonLocation& where) {
   ObjectReader r(json, where);
   MeasuredRank rank;
@@ -258,6 +282,16 @@ Expected<Measured> ParseMeasured(const Json& json, const std::string& file) {
     }
     if (const Json* p = r.Get("process")) m.process = ParseProcess(*p, r.At("process"));
     m.cupti_status = r.Enum("cupti_status", {"collected", "off", "unavailable"}, "");
+    if (const Json* s = r.Get("steps")) {
+      const Json& list = ExpectArray(*s, r.At("steps"));
+      for (size_t i = 0; i < list.size(); ++i) {
+        m.steps.push_back(ParseStep(list[i], r.At("steps").Child(i)));
+        if (m.steps.back().step != static_cast<int64_t>(i) + 1) {
+          ThrowAt(r.At("steps").Child(i).Child("step"), "expected " + std::to_string(i + 1) + ", got " +
+                                                            std::to_string(m.steps.back().step));
+        }
+      }
+    }
     r.Finish();
     // The reader above gives the specific messages; the schema is the net
     // for anything it does not look at.
@@ -354,6 +388,26 @@ OrderedJson MeasuredToJson(const Measured& m) {
     j["process"] = {{"device_bytes_peak", m.process->device_bytes_peak},
                     {"context_bytes", m.process->context_bytes},
                     {"profiler_bytes", m.process->profiler_bytes}};
+  }
+  if (!m.steps.empty()) {
+    j["steps"] = OrderedJson::array();
+    for (const auto& s : m.steps) {
+      OrderedJson o;
+      o["step"] = s.step;
+      o["loss"] = s.loss;
+      o["grad_norm"] = s.grad_norm;
+      o["step_s"] = s.step_s;
+      o["ranks"] = OrderedJson::array();
+      for (const auto& sr : s.ranks) {
+        o["ranks"].push_back({{"pp_rank", sr.pp_rank},
+                              {"dp_rank", sr.dp_rank},
+                              {"allocated_peak", sr.allocated_peak},
+                              {"peak", sr.peak},
+                              {"allocations", sr.allocations},
+                              {"allocated_bytes", sr.allocated_bytes}});
+      }
+      j["steps"].push_back(std::move(o));
+    }
   }
   return j;
 }

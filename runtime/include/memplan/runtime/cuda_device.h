@@ -116,6 +116,7 @@ class CudaDevice final : public Device {
   int64_t high_water() const override;
   int64_t allocated_bytes() const override;
   int64_t allocated_peak() const override;
+  void ResetAllocatedPeak() override;
 
   // cudaMemcpyAsync (cudaMemcpyDefault) on `queue`'s stream, ordered after the
   // compute stream; cudaMemcpyPeerAsync when the source and destination are

@@ -143,6 +143,10 @@ class Device {
   int64_t peak() const { return high_water(); }
   virtual int64_t allocated_bytes() const = 0;
   virtual int64_t allocated_peak() const = 0;
+  // allocated_peak() starts again from the bytes live now (memplan run
+  // --steps: each step's own peak). A system-allocator device's high_water
+  // is that peak, and starts again with it.
+  virtual void ResetAllocatedPeak() = 0;
 
   // Enqueues a copy of `bytes` (>= 0) from src to dst on `queue` and returns
   // its completion event. The ranges must not overlap; when they lie in host

@@ -76,6 +76,9 @@ struct RunOptions {
   std::string plan_file = "PLAN.json";  // named in error messages
   // Seed of the initial weights, the batch and the dropout masks.
   uint64_t seed = 1234;
+  // Optimizer steps, each on fresh microbatches (docs/runtime.md,
+  // "Several steps"); MEASURED.json's `steps` lists them when > 1.
+  int64_t steps = 1;
   // Build the Chrome trace (RunResult::trace).
   bool trace = false;
   // When not empty: write the initial weights, the batch and every

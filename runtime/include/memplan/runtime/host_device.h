@@ -79,6 +79,7 @@ class HostArena {
   // Live requested bytes and their maximum over time.
   int64_t allocated_bytes() const;
   int64_t allocated_peak() const;
+  void ResetAllocatedPeak();
   // Live bytes after alignment (what the heap holds).
   int64_t aligned_allocated_bytes() const;
   int64_t live_buffers() const;
@@ -127,6 +128,13 @@ class HostDevice final : public Device {
   int64_t high_water() const override { return system_ ? heap_peak_ : arena_.high_water(); }
   int64_t allocated_bytes() const override { return system_ ? heap_bytes_ : arena_.allocated_bytes(); }
   int64_t allocated_peak() const override { return system_ ? heap_peak_ : arena_.allocated_peak(); }
+  void ResetAllocatedPeak() override {
+    if (system_) {
+      heap_peak_ = heap_bytes_;
+    } else {
+      arena_.ResetAllocatedPeak();
+    }
+  }
 
   // Fences the source and destination on whichever host arenas hold them
   // (this device's, a HostArena, another HostDevice's), then enqueues.

@@ -102,6 +102,26 @@ struct MeasuredRank {
   std::optional<MoeRoutingSeen> moe_routing;  // models with MoE layers on this rank (JSON "moe_routing")
 };
 
+// One optimizer step of a multi-step run (memplan run --steps N), one rank:
+// the step's own largest live bytes (static + activations) and the
+// allocator's extent so far; with eager execution, how many activation
+// buffers it allocated and their bytes.
+struct MeasuredStepRank {
+  int64_t pp_rank = 0;
+  int64_t dp_rank = 0;
+  int64_t allocated_peak = 0;  // bytes, this step
+  int64_t peak = 0;            // bytes, the run so far
+  int64_t allocations = 0;     // eager: allocations this step (0 otherwise)
+  int64_t allocated_bytes = 0;  // eager: their bytes
+};
+struct MeasuredStep {
+  int64_t step = 1;  // from 1
+  double loss = 0;
+  double grad_norm = 0;
+  double step_s = 0;
+  std::vector<MeasuredStepRank> ranks;
+};
+
 // Device bytes of the whole process (CUPTI and cudaMemGetInfo): everything
 // the ranks hold, plus what lies outside any plan.
 struct MeasuredProcess {
@@ -138,6 +158,10 @@ struct Measured {
   // not start, or dropped records); empty on the host and in older files.
   // `check` fails an "unavailable" run: the measurement lacks its witness.
   std::string cupti_status;
+  // memplan run --steps N > 1: every step in order (JSON "steps"; absent
+  // for one step). The document's loss, grad_norm, events and allocation
+  // timeline are then the last step's; peaks and timelines the whole run's.
+  std::vector<MeasuredStep> steps;
 };
 
 // The measurement's allocator: `allocator`, or where it is empty "arena"
