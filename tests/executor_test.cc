@@ -458,3 +458,45 @@ TEST_CASE("DeepSeek-V3 routing: the bias chooses the experts, the gates stay the
   scaled["arch"]["moe"]["routed_scaling"] = 2.5;
   CHECK(MustRun(PlanOf(scaled)).measured.loss != doctest::Approx(plain.measured.loss).epsilon(1e-4));
 }
+
+// The bias's update after each step (docs/runtime.md "MoE routing"):
+// b_i += rate * sign(mean load - load_i). With +100 on expert 0 every token
+// picks expert 0 (load T, the mean T·top_k/experts = T/4), so after step 1
+// its bias is 100 - rate and every other expert's moves by exactly ±rate;
+// after step 2 expert 0 is still overloaded (100 - 2·rate). The biases are
+// dumped before and after each step.
+TEST_CASE("DeepSeek-V3 routing: the selection bias moves towards balance after each step") {
+  Json base = LoadJson("examples/models/tiny-deepseek.json");
+  base["arch"]["moe"]["selection_bias"] = true;
+  base["arch"]["moe"]["bias_update_rate"] = 0.01;
+  RunOptions o;
+  o.steps = 2;
+  o.init_hook = [&](const std::string& name, std::vector<float>* v) {
+    if (name.ends_with(".router.bias")) (*v)[0] = 100.f;
+  };
+  const auto dir = UniqueTempDir("memplan_bias_update");
+  std::filesystem::remove_all(dir);
+  o.dump_dir = dir.string();
+  MustRun(PlanOf(base), o);
+  int layers = 0, raised = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir / "step1" / "updated")) {
+    const std::string name = e.path().filename().string();
+    if (!name.ends_with(".router.bias.npy")) continue;
+    CAPTURE(name);
+    const std::vector<float> before = NpyFloats(dir / "step1" / "weights" / name), after = NpyFloats(e.path());
+    const std::vector<float> second = NpyFloats(dir / "step2" / "updated" / name);
+    REQUIRE(after.size() == 8);
+    CHECK(before[0] == 100.f);
+    CHECK(after[0] == 100.f - 0.01f);
+    CHECK(second[0] == (100.f - 0.01f) - 0.01f);
+    CHECK(NpyFloats(dir / "step2" / "weights" / name) == after);
+    for (size_t i = 1; i < after.size(); ++i) {
+      CHECK(std::abs(std::abs(after[i]) - 0.01f) < 1e-9f);
+      if (after[i] > 0) ++raised;
+    }
+    ++layers;
+  }
+  std::filesystem::remove_all(dir);
+  CHECK(layers == 3);
+  CHECK(raised >= 3 * 4);  // most of the starved experts are raised (each gets its share of second choices)
+}

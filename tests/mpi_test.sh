@@ -472,5 +472,43 @@ sleep 0.5
   || bad "--dump, rank 1 killed: staged $staged, exit $rc, left: $(ls -A "$tmp/dumps")"
 fi
 
+if want steps; then
+# 13. Several steps (memplan run --steps 3) over pp 2 x dp 2, ZeRO-1 and
+#     ZeRO-2, eager: the same first step as one process with the same global
+#     batches (bit for bit, and its dump), the later steps' losses equal to
+#     reduction-order rounding (the weights they start from went through MPI
+#     sums), and every rank's memory the same in each step.
+for z in 1 2; do
+  name=steps-z$z
+  model "$root/examples/models/tiny-llama.json" "$tmp/$name.one.json" \
+    "m.pop('budget', None); m['train']['microbatches'] *= 2; m['parallel'].update(dp=1)"
+  model "$root/examples/models/tiny-llama.json" "$tmp/$name.dp.json" \
+    "m.pop('budget', None); m['parallel'].update(dp=2, zero=$z)"
+  "$memplan" plan "$tmp/$name.one.json" -o "$tmp/$name.one.plan.json" -q &&
+    "$memplan" plan "$tmp/$name.dp.json" -o "$tmp/$name.dp.plan.json" -q || { bad "$name: plan failed"; continue; }
+  "$memplan" run "$tmp/$name.one.plan.json" --steps 3 -q -o "$tmp/$name.one.m.json" --dump "$tmp/$name.one.d" ||
+    { bad "$name: single-process run failed"; continue; }
+  if ! timeout 60 "${mpi[@]}" -np 4 "$memplan" run "$tmp/$name.dp.plan.json" --steps 3 --allocator eager -q \
+      -o "$tmp/$name.dp.m.json" --dump "$tmp/$name.dp.d" >"$tmp/out" 2>"$tmp/err"; then
+    bad "$name: mpirun -np 4 --steps 3 failed: $(head -3 "$tmp/err")"
+    continue
+  fi
+  python3 - "$tmp/$name.one.m.json" "$tmp/$name.dp.m.json" <<'PY' && ok || bad "$name: the steps differ"
+import json, sys
+one, dp = (json.load(open(f))["steps"] for f in sys.argv[1:3])
+assert len(one) == len(dp) == 3
+assert one[0]["loss"] == dp[0]["loss"], (one[0]["loss"], dp[0]["loss"])
+for a, b in zip(one[1:], dp[1:]):
+    assert a["loss"] != one[0]["loss"] and abs(a["loss"] - b["loss"]) <= 1e-6 * a["loss"], (a["loss"], b["loss"])
+for s in dp:
+    assert sorted((r["pp_rank"], r["dp_rank"]) for r in s["ranks"]) == [(p, d) for p in range(2) for d in range(2)]
+    for r, first in zip(s["ranks"], dp[0]["ranks"]):
+        assert (r["allocated_peak"], r["allocations"], r["allocated_bytes"]) == \
+            (first["allocated_peak"], first["allocations"], first["allocated_bytes"]) and r["allocations"] > 0, (r, first)
+PY
+  python3 "$tmp/npy.py" "$tmp/$name.one.d/step1" "$tmp/$name.dp.d/step1" 1e-4 && ok || bad "$name: step 1's dumps differ"
+done
+fi
+
 echo "mpi_$section: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]

@@ -345,6 +345,11 @@ Expected<ExportedSettings> ExportMegatron(const Plan& plan) {
       arg("--moe-router-topk-scaling-factor", v.str());
     }
     if (moe.selection_bias) arg("--moe-router-enable-expert-bias");
+    if (moe.selection_bias && moe.bias_update_rate != 1e-3) {
+      std::ostringstream v;
+      v << moe.bias_update_rate;
+      arg("--moe-router-bias-update-rate", v.str());
+    }
     arg("--moe-grouped-gemm");
     arg("--moe-token-dispatcher-type", "alltoall");
     if (moe.latent_dim) e.not_expressed.push_back("the experts' latent projection (arch.moe.latent_dim): Megatron has none");

@@ -66,7 +66,7 @@ const std::set<std::string, std::less<>>& Valued() {
       "--moe-expert-capacity-factor", "--moe-token-dispatcher-type", "--q-lora-rank", "--kv-lora-rank",
       "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim", "--recompute-granularity", "--recompute-method",
       "--recompute-num-layers", "--mtp-num-layers", "--recompute-modules", "--offload-modules",
-      "--moe-router-topk-scaling-factor"};
+      "--moe-router-topk-scaling-factor", "--moe-router-bias-update-rate"};
   return s;
 }
 
@@ -339,6 +339,9 @@ OrderedJson Build(const Args& args, const ImportOptions& o) {
       moe["routed_scaling"] = args.Number("--moe-router-topk-scaling-factor", 1e-3, 1e3, 1);
     }
     if (args.Flag("--moe-router-enable-expert-bias")) moe["selection_bias"] = true;
+    if (args.Has("--moe-router-bias-update-rate")) {
+      moe["bias_update_rate"] = args.Number("--moe-router-bias-update-rate", 0, 1, 1e-3);
+    }
     args.Choice("--moe-token-dispatcher-type", {"alltoall", "flex"}, "alltoall");
     a["moe"] = moe;
   }

@@ -246,6 +246,7 @@ void ParseArch(ObjectReader& r, Model& m) {
     c.imbalance = o.Number("imbalance", 1.0, 1 << 20, MoeConfig::kDefaultMoeImbalance);
     c.routed_scaling = o.Number("routed_scaling", 1e-3, 1e3, 1.0);
     c.selection_bias = o.Bool("selection_bias", false);
+    c.bias_update_rate = o.Number("bias_update_rate", 0, 1, 1e-3);
     c.router = o.Enum("router", {"softmax", "sigmoid"}, "softmax") == "sigmoid" ? Router::kSigmoid
                                                                                 : Router::kSoftmax;
     o.Finish();
@@ -660,6 +661,7 @@ Json NormalizedModelJson(const Model& m) {
     if (c.capacity_factor) arch["moe"]["capacity_factor"] = *c.capacity_factor;  // absent: dropless
     if (c.routed_scaling != 1.0) arch["moe"]["routed_scaling"] = c.routed_scaling;  // absent: digests unchanged
     if (c.selection_bias) arch["moe"]["selection_bias"] = true;
+    if (c.bias_update_rate != 1e-3) arch["moe"]["bias_update_rate"] = c.bias_update_rate;  // absent: digests unchanged
   }
   if (a.attn_res) arch["attn_res"] = {{"block_layers", a.attn_res->block_layers}};
   if (a.linear_attention) {

@@ -405,6 +405,7 @@ Expected<std::monostate> Executor::RunStep(double* grad_norm, double* step_s) {
     if (auto d = Dump(DumpWhat::kGrads); !d.ok()) return d.error();
   }
   Optimize(grad_norm);
+  UpdateRouterBias();
   if (!options_.dump_dir.empty()) {
     if (auto d = Dump(DumpWhat::kUpdated); !d.ok()) return d.error();
   }

@@ -181,6 +181,8 @@ struct Rank {
   std::map<std::pair<int64_t, int32_t>, Routing> routing;  // (layer, mb) -> its routing (host)
   int64_t dropped_rows = 0;  // expert parallelism: routed rows past an expert rank's capacity
   std::map<int64_t, std::vector<float>> router_bias;  // layer -> arch.moe.selection_bias's bias (host)
+  // (layer, mb) -> tokens per expert its top-k chose this step (selection_bias).
+  std::map<std::pair<int64_t, int32_t>, std::vector<float>> expert_load;
   bool routing_seen = false;  // MoE: the skew its forwards saw (MEASURED.json moe_routing)
   double max_expert_load = 0, max_rank_load = 0;
   std::vector<std::vector<int32_t>> produced_at;  // step -> instances produced there
@@ -474,6 +476,12 @@ class Executor {
   // gradients zeroed (BeginNextStep); the step's record (RecordStep).
   void MakeManager();
   void BeginNextStep();
+  // arch.moe.selection_bias: layer `layer`'s bias on rank `r` (zeros, or the
+  // test's init hook, at its first use); after each step every expert's
+  // bias moves by bias_update_rate towards balance over the step's tokens
+  // (every replica's: summed over the data-parallel group).
+  std::vector<float>& RouterBias(Rank& r, int64_t layer);
+  void UpdateRouterBias();
   void RecordStep(double grad_norm, double step_s);
   std::vector<traces::MeasuredStep> step_records_;
   std::string DumpDir() const;

@@ -46,6 +46,20 @@ Expected<std::monostate> Executor::Dump(DumpWhat what) {
       if (!st.ok()) return st.error();
     }
   }
+  if (what != DumpWhat::kGrads && model_.arch.moe && model_.arch.moe->selection_bias && dp_rank_ == 0) {
+    // arch.moe.selection_bias: each MoE layer's routing bias, state that is
+    // not a parameter (no gradient): before and after the step's update.
+    for (auto& r : ranks_) {
+      for (int64_t layer : p_.layout.LayersOfRank(r->index)) {
+        const auto& ops = G(layer).ops;
+        if (std::none_of(ops.begin(), ops.end(), [](const OpSpec& o) { return o.op == planner::OpKind::kTopK; })) continue;
+        const std::vector<float>& bias = RouterBias(*r, layer);
+        const std::string name = "layer" + std::to_string(layer) + ".moe.router.bias.npy";
+        auto st = WriteNpy((dir / sub / name).string(), bias.data(), {static_cast<int64_t>(bias.size())});
+        if (!st.ok()) return st.error();
+      }
+    }
+  }
   if (what == DumpWhat::kWeights) {
     // Each replica its microbatches, named by their index in the global batch.
     fs::create_directories(dir / "batch", ec);
@@ -182,11 +196,16 @@ void Executor::GatherRanks(RunResult& out) {
   if (options_.comm->rank() != 0) return;
   m.ranks.clear();
   m.process.reset();  // one process's CUPTI view; each rank has its own
+  for (auto& s : m.steps) s.ranks.clear();
   out.warnings.clear();
   for (size_t k = 0; k < all.size(); ++k) {
     auto theirs = traces::ParseMeasured(Json::parse(all[k]), "rank " + std::to_string(k));
     MEMPLAN_CHECK(theirs.ok(), "a rank sent a malformed measurement");
     for (auto& mr : theirs->ranks) m.ranks.push_back(std::move(mr));
+    MEMPLAN_CHECK(theirs->steps.size() == m.steps.size(), "ranks ran different numbers of steps");
+    for (size_t i = 0; i < m.steps.size(); ++i) {
+      for (auto& sr : theirs->steps[i].ranks) m.steps[i].ranks.push_back(sr);
+    }
     for (const auto& w : Json::parse(warnings[k])) out.warnings.push_back("rank " + std::to_string(k) + ": " + w.get<std::string>());
   }
   if (options_.trace) {

@@ -76,13 +76,11 @@ class ExecOpContext final : public OpContext {
     return e_.ExchangeExperts(std::move(out));
   }
   void NoteDropped(int64_t rows) override { r_.dropped_rows += rows; }
-  std::vector<float>& RouterBias() override {
-    auto [it, fresh] = r_.router_bias.try_emplace(blk_.layer);
-    if (fresh) {
-      it->second.assign(static_cast<size_t>(e_.model_.arch.moe->experts), 0.f);
-      if (e_.options_.init_hook) e_.options_.init_hook("layer" + std::to_string(blk_.layer) + ".moe.router.bias", &it->second);
-    }
-    return it->second;
+  std::vector<float>& RouterBias() override { return e_.RouterBias(r_, blk_.layer); }
+  void NoteSelected(const std::vector<int32_t>& experts_of_tokens) override {
+    std::vector<float>& load = r_.expert_load[{blk_.layer, mb_}];
+    load.assign(static_cast<size_t>(e_.model_.arch.moe->experts), 0.f);  // a recompute's selection replaces
+    for (int32_t e : experts_of_tokens) load[static_cast<size_t>(e)] += 1.f;
   }
   void NoteRouting(double expert_load, double rank_load) override {
     r_.routing_seen = true;

@@ -366,6 +366,7 @@ void TopKFwd(OpContext& c) {
   }
   c.FromHost(c.Out(0).ptr, idx.data(), d.rows * k * 4);
   c.FromHost(c.Out(1).ptr, w.data(), d.rows * k * 4);
+  if (moe.selection_bias) c.NoteSelected(idx);
 }
 void TopKBwd(OpContext& c) {
   Dims2 d = RowsCols(c.InSpec(0));

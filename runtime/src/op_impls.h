@@ -60,6 +60,10 @@ class OpContext {
   // host memory, zeros unless a test's init hook sets them), added to the
   // scores for the top-k selection only.
   virtual std::vector<float>& RouterBias() = 0;
+  // The experts this layer's top-k chose for this microbatch's tokens
+  // (tokens x top_k): the load the bias update reads after the step. A
+  // recomputed forward notes the same selection again.
+  virtual void NoteSelected(const std::vector<int32_t>& experts_of_tokens) = 0;
   // Device <-> host, in order with the ops (the exchange's staging).
   virtual void ToHost(void* dst, const void* src, int64_t bytes) = 0;
   virtual void FromHost(void* dst, const void* src, int64_t bytes) = 0;

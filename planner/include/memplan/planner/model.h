@@ -82,6 +82,10 @@ struct MoeConfig {
   // the selection only (aux-loss-free balancing; the gates stay unbiased).
   double routed_scaling = 1.0;
   bool selection_bias = false;
+  // After each optimizer step the bias moves by this rate towards balance:
+  // b_i += rate * sign(mean load - load_i) (DeepSeek-V3's gamma, Megatron's
+  // --moe-router-bias-update-rate; default 1e-3).
+  double bias_update_rate = 1e-3;
 
   static constexpr double kDefaultMoeImbalance = 1.2;
   // Routed rows an EP rank holds, over its mean share (s*b*top_k): the
