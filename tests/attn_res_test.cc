@@ -6,6 +6,7 @@
 // exact difference, measured), and that only new blocks travel.
 #include <doctest/doctest.h>
 
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <string>
@@ -45,7 +46,12 @@ pl::PlanningProblem Problem(const pl::Model& m) {
 
 }  // namespace
 
-TEST_CASE("a single copy computes the same bits as blocks that travel") {
+// The forward is the same bits; the backward sums a block's gradient from
+// its readers in another order (the single copy adds each reader's into the
+// block's sum as it runs; travelling blocks pass the sum through every
+// layer), so a gradient that reaches a block from several sublayers may
+// differ in its last bits: tiny-attnres's embedding, by 2e-9 of 0.09.
+TEST_CASE("a single copy computes what blocks that travel compute: the same loss, gradients to summation order") {
   const fs::path dir = UniqueTempDir("memplan_attn_res");
   fs::remove_all(dir);
   RunOptions single_o, travel_o;
@@ -54,21 +60,30 @@ TEST_CASE("a single copy computes the same bits as blocks that travel") {
   RunResult single = MustRun(PlanOf(LoadJson("examples/models/tiny-attnres.json")), single_o);
   RunResult travel = MustRun(PlanOf(Travelling()), travel_o);
   CHECK(single.measured.loss == travel.measured.loss);
-  CHECK(single.measured.grad_norm == travel.measured.grad_norm);
-  // Every gradient, bit for bit (the same sums in the same order).
-  int compared = 0;
+  CHECK(std::abs(single.measured.grad_norm - travel.measured.grad_norm) <= 1e-6 * travel.measured.grad_norm);
+  int compared = 0, identical = 0;
   for (const auto& e : fs::directory_iterator(dir / "travel" / "grads")) {
     CAPTURE(e.path().filename().string());
     std::vector<float> a = NpyFloats(e.path());
     std::vector<float> b = NpyFloats(dir / "single" / "grads" / e.path().filename());
     REQUIRE(a.size() == b.size());
-    CHECK(std::memcmp(a.data(), b.data(), a.size() * 4) == 0);
+    double scale = 0, worst = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+      scale = std::max(scale, std::fabs(double(a[i])));
+      worst = std::max(worst, std::fabs(double(a[i]) - b[i]));
+    }
+    CHECK(worst <= 1e-6 * scale);
+    identical += std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
     ++compared;
   }
   CHECK(compared >= 30);
+  CHECK(identical >= compared - 2);  // the blocks' own parameters: the embedding
   fs::remove_all(dir);
 }
 
+// In the paper's per-sublayer form (arch.attn_res.mix "sublayer", the
+// default): a layer saves its two running blocks (after attention, after
+// the FFN) where the plain residual saves its two sublayer inputs.
 TEST_CASE("the seed's claim: a layer saves what a plain-residual layer saves; the rest is blocks and their gradients") {
   pl::Model single = MustParse(LoadJson("examples/models/tiny-attnres.json"));
   pl::Model plain = MustParse(PlainResidual());
@@ -77,23 +92,41 @@ TEST_CASE("the seed's claim: a layer saves what a plain-residual layer saves; th
   // Saved per layer and microbatch: equal, but for b_0 (the embedding kept
   // once as block 0) on the first layer. The head's own mix parameters are
   // static, not activations.
-  for (int64_t l = 0; l < single.arch.layers; ++l) {
-    CAPTURE(l);
-    const int64_t extra = l == 0 ? block : 0;
-    CHECK(pl::ExpandTemplateLayer(single, l).SavedBytes() == pl::ExpandTemplateLayer(plain, l).SavedBytes() + extra);
+  // Both forms; the per-sublayer one has two mixes per layer, each with its
+  // own pseudo-query and norm.
+  Json per_layer = LoadJson("examples/models/tiny-attnres.json");
+  per_layer["arch"]["attn_res"]["mix"] = "layer";
+  int layers_checked = 0;
+  for (const pl::Model& m : {single, MustParse(per_layer)}) {
+    for (int64_t l = 0; l < m.arch.layers; ++l) {
+      CAPTURE(l);
+      CAPTURE(m.arch.attn_res->per_sublayer);
+      const int64_t extra = l == 0 ? block : 0;
+      const pl::LayerGraph g = pl::ExpandTemplateLayer(m, l);
+      CHECK(g.SavedBytes() == pl::ExpandTemplateLayer(plain, l).SavedBytes() + extra);
+      int mixes = 0;
+      for (const auto& op : g.ops) mixes += op.kind == "attn_res" && op.name.ends_with(".mix");
+      CHECK(mixes == (m.arch.attn_res->per_sublayer ? 2 : 1));
+      ++layers_checked;
+    }
   }
-  // Measured (host, the plan's memory program): the activation peak exceeds
-  // the plain residual's by exactly what is live at that step of the
-  // blocks themselves (b_0's instances, the pp cache) and of their gradient
-  // sums (cross buffers) — and never by more.
+  CHECK(layers_checked == 2 * single.arch.layers);
+  // Measured eagerly (each buffer from the system allocator at its first
+  // use, freed after its last: not the plan's program), and planned: the
+  // activation peak exceeds the plain residual's by at most what is live at
+  // that step of the blocks themselves (b_0's instances, the pp cache) and
+  // of their gradient sums (cross buffers).
   const pl::PlanningProblem ps = Problem(single);
   const pl::PlanningProblem pp = Problem(plain);
   const pl::PlanningProblem pt = Problem(travel);
   const pl::Evaluation es = pl::Evaluate(ps, pl::Assignment::KeepAll(ps), false);
   const pl::Evaluation ep = pl::Evaluate(pp, pl::Assignment::KeepAll(pp), false);
   const pl::Evaluation et = pl::Evaluate(pt, pl::Assignment::KeepAll(pt), false);
-  RunResult run_single = MustRun(PlanOf(LoadJson("examples/models/tiny-attnres.json")));
-  RunResult run_plain = MustRun(PlanOf(PlainResidual()));
+  RunOptions eager;
+  eager.eager = true;
+  RunResult run_single = MustRun(PlanOf(LoadJson("examples/models/tiny-attnres.json")), eager);
+  RunResult run_plain = MustRun(PlanOf(PlainResidual()), eager);
+  CHECK(run_single.measured.allocator == "eager");
   for (size_t r = 0; r < ps.timelines.size(); ++r) {
     CAPTURE(r);
     const int64_t step = es.ranks[r].peak_step;
@@ -112,13 +145,13 @@ TEST_CASE("the seed's claim: a layer saves what a plain-residual layer saves; th
                     << blocks / block << " blocks and block gradients live at its peak); travelling +"
                     << (et.ranks[r].activations_peak - measured_plain) / block);
     CHECK(over % block == 0);
-    CHECK(over > 0);
+    CHECK(over >= 0);
     CHECK(over <= blocks);
-    // tiny-attnres: one block on rank 0 and two on rank 1 (docs/design.md;
-    // three on each before eager execution showed that a block read only
-    // through other ranks' caches need not stay on its owner, 2026-12-02);
+    // tiny-attnres: nothing on rank 0 (b_0 stands in for the plain layer 0's
+    // saved input at its peak) and two blocks on rank 1, its cached copies of
+    // rank 0's blocks (docs/design.md; one and two in the per-layer form);
     // the travelling blocks cost more.
-    CHECK(over == (r == 0 ? 1 : 2) * block);
+    CHECK(over == (r == 0 ? 0 : 2) * block);
     CHECK(et.ranks[r].activations_peak - measured_plain > over);
   }
 }
@@ -156,7 +189,7 @@ TEST_CASE("a block is kept: storage annotations on it fall back to keep, and a p
   int checked = 0;
   for (const auto& t : plan["tensors"]) {
     const std::string name = t["name"].get<std::string>();
-    if (name.find("attn_res.partial") == std::string::npos) continue;
+    if (!name.ends_with(".attn_res.partial")) continue;  // the blocks (not partial_attn, a layer's own)
     CAPTURE(name);
     CHECK(t["effective"] == Json::array({name == "layer3.attn_res.partial" ? "offload_host" : "keep"}));
     ++checked;

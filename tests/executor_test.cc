@@ -157,11 +157,13 @@ TEST_CASE("tiny-k3-fp32: loss and grad_norm do not depend on where saved tensors
 
 // docs/runtime.md, KDA: with the layer as published (short convolutions
 // with SiLU on q, k, v, dt_bias in the decay, the gated norm at eps 1e-5)
-// tiny-k3-fp32's gradient norm at initialisation is 13.1, against 3.5 for
-// the same model without KDA (28.5 without the convolutions and dt_bias,
-// 96.3 at eps 1e-6 as well); most of it is layer 0's, upstream of the KDA
-// layers' gated norms. Its bf16 twin's gradients follow fp32's: median
-// cosine 0.92 over the parameters.
+// and Block AttnRes per sublayer with zero pseudo-queries, tiny-k3-fp32's
+// gradient norm at initialisation is 9.05, against 2.13 for the same model
+// without KDA (28.5 without the convolutions and dt_bias, 96.3 at eps 1e-6
+// as well); most of it is layer 0's, upstream of the KDA layers' gated
+// norms. Its bf16 twin's gradients follow fp32's: median cosine 0.99 over
+// the parameters (0.07 against fp64 before the KDA fixes, the issue's
+// measurement; 0.83 with the gated norm's eps at 1e-7).
 TEST_CASE("tiny-k3: the faithful KDA keeps the gradients tame and bf16 gradients follow fp32's") {
   const auto dir = UniqueTempDir("memplan_k3_cosine");
   std::filesystem::remove_all(dir);
@@ -169,7 +171,7 @@ TEST_CASE("tiny-k3: the faithful KDA keeps the gradients tame and bf16 gradients
   o32.dump_dir = (dir / "fp32").string();
   o16.dump_dir = (dir / "bf16").string();
   RunResult r = MustRun(PlanOf(LoadJson("examples/models/tiny-k3-fp32.json")), o32);
-  CHECK(r.measured.grad_norm < 20);
+  CHECK(r.measured.grad_norm < 15);
   CHECK(r.measured.grad_norm > 5);
   MustRun(PlanOf(LoadJson("examples/models/tiny-k3.json")), o16);
   std::vector<double> cosines;
@@ -189,7 +191,7 @@ TEST_CASE("tiny-k3: the faithful KDA keeps the gradients tame and bf16 gradients
   std::sort(cosines.begin(), cosines.end());
   const double median = cosines[cosines.size() / 2];
   CAPTURE(median);
-  CHECK(median > 0.85);
+  CHECK(median > 0.95);
 }
 
 // tiny-k3 itself: bf16 activations and weights (fp32 master weights,

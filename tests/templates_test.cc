@@ -248,7 +248,7 @@ TEST_CASE("hybrid KDA/MLA layers and their saved inventory") {
   int64_t heads = m.arch.heads / m.parallel.tp;
   int64_t dk = m.arch.linear_attention->head_dim;
   CHECK(states->bytes == 4 * m.train.micro_batch * heads * ((s + 63) / 64) * dk * dk);
-  for (const char* t : {"q", "k", "v", "g", "beta", "o", "o_gate", "proj_in"}) {
+  for (const char* t : {"q_conv_in", "k_conv_in", "v_conv_in", "q", "k", "v", "g", "beta", "o", "o_gate", "proj_in"}) {
     CAPTURE(t);
     REQUIRE(g.FindTensor(std::string("layer1.kda.") + t));
     CHECK(g.FindTensor(std::string("layer1.kda.") + t)->saved);
@@ -259,7 +259,7 @@ TEST_CASE("hybrid KDA/MLA layers and their saved inventory") {
 }
 
 TEST_CASE("tensor names follow layer<i>.<module>.<tensor> and graphs are DAGs") {
-  std::regex name(R"(layer(\d+)\.(embed|attn_norm|attn|ffn_norm|mlp|moe|attn_res|kda|head|head_norm|loss)\.[a-z0-9_.]+)");
+  std::regex name(R"(layer(\d+)\.(embed|attn_norm|attn|ffn_norm|mlp|moe|attn_res|ffn_res|kda|head|head_norm|loss)\.[a-z0-9_.]+)");
   for (const char* file : {"tiny-gpt", "tiny-moe", "kimi-k3-like", "deepseek-v3"}) {
     Model m = memplan::test::MustLoad(std::string("examples/models/") + file + ".json");
     for (int64_t i : {int64_t{0}, int64_t{1}, m.arch.layers - 1}) {

@@ -254,7 +254,7 @@ void ParseArch(ObjectReader& r, Model& m) {
   }
   if (const Json* v = r.Get("attn_res")) {
     ObjectReader o(*v, r.At("attn_res"));
-    a.attn_res = AttnResConfig{o.Int("block_layers", 1, kMaxLayers)};
+    a.attn_res = AttnResConfig{o.Int("block_layers", 1, kMaxLayers), o.Enum("mix", {"sublayer", "layer"}, "sublayer") == "sublayer"};
     o.Finish();
   }
   if (const Json* v = r.Get("linear_attention")) {
@@ -663,7 +663,10 @@ Json NormalizedModelJson(const Model& m) {
     if (c.selection_bias) arch["moe"]["selection_bias"] = true;
     if (c.bias_update_rate != 1e-3) arch["moe"]["bias_update_rate"] = c.bias_update_rate;  // absent: digests unchanged
   }
-  if (a.attn_res) arch["attn_res"] = {{"block_layers", a.attn_res->block_layers}};
+  if (a.attn_res) {
+    arch["attn_res"] = {{"block_layers", a.attn_res->block_layers},
+                        {"mix", a.attn_res->per_sublayer ? "sublayer" : "layer"}};
+  }
   if (a.linear_attention) {
     const auto& l = *a.linear_attention;
     arch["linear_attention"] = {{"kind", l.kind},

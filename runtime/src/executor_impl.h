@@ -384,8 +384,6 @@ class Executor {
   Buffer Grad(Rank& r, size_t bi, int32_t tensor);
   // The parameter bound to `op`'s role `role` (OpSpec::params) on rank `r`.
   const ParamState& ParamOf(Rank& r, const OpSpec& op, size_t role);
-  // Whether layer `layer`'s sources end with a running (partial) block.
-  bool AttnResHasPartial(int64_t layer) const { return layer % model_.arch.attn_res->block_layers != 0; }
 
   // Shared blocks (shared_blocks.cc): tensors later layers read in place.
   void SetupShared();

@@ -96,7 +96,6 @@ class ExecOpContext final : public OpContext {
     e_.backend_->ToHost(*r_.dev, host.data(), losses.ptr, tokens * 4);
     for (float l : host) e_.loss_sum_ += l;
   }
-  bool AttnResHasPartial() const override { return e_.AttnResHasPartial(blk_.layer); }
 
  private:
   // An input gradient is written directly by the first backward that

@@ -598,16 +598,20 @@ void AttnResBwd(OpContext& c) {
                    gamma.grad.as<float>(), c.Workspace().as<float>());
 }
 
+// Whether the sources end with a running partial block, which the output
+// joins (next has as many blocks as the sources), or the output starts a
+// new block (next has one more).
+bool AttnResJoinsPartial(OpContext& c) { return Elements(c.OutSpec(0).shape) == Elements(c.InSpec(0).shape); }
 // The sources' fp32 bytes that pass through unchanged: all but a running
-// partial block (which this layer's output is added to).
+// partial block (which the output is added to).
 int64_t AttnResKeptBytes(OpContext& c) {
-  return 4 * (Elements(c.InSpec(0).shape) - (c.AttnResHasPartial() ? Elements(c.InSpec(1).shape) : 0));
+  return 4 * (Elements(c.InSpec(0).shape) - (AttnResJoinsPartial(c) ? Elements(c.InSpec(1).shape) : 0));
 }
 
 // next = [this layer's blocks, except a running partial block] + [partial + out].
 void AttnResAccumulateFwd(OpContext& c) {
   const planner::TensorSpec& o = c.InSpec(1);
-  const bool partial = c.AttnResHasPartial();
+  const bool partial = AttnResJoinsPartial(c);
   const int64_t keep = AttnResKeptBytes(c);
   Buffer next = c.Out(0);
   Buffer in0 = c.In(0);
@@ -623,7 +627,7 @@ void AttnResAccumulateFwd(OpContext& c) {
 // earlier partial and this layer's output.
 void AttnResAccumulateBwd(OpContext& c) {
   const planner::TensorSpec& o = c.InSpec(1);
-  const bool partial = c.AttnResHasPartial();
+  const bool partial = AttnResJoinsPartial(c);
   const int64_t keep = AttnResKeptBytes(c);
   Buffer dnext = c.DOut(0);
   auto into = [&](size_t i, std::byte* dst, const std::byte* from, int64_t bytes) {

@@ -69,8 +69,6 @@ class OpContext {
   virtual void FromHost(void* dst, const void* src, int64_t bytes) = 0;
   // Forward pass: per-token losses on the device, summed into the step loss.
   virtual void AddLosses(const Buffer& losses, int64_t tokens) = 0;
-  // Whether this layer's AttnRes sources end with a running partial block.
-  virtual bool AttnResHasPartial() const = 0;
 
   // Conveniences over the above.
   int32_t Index(const std::string& tensor) const;

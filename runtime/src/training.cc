@@ -255,7 +255,9 @@ void Executor::InitParams(Rank& r) {
           w[static_cast<size_t>(i)] = (2.f * kernels::Uniform01(options_.seed, id, static_cast<uint64_t>(i)) - 1.f) * a;
         }
       } else if (spec.kind == planner::ParamKind::kNorm) {
-        std::fill(w.begin(), w.end(), is_bias ? 0.f : 1.f);
+        // Block AttnRes's pseudo-queries start at zero: uniform weights over
+        // the blocks (the paper's initialisation).
+        std::fill(w.begin(), w.end(), is_bias || name.ends_with(".query") ? 0.f : 1.f);
       } else {
         int64_t fan_in = spec.shape.size() >= 3 ? spec.shape[1] : spec.shape[0];
         if (spec.kind == planner::ParamKind::kEmbedding || ps.tied_head) fan_in = model_.arch.hidden;

@@ -100,6 +100,11 @@ struct MoeConfig {
 
 struct AttnResConfig {
   int64_t block_layers = 0;
+  // true ("mix": "sublayer", the paper's): a mix before each sublayer
+  // (attention, FFN), each with its own pseudo-query and key norm, blocks
+  // summing the sublayers' outputs; false ("layer"): one mix per layer,
+  // blocks summing the layers' outputs (docs/templates.md, Block AttnRes).
+  bool per_sublayer = true;
 };
 
 struct LinearAttentionConfig {
