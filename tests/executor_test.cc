@@ -502,3 +502,29 @@ TEST_CASE("DeepSeek-V3 routing: the selection bias moves towards balance after e
   CHECK(layers == 3);
   CHECK(raised >= 3 * 4);  // most of the starved experts are raised (each gets its share of second choices)
 }
+
+// ZeRO-3 (docs/runtime.md, "ZeRO-3") in one process (dp 1: one shard, the
+// whole): every unit gathered into fsdp_params before its ops and its
+// gradients reduce-scattered from fsdp_grads, the same loss as ZeRO-0 and
+// exactly the plan's bytes; what it does not execute yet is refused by name.
+TEST_CASE("ZeRO-3 in one process: the step of ZeRO-0 in the plan's bytes; what is not executed is refused") {
+  Json model = LoadJson("examples/models/tiny-llama.json");
+  model.erase("budget");
+  Json z3 = model;
+  z3["parallel"]["zero"] = 3;
+  const Json plan = PlanOf(z3);
+  RunResult a = MustRun(PlanOf(model)), b = MustRun(plan);
+  CHECK(a.measured.loss == b.measured.loss);
+  CHECK(std::abs(a.measured.grad_norm - b.measured.grad_norm) <= 1e-6 * a.measured.grad_norm);
+  for (size_t r = 0; r < b.measured.ranks.size(); ++r) {
+    CHECK(b.measured.ranks[r].static_bytes == plan["ranks"][r]["static"]["total"].get<int64_t>());
+    CHECK(b.measured.ranks[r].peak == plan["ranks"][r]["peak"].get<int64_t>());
+    CHECK(b.measured.ranks[r].events.at("fsdp_gathers") > 0);
+  }
+  Json muon = z3;
+  muon["train"]["optimizer"] = "muon";
+  auto refused = RunPlan(PlanOf(muon), {});
+  REQUIRE_FALSE(refused.ok());
+  CHECK(refused.error().code == memplan::ErrorCode::kBadInput);
+  CHECK(refused.error().message.find("/model/train/optimizer is muon") != std::string::npos);
+}

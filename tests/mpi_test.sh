@@ -174,9 +174,10 @@ assert coords == [(p, d, d % ep) for p in range(2) for d in range(replicas)], co
 for r in dp["ranks"]:
     p = plan["ranks"][r["pp_rank"]]
     assert r["static"] == p["static"]["total"] and r["peak"] == p["peak"], (r, p["static"])
-    # Reduced once after the step, or pass by pass ((pipeline) ZeRO-2).
+    # Reduced once after the step, pass by pass ((pipeline) ZeRO-2) or unit by unit (ZeRO-3).
     e = r["events"]
-    assert e.get("dp_reductions", 0) == 1 or e.get("grad_passes_reduced", 0) > 0 or e.get("bucket_flushes", 0) > 0, e
+    assert e.get("dp_reductions", 0) == 1 or e.get("grad_passes_reduced", 0) > 0 or e.get("bucket_flushes", 0) > 0 \
+        or e.get("fsdp_grad_reduce_scatters", 0) > 0, e
 PY
   python3 "$tmp/npy.py" "$tmp/$name.one.d" "$tmp/$name.dp.d" 1e-4 && ok || bad "$name: dumps differ"
   "$memplan" check "$tmp/$name.dp.plan.json" "$tmp/$name.dp.m.json" --tolerance 0 >"$tmp/out" \
@@ -188,6 +189,24 @@ data_parallel llama-zero1 "$root/examples/models/tiny-llama.json" 1
 data_parallel gpt-tied-zero1 "$root/examples/models/tiny-gpt.json" 1
 data_parallel moe-bf16-zero1 "$root/examples/models/tiny-moe.json" 1 \
   "m['train']['act_dtype'] = m['train']['param_dtype'] = 'bf16'; m['policies'] = [{'match': '*.mlp.*', 'policy': 'recompute'}]"
+fi
+
+if want zero3; then
+# ZeRO-3 (FSDP): every unit (a layer's embedding, block, head) gathered into
+# the plan's fsdp_params before its ops, its gradients reduce-scattered from
+# fsdp_grads after its backward: the same step as one process, the plan's
+# static bytes (a shard of everything), check at tolerance 0.
+data_parallel llama-zero3 "$root/examples/models/tiny-llama.json" 3
+data_parallel moe-bf16-zero3 "$root/examples/models/tiny-moe.json" 3 \
+  "m['train']['act_dtype'] = m['train']['param_dtype'] = 'bf16'; m['policies'] = [{'match': '*.mlp.*', 'policy': 'recompute'}]"
+python3 - "$tmp/llama-zero3.dp.m.json" "$tmp/llama-zero3.dp.plan.json" <<'PY' && ok || bad "ZeRO-3 did not gather and reduce-scatter by unit"
+import json, sys
+m, plan = (json.load(open(f)) for f in sys.argv[1:])
+for r, p in zip(m["ranks"], plan["ranks"]):
+    e = r["events"]
+    assert e["fsdp_gathers"] > 0 and e["fsdp_grad_reduce_scatters"] > 0, e
+    assert "fsdp_params" in plan["ranks"][r["pp_rank"]]["static"]["buffer_detail"]
+PY
 fi
 
 if want zero2; then

@@ -398,6 +398,9 @@ Expected<std::monostate> Executor::RunStep(double* grad_norm, double* step_s) {
     RetireCopies(*r, true);
     MEMPLAN_CHECK(r->dev->allocated_bytes() == 0, "activation memory left allocated after the step");
   }
+  if (Zero3()) {
+    for (auto& r : ranks_) ReleaseUnits(*r);  // the last unit's gradients reduce-scattered
+  }
   compute_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   SyncTied();
   ReduceGradients();

@@ -129,6 +129,13 @@ struct ParamState {
   // grad_offload host); `grad` is then bound to the double buffer during
   // each backward pass of the parameter's chunk.
   Buffer part;
+  // ZeRO-3: this replica's range of the weight (fp32: what the optimizer
+  // updates; bf16: the rounding of the master's range); `weight` is bound
+  // into the plan's fsdp_params buffer while the parameter's unit is
+  // gathered (docs/runtime.md, "ZeRO-3"), and `grad` into fsdp_grads while
+  // its unit's backward runs.
+  Buffer shard;
+  int64_t unit = -1;  // ZeRO-3's unit: 3 * layer + (0 embedding, 1 block, 2 head)
   // What the optimizer updates: the master, else the (fp32) weight itself.
   float* Master() const { return master.empty() ? weight.as<float>() : master.as<float>(); }
   bool tied_head = false;  // stores the embedding matrix; logits = x * E^T
@@ -196,6 +203,7 @@ struct Rank {
   // --steps: the largest of the steps' peaks (the device's allocated peak
   // starts again with each step).
   int64_t run_allocated_peak = 0, run_high_water = 0;
+  int64_t gathered_unit = -1, grad_unit = -1;  // ZeRO-3: the unit whose weights / gradients are bound
 };
 
 class Executor {
@@ -299,16 +307,21 @@ class Executor {
   // plan's timeline; one process per rank: this process's rank.
   Rank* NextRank();
   bool Zero1() const {
-    return model_.parallel.dp > 1 && (model_.parallel.zero >= 1 || model_.parallel.pipeline_zero2);
+    return (model_.parallel.dp > 1 && (model_.parallel.zero >= 1 || model_.parallel.pipeline_zero2)) || Zero3();
   }
+  // ZeRO-3 / FSDP (docs/runtime.md, "ZeRO-3"): parameters, gradients and
+  // optimizer state sharded over the replicas (with dp 1: one shard, the
+  // whole), every unit gathered before its ops and its gradients
+  // reduce-scattered after its backward.
+  bool Zero3() const { return model_.parallel.zero >= 3; }
   bool PipelineZero2() const { return model_.parallel.pipeline_zero2; }
   // ZeRO-2 with dp > 1 (without pipeline ZeRO-2): gradients partitioned,
   // reduced through the plan's reduce bucket layer by layer.
   bool Zero2Bucket() const {
-    return !PipelineZero2() && model_.parallel.zero >= 2 && model_.parallel.dp > 1;
+    return !PipelineZero2() && model_.parallel.zero == 2 && model_.parallel.dp > 1;
   }
   // Whether the reduced gradients live in per-replica partitions (`part`).
-  bool GradPartitions() const { return PipelineZero2() || Zero2Bucket(); }
+  bool GradPartitions() const { return PipelineZero2() || Zero2Bucket() || Zero3(); }
   // This replica's reduced gradient at element `from` of the parameter
   // (inside its range under ZeRO-1 / pipeline ZeRO-2).
   float* OwnGrad(const ParamState& ps, int64_t from) const {
@@ -327,6 +340,15 @@ class Executor {
   // pass the bucket is flushed. A flush reduce-scatters each bound gradient
   // and adds this replica's range into its partition.
   void BindToBucket(Rank& r, int64_t layer);
+  // ZeRO-3 (training.cc): before each op, its parameters' unit gathered
+  // into fsdp_params (the previous unit released: one at a time) and, in
+  // backward, its gradients bound to fsdp_grads (the previous unit's
+  // reduce-scattered into the partitions first); at the step's end the
+  // last unit's flushed.
+  void PrepareParams(Rank& r, const OpSpec& op, bool backward);
+  void GatherUnit(Rank& r, int64_t unit);
+  void FlushUnitGrads(Rank& r);
+  void ReleaseUnits(Rank& r);
   void FlushGrads(Rank& r, const std::vector<ParamState*>& params);
   std::vector<ParamState*> bucket_;  // the gradients bound to the reduce bucket, in order
   // The data-parallel gradient reduction: all-reduce, or (ZeRO-1) each

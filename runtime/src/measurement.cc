@@ -24,10 +24,10 @@ Expected<std::monostate> Executor::Dump(DumpWhat what) {
   for (auto& r : ranks_) {
     for (auto& ps : r->params) {
       // bf16 parameters: the fp32 master (the forward reads its bf16 rounding).
-      const Buffer& from = grads ? ps.grad : ps.master.empty() ? ps.weight : ps.master;
+      const Buffer& from = grads ? ps.grad : !ps.master.empty() ? ps.master : Zero3() ? ps.shard : ps.weight;
       const int64_t n = ps.elements;
       std::vector<float> v(static_cast<size_t>(n));
-      if (Zero1() && (grads || !ps.master.empty())) {
+      if (Zero1() && (grads || !ps.master.empty() || Zero3())) {
         // ZeRO-1: the reduced gradient and the master are ranges, gathered
         // for the dump (every replica takes part; replica 0 writes).
         std::vector<std::byte> all = GatherRanges(*r, ps, grads ? OwnGrad(ps, RangeStart(ps)) : from.as<float>(), 4);

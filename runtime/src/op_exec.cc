@@ -141,6 +141,7 @@ void Executor::Forward(Rank& r, size_t bi, int32_t pos, const std::function<Buff
   ExecOpContext c(*this, r, bi, pos, mb, &value);
   const OpImpl& impl = GetOpImpl(c.op().op);
   MEMPLAN_CHECK(impl.forward != nullptr, ("op kind " + c.op().kind + " is not executable").c_str());
+  if (Zero3()) PrepareParams(r, c.op(), false);
   impl.forward(c);
   c.Flush();
 }
@@ -150,6 +151,7 @@ void Executor::Backward(Rank& r, size_t bi, int32_t pos) {
   ExecOpContext c(*this, r, bi, pos, blk.microbatch, nullptr);
   const OpImpl& impl = GetOpImpl(c.op().op);
   MEMPLAN_CHECK(impl.backward != nullptr, ("op kind " + c.op().kind + " is not executable").c_str());
+  if (Zero3()) PrepareParams(r, c.op(), true);
   impl.backward(c);
   c.Flush();
 }

@@ -38,7 +38,21 @@ Expected<std::monostate> Executor::Setup() {
                   "optimizer state) but not executed yet");
   }
   if (par.zero >= 3) {
-    why.push_back("/model/parallel/zero is 3: ZeRO-3 (FSDP) is planned but not executed yet");
+    // ZeRO-3 executes unit by unit (docs/runtime.md, "ZeRO-3"); not yet with:
+    if (model_.train.optimizer == planner::Optimizer::kMuon) {
+      why.push_back("/model/train/optimizer is muon: Muon's gathers for Newton-Schulz under ZeRO-3 are planned but not executed yet");
+    }
+    if (par.ep > 1) why.push_back("/model/parallel/ep: experts under ZeRO-3 are planned but not executed yet");
+    if (par.pipeline_zero2) why.push_back("/model/parallel/pipeline_zero2: not executed together with ZeRO-3");
+    if (model_.arch.tied_embeddings && par.pp > 1) {
+      why.push_back("/model/arch/tied_embeddings: a tied head on another pipeline rank under ZeRO-3 is planned but not executed yet");
+    }
+    if (!par.fsdp_reshard_after_forward) {
+      why.push_back("/model/parallel/fsdp_reshard_after_forward false: every unit kept gathered is planned but not executed yet");
+    }
+    if (model_.train.grad_dtype != planner::DType::kFP32) {
+      why.push_back("/model/train/grad_dtype: ZeRO-3 executes fp32 gradients");
+    }
   }
   if (model_.arch.mtp_layers > 0) {
     why.push_back("/model/arch/mtp_layers: multi-token prediction is planned but not executed yet");

@@ -216,7 +216,12 @@ void Executor::InitParams(Rank& r) {
       // ZeRO-1: the optimizer's state, and a bf16 parameter's fp32 master,
       // for this replica's shard alone.
       const int64_t state = Zero1() ? Shard(ps) * 4 : bytes;
-      if (!bf16) ps.weight = alloc(bytes);
+      ps.unit = 3 * l + (spec.kind == planner::ParamKind::kEmbedding ? 0 : spec.kind == planner::ParamKind::kHead ? 2 : 1);
+      if (!bf16 && Zero3()) {
+        ps.shard = alloc(Shard(ps) * 4);
+      } else if (!bf16) {
+        ps.weight = alloc(bytes);
+      }
       if (!GradPartitions()) {
         ps.grad = alloc(n * planner::DTypeBytes(model_.train.grad_dtype));
       } else if (r.grad_host) {
@@ -281,7 +286,10 @@ void Executor::InitParams(Rank& r) {
       }
       if (options_.init_hook) options_.init_hook(ps.tied_head ? G(0).params.front().name : name, &w);
       std::vector<float> zero(static_cast<size_t>(n), 0.f);
-      if (!bf16) {
+      if (!bf16 && Zero3()) {
+        backend_->FromHost(*r.stat, ps.shard.ptr, zero.data(), Shard(ps) * 4);
+        backend_->FromHost(*r.stat, ps.shard.ptr, w.data() + RangeStart(ps), Owned(ps) * 4);
+      } else if (!bf16) {
         backend_->FromHost(*r.stat, ps.weight.ptr, w.data(), bytes);
       } else {
         // The master holds this replica's shard (ZeRO-1) or all of it.
@@ -305,17 +313,22 @@ void Executor::InitParams(Rank& r) {
   // The bf16 weights last, in one block (2-byte weights one after the other
   // would leave gaps at the arena's 4-byte alignment): each the rounding to
   // nearest even of its master.
+  // ZeRO-3: each replica's range only.
   int64_t total = 0;
-  for (const auto& ps : r.params) total += ps.elements * 2;
+  for (const auto& ps : r.params) total += (Zero3() ? Shard(ps) : ps.elements) * 2;
   Buffer block = alloc(total);
   int64_t at = 0;
   for (size_t i = 0; i < r.params.size(); ++i) {
     ParamState& ps = r.params[i];
-    ps.weight = Buffer{block.ptr + at, block.offset + at, ps.elements * 2};
-    std::vector<uint16_t> w16(static_cast<size_t>(ps.elements));
-    for (size_t k = 0; k < w16.size(); ++k) w16[k] = kernels::FloatToBf16(initial[i][k]);
-    backend_->FromHost(*r.stat, ps.weight.ptr, w16.data(), ps.weight.bytes);
-    at += ps.weight.bytes;
+    const int64_t from = Zero3() ? RangeStart(ps) : 0, count = Zero3() ? Shard(ps) : ps.elements;
+    Buffer& into = Zero3() ? ps.shard : ps.weight;
+    into = Buffer{block.ptr + at, block.offset + at, count * 2};
+    std::vector<uint16_t> w16(static_cast<size_t>(count), 0);
+    for (int64_t k = 0; k < count && from + k < ps.elements; ++k) {
+      w16[static_cast<size_t>(k)] = kernels::FloatToBf16(initial[i][static_cast<size_t>(from + k)]);
+    }
+    backend_->FromHost(*r.stat, into.ptr, w16.data(), into.bytes);
+    at += into.bytes;
   }
 }
 
@@ -413,9 +426,13 @@ void Executor::Optimize(double* grad_norm) {
         // This replica's shard: of the fp32 weight in place, or of the
         // bf16 parameter's shard-sized master.
         const int64_t from = RangeStart(ps);
-        float* master = ps.master.empty() ? ps.weight.as<float>() + from : ps.master.as<float>();
+        float* master = !ps.master.empty() ? ps.master.as<float>()
+                        : Zero3()          ? ps.shard.as<float>()
+                                           : ps.weight.as<float>() + from;
         r->ops->AdamStep(master, OwnGrad(ps, from), ps.m.as<float>(), ps.v.as<float>(), Owned(ps), cfg, step_ + 1);
-        if (!ps.master.empty()) r->ops->RoundToBf16(master, Owned(ps), ps.weight.as<uint16_t>() + from);
+        if (!ps.master.empty()) {
+          r->ops->RoundToBf16(master, Owned(ps), Zero3() ? ps.shard.as<uint16_t>() : ps.weight.as<uint16_t>() + from);
+        }
         continue;
       } else {
         r->ops->AdamStep(ps.Master(), OwnGrad(ps, 0), ps.m.as<float>(), ps.v.as<float>(), ps.elements, cfg, step_ + 1);
@@ -489,6 +506,70 @@ void Executor::BindToBucket(Rank& r, int64_t layer) {
   }
 }
 
+void Executor::PrepareParams(Rank& r, const OpSpec& op, bool backward) {
+  int64_t unit = -1;
+  for (size_t role = 0; role < op.params.size(); ++role) {
+    const int64_t u = ParamOf(r, op, role).unit;
+    MEMPLAN_CHECK(unit < 0 || u == unit, "an op reads parameters of two ZeRO-3 units");
+    unit = u;
+  }
+  if (unit < 0) return;
+  if (r.gathered_unit != unit) GatherUnit(r, unit);
+  if (backward && r.grad_unit != unit) {
+    FlushUnitGrads(r);
+    const Buffer& buffer = r.static_buffers.at("fsdp_grads");
+    int64_t at = 0;
+    for (auto& ps : r.params) {
+      if (ps.unit != unit) continue;
+      const int64_t bytes = ps.elements * 4;
+      MEMPLAN_CHECK(at + bytes <= buffer.bytes, "a unit's gradients exceed the plan's fsdp_grads");
+      ps.grad = Buffer{buffer.ptr + at, buffer.offset + at, bytes};
+      r.ops->Zero(ps.grad.ptr, bytes);
+      at += bytes;
+    }
+    r.grad_unit = unit;
+  }
+}
+
+void Executor::GatherUnit(Rank& r, int64_t unit) {
+  const Buffer& buffer = r.static_buffers.at("fsdp_params");
+  const int64_t width = model_.train.param_dtype == planner::DType::kBF16 ? 2 : 4;
+  backend_->Finish(*r.dev);  // the released unit's last readers are done
+  int64_t at = 0;
+  for (auto& ps : r.params) {
+    if (ps.unit == r.gathered_unit) ps.weight = Buffer{};
+    if (ps.unit != unit) continue;
+    const int64_t bytes = ps.elements * width;
+    MEMPLAN_CHECK(at + bytes <= buffer.bytes, "a unit's parameters exceed the plan's fsdp_params");
+    ps.weight = Buffer{buffer.ptr + at, buffer.offset + at, bytes};
+    // Every replica's range, in order: the whole parameter.
+    std::vector<std::byte> all = GatherRanges(r, ps, ps.shard.ptr, width);
+    backend_->FromHost(*r.stat, ps.weight.ptr, all.data(), bytes);
+    at += bytes;
+  }
+  r.gathered_unit = unit;
+  ++r.events["fsdp_gathers"];
+}
+
+void Executor::FlushUnitGrads(Rank& r) {
+  if (r.grad_unit < 0) return;
+  std::vector<ParamState*> params;
+  for (auto& ps : r.params) {
+    if (ps.unit == r.grad_unit) params.push_back(&ps);
+  }
+  FlushGrads(r, params);
+  r.grad_unit = -1;
+  ++r.events["fsdp_grad_reduce_scatters"];
+}
+
+void Executor::ReleaseUnits(Rank& r) {
+  FlushUnitGrads(r);
+  for (auto& ps : r.params) {
+    if (ps.unit == r.gathered_unit) ps.weight = Buffer{};
+  }
+  r.gathered_unit = -1;
+}
+
 void Executor::FlushGrads(Rank& r, const std::vector<ParamState*>& params) {
   backend_->Finish(*r.dev);
   for (ParamState* ps : params) {
@@ -555,7 +636,7 @@ void Executor::ReduceGradients() {
 }
 
 void Executor::GatherWeights() {
-  if (!Zero1()) return;
+  if (!Zero1() || Zero3()) return;  // ZeRO-3 gathers each unit before its ops
   Rank& r = *ranks_.front();
   for (auto& ps : r.params) {
     const int64_t n = ps.elements;
