@@ -80,6 +80,8 @@ const BadCase kBadCases[] = {
      "/arch/moe/aux", "unknown key"},
     {"seq_len not divisible by cp", [](Json& j) { j["parallel"]["cp"] = 3; j["parallel"]["dp"] = 1; },
      "/parallel/cp", "not divisible by cp"},
+    {"seq_len not divisible by 2 cp", [](Json& j) { j["train"]["seq_len"] = 6; j["parallel"]["cp"] = 2; j["parallel"]["dp"] = 1; },
+     "/parallel/cp", "not divisible by 2*cp (4)"},
     {"sp tokens not divisible by tp",
      [](Json& j) { j["train"]["seq_len"] = 3; j["train"]["micro_batch"] = 1; j["parallel"]["sp"] = true; },
      "/parallel/sp", "not divisible"},

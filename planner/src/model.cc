@@ -352,6 +352,13 @@ void ParseParallel(const Json* value, const JsonLocation& where, Model& m) {
     ThrowAt(at("cp"), "train.seq_len (" + std::to_string(t.seq_len) + ") is not divisible by cp (" +
                           std::to_string(p.cp) + ")");
   }
+  if (p.cp > 1 && t.seq_len % (2 * p.cp) != 0) {
+    // Megatron's load-balanced context parallelism: the sequence in 2 cp
+    // chunks, rank i holding chunks i and 2 cp - 1 - i (causal work even).
+    ThrowAt(at("cp"), "context parallelism splits train.seq_len into 2*cp load-balanced chunks (rank i holds "
+                      "chunks i and 2*cp-1-i): " + std::to_string(t.seq_len) + " is not divisible by 2*cp (" +
+                          std::to_string(2 * p.cp) + ")");
+  }
   if (p.sp && ((t.seq_len / p.cp) * t.micro_batch) % p.tp != 0) {
     ThrowAt(at("sp"), "sequence parallelism splits seq_len/cp*micro_batch tokens over tp; " +
                           std::to_string((t.seq_len / p.cp) * t.micro_batch) + " is not divisible by " +
