@@ -521,10 +521,10 @@ TEST_CASE("ZeRO-3 in one process: the step of ZeRO-0 in the plan's bytes; what i
     CHECK(b.measured.ranks[r].peak == plan["ranks"][r]["peak"].get<int64_t>());
     CHECK(b.measured.ranks[r].events.at("fsdp_gathers") > 0);
   }
-  Json muon = z3;
-  muon["train"]["optimizer"] = "muon";
-  auto refused = RunPlan(PlanOf(muon), {});
+  Json kept = z3;
+  kept["parallel"]["fsdp_reshard_after_forward"] = false;
+  auto refused = RunPlan(PlanOf(kept), {});
   REQUIRE_FALSE(refused.ok());
   CHECK(refused.error().code == memplan::ErrorCode::kBadInput);
-  CHECK(refused.error().message.find("/model/train/optimizer is muon") != std::string::npos);
+  CHECK(refused.error().message.find("/model/parallel/fsdp_reshard_after_forward false") != std::string::npos);
 }

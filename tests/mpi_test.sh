@@ -199,6 +199,10 @@ if want zero3; then
 data_parallel llama-zero3 "$root/examples/models/tiny-llama.json" 3
 data_parallel moe-bf16-zero3 "$root/examples/models/tiny-moe.json" 3 \
   "m['train']['act_dtype'] = m['train']['param_dtype'] = 'bf16'; m['policies'] = [{'match': '*.mlp.*', 'policy': 'recompute'}]"
+# Every K3 mechanism (KDA, MLA, latent MoE, single-copy Block AttnRes, pp 2 x
+# vp 2) with Muon: Newton-Schulz on the gathered gradient ranges, applied to
+# each replica's range of the weight.
+data_parallel k3-muon-zero3 "$root/examples/models/tiny-k3-fp32.json" 3
 python3 - "$tmp/llama-zero3.dp.m.json" "$tmp/llama-zero3.dp.plan.json" <<'PY' && ok || bad "ZeRO-3 did not gather and reduce-scatter by unit"
 import json, sys
 m, plan = (json.load(open(f)) for f in sys.argv[1:])

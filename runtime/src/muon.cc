@@ -124,7 +124,9 @@ void Executor::MuonStepsSharded(Rank& r, const kernels::AdamConfig& cfg) {
       const int64_t n = mt.rows * mt.cols, lo = RangeStart(ps);
       const int64_t from = std::max(lo, mt.index * n), to = std::min(lo + Owned(ps), (mt.index + 1) * n);
       if (from >= to) return;
-      float* w = ps.master.empty() ? ps.weight.as<float>() + from : ps.master.as<float>() + (from - lo);
+      float* w = !ps.master.empty() ? ps.master.as<float>() + (from - lo)
+                 : Zero3()          ? ps.shard.as<float>() + (from - lo)
+                                    : ps.weight.as<float>() + from;
       k.Axpby(w, u + (from - mt.index * n), to - from, 1.f - cfg.lr * cfg.weight_decay,
               -AdjustedLr(cfg, mt.rows, mt.cols), w);
     };

@@ -39,9 +39,6 @@ Expected<std::monostate> Executor::Setup() {
   }
   if (par.zero >= 3) {
     // ZeRO-3 executes unit by unit (docs/runtime.md, "ZeRO-3"); not yet with:
-    if (model_.train.optimizer == planner::Optimizer::kMuon) {
-      why.push_back("/model/train/optimizer is muon: Muon's gathers for Newton-Schulz under ZeRO-3 are planned but not executed yet");
-    }
     if (par.ep > 1) why.push_back("/model/parallel/ep: experts under ZeRO-3 are planned but not executed yet");
     if (par.pipeline_zero2) why.push_back("/model/parallel/pipeline_zero2: not executed together with ZeRO-3");
     if (model_.arch.tied_embeddings && par.pp > 1) {

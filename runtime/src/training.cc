@@ -443,7 +443,8 @@ void Executor::Optimize(double* grad_norm) {
       MuonStepsSharded(*r, cfg);
       for (auto& ps : r->params) {
         if (!ps.muon || ps.master.empty()) continue;
-        r->ops->RoundToBf16(ps.master.as<float>(), Owned(ps), ps.weight.as<uint16_t>() + RangeStart(ps));
+        r->ops->RoundToBf16(ps.master.as<float>(), Owned(ps),
+                            Zero3() ? ps.shard.as<uint16_t>() : ps.weight.as<uint16_t>() + RangeStart(ps));
       }
     }
     backend_->Finish(*r->dev);
