@@ -203,6 +203,9 @@ data_parallel moe-bf16-zero3 "$root/examples/models/tiny-moe.json" 3 \
 # vp 2) with Muon: Newton-Schulz on the gathered gradient ranges, applied to
 # each replica's range of the weight.
 data_parallel k3-muon-zero3 "$root/examples/models/tiny-k3-fp32.json" 3
+# Experts under ZeRO-3: routed experts sharded over the replicas that hold
+# the same experts (dp / ep = 2), gathered with their unit (tiny-moe, dp 4 x ep 2).
+data_parallel moe-ep2-zero3 "$root/examples/models/tiny-moe.json" 3 "m['arch']['moe']['capacity_factor'] = 2.0" 4 2
 python3 - "$tmp/llama-zero3.dp.m.json" "$tmp/llama-zero3.dp.plan.json" <<'PY' && ok || bad "ZeRO-3 did not gather and reduce-scatter by unit"
 import json, sys
 m, plan = (json.load(open(f)) for f in sys.argv[1:])
