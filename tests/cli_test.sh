@@ -183,7 +183,13 @@ assert m["loss"] == s[-1]["loss"] and all(x["ranks"][0]["allocations"] > 0 for x
 for k in (1, 2, 3):
     for sub in ("weights", "grads", "updated", "batch"):
         assert os.path.isdir(os.path.join(sys.argv[2], "step%d" % k, sub)), (k, sub)
-assert os.path.exists(os.path.join(sys.argv[2], "step3", "batch", "tokens_mb8.npy"))  # step 3 starts at microbatch 2 x 4
+# Fresh microbatches: step k holds microbatches 4(k-1) .. 4k-1 (4 per step), each its own tokens.
+for k in (1, 2, 3):
+    names = sorted(os.listdir(os.path.join(sys.argv[2], "step%d" % k, "batch")))
+    assert names == sorted("%s_mb%d.npy" % (w, 4 * (k - 1) + m) for w in ("tokens", "targets") for m in range(4)), names
+a = open(os.path.join(sys.argv[2], "step1", "batch", "tokens_mb0.npy"), "rb").read()
+b = open(os.path.join(sys.argv[2], "step2", "batch", "tokens_mb4.npy"), "rb").read()
+assert len(a) == len(b) and a != b
 PY
 expect_exit 2 "run --steps 0" "$memplan" run "$tmp/llama.plan.json" --steps 0 -o "$tmp/steps0.json"
 [ ! -e "$tmp/steps0.json" ] && ok || bad "--steps 0 wrote MEASURED.json"

@@ -199,6 +199,8 @@ TEST_CASE("two steps: Muon's momentum and AdamW's betas against their closed for
   RunResult run = MustRun(plan, o);
   REQUIRE(run.measured.steps.size() == 2);
   const fs::path s1 = dir / "step1", s2 = dir / "step2";
+  // Fresh microbatches: step 2's first is not step 1's.
+  CHECK(NpyFloats(s1 / "batch" / "tokens_mb0.npy") != NpyFloats(s2 / "batch" / "tokens_mb4.npy"));
   int matrices = 0, adamw = 0, params = 0, forgetful_far = 0;
   const double b1 = 0.9, b2 = 0.95, lr = 1e-3;
   for (const auto& e : fs::directory_iterator(s2 / "updated")) {

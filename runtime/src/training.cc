@@ -656,6 +656,9 @@ void Executor::GatherWeights() {
 void Executor::MakeBatch() {
   // Tokens U{0..vocab-1} per (microbatch, position); targets are the next
   // token of each sequence (the last position wraps to the first).
+  // Each step its own microbatches (GlobalMicrobatch counts the steps).
+  tokens_.clear();
+  targets_.clear();
   const int64_t mbs = model_.train.microbatches, b = model_.train.micro_batch, sl = model_.train.seq_len;
   const int64_t n = b * sl;
   for (int64_t m = 0; m < mbs; ++m) {
