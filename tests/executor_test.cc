@@ -528,3 +528,22 @@ TEST_CASE("ZeRO-3 in one process: the step of ZeRO-0 in the plan's bytes; what i
   CHECK(refused.error().code == memplan::ErrorCode::kBadInput);
   CHECK(refused.error().message.find("/model/parallel/fsdp_reshard_after_forward false") != std::string::npos);
 }
+
+// A prefetch reads its payload only once the copy-out that wrote it is done
+// (activation.cc): with copy engines slowed by up to 20 ms per copy, eager
+// (whose prefetches are not spaced by the plan's arena), the host payloads
+// of tiny-attnres's offloaded attention tensors (fp8 then host) are still
+// the values saved. Without that wait this test reads half-written payloads
+// (grad_norm 141.5 against 2.08), as a loaded CI machine did (8.38,
+// 2026-12-05).
+TEST_CASE("a prefetch waits for its payload's copy-out, even on slow copy engines") {
+  Json plan = PlanOf(WithPolicy(LoadJson("examples/models/tiny-attnres.json"), Json::array({"fp8", "offload_host"}),
+                                "*.attn.*"));
+  RunOptions slow;
+  slow.copy_jitter_us = 20000;
+  slow.eager = true;
+  RunResult a = MustRun(plan, slow), b = MustRun(plan);
+  CHECK(a.measured.loss == b.measured.loss);
+  CHECK(a.measured.grad_norm == b.measured.grad_norm);
+  CHECK(a.measured.ranks[0].events.at("d2h_copies") > 0);
+}

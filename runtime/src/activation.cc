@@ -135,6 +135,12 @@ void ActivationManager::Allocate(Rank& r, const ProgramBuffer& b) {
       Storage st = a_.storage[static_cast<size_t>(iv.owner_rank)][static_cast<size_t>(in.tensor)];
       std::string what = "prefetch " + p_.tensors[static_cast<size_t>(iv.owner_rank)][static_cast<size_t>(in.tensor)].name +
                          "@mb" + std::to_string(in.microbatch);
+      // The copy-out that filled the payload runs on another queue (another
+      // thread, another stream): the prefetch reads it only once it is done.
+      // The plan times it to be; a loaded machine may not (a CI run read a
+      // half-written payload under load, 2026-12-05). The host waits: on
+      // cuda a stream wait would order the compute stream, not this queue.
+      s.out_event.Wait();
       if (!planner::IsRemote(st)) {
         s.in_event = r.mem.device->CopyAsync(s.fetched.ptr, s.host.ptr, b.bytes, Queue::kH2D);
         ++r.events["h2d_copies"];
