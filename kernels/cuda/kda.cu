@@ -231,17 +231,8 @@ __global__ void __launch_bounds__(kKdaThreads)
   if (threadIdx.x == 0) da_part[blockIdx.x] = da;
 }
 
-// da_log[h] += sum over sequences b (in order) of the partials.
-__global__ void KdaALogKernel(const float* part, int64_t batch, int64_t heads, float* da_log) {
-  for (int64_t h = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; h < heads;
-       h += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    float s = 0.f;
-    for (int64_t b = 0; b < batch; ++b) s += part[b * heads + h];
-    da_log[h] += s;
-  }
-}
-
-// d_dt_bias[c] += sum over rows (in order) of dg[r, c].
+// out[c] += sum over rows (in order) of x[r, c]: da_log from the per-
+// sequence partials [batch, heads], d_dt_bias from dg [rows, heads * dk].
 __global__ void ColumnSumKernel(const float* x, int64_t rows, int64_t cols, float* out) {
   for (int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < cols;
        c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -362,7 +353,7 @@ cudaError_t LaunchKdaBwd(const LaunchContext& ctx, const float* q, const float* 
   KdaBwdKernel<<<static_cast<unsigned>(sh.batch * sh.heads), kKdaThreads, bytes, ctx.stream>>>(
       q, k, v, g, beta, a_log, dt_bias, states, d_o, sh, dq, dk, dv, dg, dbeta, workspace, part);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  KdaALogKernel<<<FlatBlocks(ctx, sh.heads), 256, 0, ctx.stream>>>(part, sh.batch, sh.heads, da_log);
+  ColumnSumKernel<<<FlatBlocks(ctx, sh.heads), 256, 0, ctx.stream>>>(part, sh.batch, sh.heads, da_log);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   if (dt_bias != nullptr && d_dt_bias != nullptr) {
     const int64_t width = sh.heads * sh.dk;
