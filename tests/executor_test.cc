@@ -521,12 +521,23 @@ TEST_CASE("ZeRO-3 in one process: the step of ZeRO-0 in the plan's bytes; what i
     CHECK(b.measured.ranks[r].peak == plan["ranks"][r]["peak"].get<int64_t>());
     CHECK(b.measured.ranks[r].events.at("fsdp_gathers") > 0);
   }
+  // Without resharding after forward every unit stays gathered, each at
+  // its own place in the (larger) planned buffer: one gather per unit.
   Json kept = z3;
   kept["parallel"]["fsdp_reshard_after_forward"] = false;
-  auto refused = RunPlan(PlanOf(kept), {});
+  const Json kept_plan = PlanOf(kept);
+  RunResult c = MustRun(kept_plan);
+  CHECK(c.measured.loss == a.measured.loss);
+  for (size_t r = 0; r < c.measured.ranks.size(); ++r) {
+    CHECK(c.measured.ranks[r].static_bytes == kept_plan["ranks"][r]["static"]["total"].get<int64_t>());
+    CHECK(c.measured.ranks[r].events.at("fsdp_gathers") < b.measured.ranks[r].events.at("fsdp_gathers"));
+  }
+  Json bf16_grads = z3;
+  bf16_grads["train"]["grad_dtype"] = "bf16";
+  auto refused = RunPlan(PlanOf(bf16_grads), {});
   REQUIRE_FALSE(refused.ok());
   CHECK(refused.error().code == memplan::ErrorCode::kBadInput);
-  CHECK(refused.error().message.find("/model/parallel/fsdp_reshard_after_forward false") != std::string::npos);
+  CHECK(refused.error().message.find("/model/train/grad_dtype") != std::string::npos);
 }
 
 // A prefetch reads its payload only once the copy-out that wrote it is done

@@ -204,6 +204,9 @@ struct Rank {
   // starts again with each step).
   int64_t run_allocated_peak = 0, run_high_water = 0;
   int64_t gathered_unit = -1, grad_unit = -1;  // ZeRO-3: the unit whose weights / gradients are bound
+  // ZeRO-3 without resharding after forward: every unit gathered so far in
+  // the step, each at its own place in fsdp_params (units in rank order).
+  std::set<int64_t> kept_units;
 };
 
 class Executor {

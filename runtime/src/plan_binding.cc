@@ -43,9 +43,6 @@ Expected<std::monostate> Executor::Setup() {
     if (model_.arch.tied_embeddings && par.pp > 1) {
       why.push_back("/model/arch/tied_embeddings: a tied head on another pipeline rank under ZeRO-3 is planned but not executed yet");
     }
-    if (!par.fsdp_reshard_after_forward) {
-      why.push_back("/model/parallel/fsdp_reshard_after_forward false: every unit kept gathered is planned but not executed yet");
-    }
     if (model_.train.grad_dtype != planner::DType::kFP32) {
       why.push_back("/model/train/grad_dtype: ZeRO-3 executes fp32 gradients");
     }

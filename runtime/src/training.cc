@@ -515,7 +515,11 @@ void Executor::PrepareParams(Rank& r, const OpSpec& op, bool backward) {
     unit = u;
   }
   if (unit < 0) return;
-  if (r.gathered_unit != unit) GatherUnit(r, unit);
+  if (!model_.parallel.fsdp_reshard_after_forward) {
+    if (!r.kept_units.contains(unit)) GatherUnit(r, unit);
+  } else if (r.gathered_unit != unit) {
+    GatherUnit(r, unit);
+  }
   if (backward && r.grad_unit != unit) {
     FlushUnitGrads(r);
     const Buffer& buffer = r.static_buffers.at("fsdp_grads");
@@ -536,9 +540,18 @@ void Executor::GatherUnit(Rank& r, int64_t unit) {
   const Buffer& buffer = r.static_buffers.at("fsdp_params");
   const int64_t width = model_.train.param_dtype == planner::DType::kBF16 ? 2 : 4;
   backend_->Finish(*r.dev);  // the released unit's last readers are done
+  // Resharding after forward: one unit at a time at the buffer's start;
+  // without: each unit after the units before it in the rank's order (the
+  // plan's buffer holds them all).
+  const bool keep = !model_.parallel.fsdp_reshard_after_forward;
   int64_t at = 0;
+  if (keep) {
+    for (const auto& ps : r.params) {
+      if (ps.unit < unit) at += ps.elements * width;
+    }
+  }
   for (auto& ps : r.params) {
-    if (ps.unit == r.gathered_unit) ps.weight = Buffer{};
+    if (!keep && ps.unit == r.gathered_unit) ps.weight = Buffer{};
     if (ps.unit != unit) continue;
     const int64_t bytes = ps.elements * width;
     MEMPLAN_CHECK(at + bytes <= buffer.bytes, "a unit's parameters exceed the plan's fsdp_params");
@@ -549,6 +562,7 @@ void Executor::GatherUnit(Rank& r, int64_t unit) {
     at += bytes;
   }
   r.gathered_unit = unit;
+  if (keep) r.kept_units.insert(unit);
   ++r.events["fsdp_gathers"];
 }
 
@@ -566,9 +580,10 @@ void Executor::FlushUnitGrads(Rank& r) {
 void Executor::ReleaseUnits(Rank& r) {
   FlushUnitGrads(r);
   for (auto& ps : r.params) {
-    if (ps.unit == r.gathered_unit) ps.weight = Buffer{};
+    if (ps.unit == r.gathered_unit || r.kept_units.contains(ps.unit)) ps.weight = Buffer{};
   }
   r.gathered_unit = -1;
+  r.kept_units.clear();
 }
 
 void Executor::FlushGrads(Rank& r, const std::vector<ParamState*>& params) {
