@@ -197,6 +197,9 @@ if want zero3; then
 # fsdp_grads after its backward: the same step as one process, the plan's
 # static bytes (a shard of everything), check at tolerance 0.
 data_parallel llama-zero3 "$root/examples/models/tiny-llama.json" 3
+# A tied head on the last pipeline rank: its unit gathered there, the two
+# reduced gradient ranges summed across the pipeline as under ZeRO-1/2.
+data_parallel gpt-tied-zero3 "$root/examples/models/tiny-gpt.json" 3
 data_parallel moe-bf16-zero3 "$root/examples/models/tiny-moe.json" 3 \
   "m['train']['act_dtype'] = m['train']['param_dtype'] = 'bf16'; m['policies'] = [{'match': '*.mlp.*', 'policy': 'recompute'}]"
 # Every K3 mechanism (KDA, MLA, latent MoE, single-copy Block AttnRes, pp 2 x

@@ -40,9 +40,6 @@ Expected<std::monostate> Executor::Setup() {
   if (par.zero >= 3) {
     // ZeRO-3 executes unit by unit (docs/runtime.md, "ZeRO-3"); not yet with:
     if (par.pipeline_zero2) why.push_back("/model/parallel/pipeline_zero2: not executed together with ZeRO-3");
-    if (model_.arch.tied_embeddings && par.pp > 1) {
-      why.push_back("/model/arch/tied_embeddings: a tied head on another pipeline rank under ZeRO-3 is planned but not executed yet");
-    }
     if (model_.train.grad_dtype != planner::DType::kFP32) {
       why.push_back("/model/train/grad_dtype: ZeRO-3 executes fp32 gradients");
     }
