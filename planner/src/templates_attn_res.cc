@@ -95,6 +95,18 @@ std::string LayerInputProducer(int64_t layer, const Model& model) {
   return "layer" + std::to_string(layer - 1) + "." + ffn + ".residual";
 }
 
+// The head's mix over the final blocks (n of them: one input each, or one
+// tensor of them all) with its own query and norm weight: head.norm_x.
+std::string AddFinalMix(Builder& B, const Dims& d, const std::vector<std::string>& blocks, int64_t n) {
+  const std::string out = B.Act("head", "norm_x", {d.tokens_r, d.h}, true, d.shard_r);
+  const std::string weights = B.Tensor("head", "attn_res_weights", {d.tokens_r, n}, DType::kFP32, false, d.shard_r);
+  const int64_t wq = B.Param("head", "attn_res.query", {d.h}, ParamKind::kNorm, false) +
+                     B.Param("head", "attn_res.norm.weight", {d.h}, ParamKind::kNorm, false);
+  B.Op("head", "final_mix", "attn_res", blocks, {out, weights}, 8.0 * static_cast<double>(n * d.tokens_r * d.h), wq);
+  B.SetWorkspace(workspace::AttnResBwdBytes(d.tokens_r, d.h));
+  return out;
+}
+
 // The layer's attention and FFN with a standard residual between them, and
 // its output: the residual stream (no AttnRes), or with Block AttnRes in
 // its per-layer form ("mix": "layer") the running block plus this layer's
@@ -128,15 +140,7 @@ std::string AddLayerOutput(Builder& B, const Dims& d, int64_t layer, const std::
     std::string next = B.Act("attn_res", "next_sources", {n_next * d.tokens_r, d.h}, last, d.shard_r);
     B.Op("attn_res", "accumulate", "attn_res_accumulate", {sources, out}, {next},
          static_cast<double>(n * d.tokens_r * d.h));
-    if (last) {
-      out = B.Act("head", "norm_x", {d.tokens_r, d.h}, true, d.shard_r);
-      std::string weights = B.Tensor("head", "attn_res_weights", {d.tokens_r, n_next}, DType::kFP32, false, d.shard_r);
-      int64_t wq = B.Param("head", "attn_res.query", {d.h}, ParamKind::kNorm, false) +
-                   B.Param("head", "attn_res.norm.weight", {d.h}, ParamKind::kNorm, false);
-      B.Op("head", "final_mix", "attn_res", {next}, {out, weights},
-           8.0 * static_cast<double>(n_next * d.tokens_r * d.h), wq);
-      B.SetWorkspace(workspace::AttnResBwdBytes(d.tokens_r, d.h));
-    }
+    if (last) out = AddFinalMix(B, d, {next}, n_next);
   } else if (a.attn_res) {
     // The running block sum after this layer: the single copy of the block
     // (complete after the block's last layer), which later layers read in
@@ -149,15 +153,8 @@ std::string AddLayerOutput(Builder& B, const Dims& d, int64_t layer, const std::
     }
     if (last) {
       // The head's mix over every block, the last one this layer's partial.
-      std::vector<std::string> blocks = SingleCopySources(B, d, layer + 1, layer);
-      int64_t n_next = static_cast<int64_t>(blocks.size());
-      out = B.Act("head", "norm_x", {d.tokens_r, d.h}, true, d.shard_r);
-      std::string weights = B.Tensor("head", "attn_res_weights", {d.tokens_r, n_next}, DType::kFP32, false, d.shard_r);
-      int64_t wq = B.Param("head", "attn_res.query", {d.h}, ParamKind::kNorm, false) +
-                   B.Param("head", "attn_res.norm.weight", {d.h}, ParamKind::kNorm, false);
-      B.Op("head", "final_mix", "attn_res", blocks, {out, weights},
-           8.0 * static_cast<double>(n_next * d.tokens_r * d.h), wq);
-      B.SetWorkspace(workspace::AttnResBwdBytes(d.tokens_r, d.h));
+      const std::vector<std::string> blocks = SingleCopySources(B, d, layer + 1, layer);
+      out = AddFinalMix(B, d, blocks, static_cast<int64_t>(blocks.size()));
     }
   }
 
@@ -179,7 +176,6 @@ std::string AddSublayerAttnRes(Builder& B, const Dims& d, int64_t layer, const s
   const bool single = model.options.attn_res_single_copy;
   const int64_t bl = a.attn_res->block_layers;
   const bool block_start = layer % bl == 0;
-  const std::string ffn_module = moe ? "moe" : "mlp";
   const int64_t n = AttnResSources(layer, bl);
   const int64_t n_mid = block_start ? n + 1 : n;  // the attention's output starts a block, or joins the running one
   const std::string attn_out = AddAttention(B, d, x, kda);
@@ -208,30 +204,20 @@ std::string AddSublayerAttnRes(Builder& B, const Dims& d, int64_t layer, const s
   // The running block after the FFN: later layers' source (single copy:
   // read in place), or the next layer's sources.
   std::vector<std::string> blocks;
-  int64_t n_next = n_mid;
   if (single) {
     const std::string partial = B.Act("attn_res", "partial", {d.tokens_r, d.h}, true, d.shard_r);
     B.Op("attn_res", "accumulate", "add", {mid.back(), ffn_out}, {partial}, static_cast<double>(d.tokens_r * d.h));
     if (last) blocks = SingleCopySources(B, d, layer + 1, layer);
   } else {
     // (Saved on the last layer: the final mix's backward reads it.)
-    const std::string next = B.Act("attn_res", "next_sources", {n_next * d.tokens_r, d.h}, last, d.shard_r);
+    const std::string next = B.Act("attn_res", "next_sources", {n_mid * d.tokens_r, d.h}, last, d.shard_r);
     B.Op("attn_res", "accumulate", "attn_res_accumulate", {mid[0], ffn_out}, {next},
          static_cast<double>(n_mid * d.tokens_r * d.h));
     blocks = {next};
   }
   if (!last) return "";
   // The head's mix over every block, the last one this layer's running block.
-  if (single) n_next = static_cast<int64_t>(blocks.size());
-  const std::string out = B.Act("head", "norm_x", {d.tokens_r, d.h}, true, d.shard_r);
-  const std::string weights =
-      B.Tensor("head", "attn_res_weights", {d.tokens_r, n_next}, DType::kFP32, false, d.shard_r);
-  const int64_t wq = B.Param("head", "attn_res.query", {d.h}, ParamKind::kNorm, false) +
-                     B.Param("head", "attn_res.norm.weight", {d.h}, ParamKind::kNorm, false);
-  B.Op("head", "final_mix", "attn_res", blocks, {out, weights}, 8.0 * static_cast<double>(n_next * d.tokens_r * d.h),
-       wq);
-  B.SetWorkspace(workspace::AttnResBwdBytes(d.tokens_r, d.h));
-  return out;
+  return AddFinalMix(B, d, blocks, single ? static_cast<int64_t>(blocks.size()) : n_mid);
 }
 
 }  // namespace memplan::planner::templates_internal
