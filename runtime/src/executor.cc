@@ -360,7 +360,7 @@ Expected<RunResult> Executor::RunHere() {
         break;
       }
     }
-    return Finish(grad_norm, step_s);
+    return Finish();
   } catch (const ErrorException& e) {
     return e.error();
   }

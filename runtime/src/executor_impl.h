@@ -343,6 +343,10 @@ class Executor {
   // pass the bucket is flushed. A flush reduce-scatters each bound gradient
   // and adds this replica's range into its partition.
   void BindToBucket(Rank& r, int64_t layer);
+  // Binds `params`' gradients one after the other in [start, end) of a
+  // static buffer, zeroed (`too_small`: the message when they do not fit).
+  void BindGrads(Rank& r, const std::vector<ParamState*>& params, const Buffer& buffer, int64_t start, int64_t end,
+                 const char* too_small);
   // ZeRO-3 (training.cc): before each op, its parameters' unit gathered
   // into fsdp_params (the previous unit released: one at a time) and, in
   // backward, its gradients bound to fsdp_grads (the previous unit's
@@ -350,6 +354,7 @@ class Executor {
   // last unit's flushed.
   void PrepareParams(Rank& r, const OpSpec& op, bool backward);
   void GatherUnit(Rank& r, int64_t unit);
+  std::vector<ParamState*> UnitParams(Rank& r, int64_t unit);  // in the rank's order
   void FlushUnitGrads(Rank& r);
   void ReleaseUnits(Rank& r);
   void FlushGrads(Rank& r, const std::vector<ParamState*>& params);
@@ -384,7 +389,8 @@ class Executor {
   // after the step (kGrads), the weights after the optimizer (kUpdated).
   enum class DumpWhat { kWeights, kGrads, kUpdated };
   Expected<std::monostate> Dump(DumpWhat what);
-  Expected<RunResult> Finish(double grad_norm, double step_s);
+  // MEASURED.json from the last step's record (RecordStep) and the run's.
+  Expected<RunResult> Finish();
   // With a communicator: every rank's measurement, trace and warnings into
   // rank 0's result (the loss and the times agreed on every rank).
   void GatherRanks(RunResult& out);

@@ -51,8 +51,7 @@ Expected<std::monostate> Executor::Dump(DumpWhat what) {
     // not a parameter (no gradient): before and after the step's update.
     for (auto& r : ranks_) {
       for (int64_t layer : p_.layout.LayersOfRank(r->index)) {
-        const auto& ops = G(layer).ops;
-        if (std::none_of(ops.begin(), ops.end(), [](const OpSpec& o) { return o.op == planner::OpKind::kTopK; })) continue;
+        if (!model_.arch.IsMoeLayer(layer)) continue;
         const std::vector<float>& bias = RouterBias(*r, layer);
         const std::string name = "layer" + std::to_string(layer) + ".moe.router.bias.npy";
         auto st = WriteNpy((dir / sub / name).string(), bias.data(), {static_cast<int64_t>(bias.size())});
@@ -76,18 +75,19 @@ Expected<std::monostate> Executor::Dump(DumpWhat what) {
   return std::monostate{};
 }
 
-Expected<RunResult> Executor::Finish(double grad_norm, double step_s) {
+Expected<RunResult> Executor::Finish() {
   RunResult out;
+  const traces::MeasuredStep& last = step_records_.back();  // agreed across processes (RecordStep)
   traces::Measured& m = out.measured;
   m.backend = std::string(BackendName(options_.backend));
   // Arenas follow the planner's placement; a pool is the driver's.
   m.allocator = options_.eager ? "eager" : options_.backend == BackendKind::kCuda && options_.cuda_pool ? "pool" : "arena";
   m.device = backend_->device_name();
   m.plan_digest = plan_json_.value("digest", std::string());
-  m.step_s = step_s;
+  m.step_s = last.step_s;
   m.compute_s = compute_s_;
-  m.loss = loss_sum_ / GlobalTokens();
-  m.grad_norm = grad_norm;
+  m.loss = last.loss;
+  m.grad_norm = last.grad_norm;
   if (options_.steps > 1) m.steps = step_records_;
   for (auto& r : ranks_) {
     traces::MeasuredRank mr;
@@ -96,8 +96,8 @@ Expected<RunResult> Executor::Finish(double grad_norm, double step_s) {
     mr.ep_rank = EpRank();
     mr.static_bytes = r->static_bytes;
     // The largest step's (RecordStep): one step's when there is one.
-    mr.allocated_peak = std::max(r->run_allocated_peak, r->static_bytes + r->dev->allocated_peak());
-    mr.peak = std::max(r->run_high_water, r->static_bytes + r->dev->high_water());
+    mr.allocated_peak = r->run_allocated_peak;
+    mr.peak = r->run_high_water;
     if (options_.backend == BackendKind::kCuda && m.allocator != "arena") {
       // Both pools' own marks: the driver rounds the statics' pool too.
       mr.pool = traces::PoolMarks{r->stat->high_water() + r->dev->high_water(),
@@ -182,12 +182,7 @@ Expected<RunResult> Executor::Finish(double grad_norm, double step_s) {
 
 void Executor::GatherRanks(RunResult& out) {
   traces::Measured& m = out.measured;
-  // The loss is summed on the last stage alone: the others add zeros, so
-  // the sum in rank order is the single process's bits.
-  double loss_sum = 0;
-  for (double v : GatherDoubles(loss_sum_)) loss_sum += v;
-  m.loss = loss_sum / GlobalTokens();
-  for (double v : GatherDoubles(m.step_s)) m.step_s = std::max(m.step_s, v);
+  // (The loss and the step time were agreed by RecordStep.)
   for (double v : GatherDoubles(m.compute_s)) m.compute_s = std::max(m.compute_s, v);
   std::vector<std::string> all = options_.comm->AllGather(traces::MeasuredToJson(m).dump());
   std::vector<std::string> traces;

@@ -2,6 +2,7 @@
 // the activation manager made again per step, each step's record, and the
 // MoE selection bias's update after each step (executor_impl.h).
 #include <algorithm>
+#include <cstring>
 
 #include "executor_impl.h"
 
@@ -58,8 +59,7 @@ void Executor::UpdateRouterBias() {
   const size_t experts = static_cast<size_t>(moe.experts);
   for (auto& r : ranks_) {
     for (int64_t layer : p_.layout.LayersOfRank(r->index)) {
-      const auto& ops = G(layer).ops;
-      if (std::none_of(ops.begin(), ops.end(), [](const OpSpec& o) { return o.op == planner::OpKind::kTopK; })) continue;
+      if (!model_.arch.IsMoeLayer(layer)) continue;
       std::vector<float> load(experts, 0.f);
       for (int32_t mb = 0; mb < model_.train.microbatches; ++mb) {
         auto it = r->expert_load.find({layer, mb});
@@ -71,9 +71,9 @@ void Executor::UpdateRouterBias() {
       for (float v : load) total += v;
       const double mean = total / static_cast<double>(experts);
       std::vector<float>& bias = RouterBias(*r, layer);
+      const float step = static_cast<float>(moe.bias_update_rate);
       for (size_t e = 0; e < experts; ++e) {
         const double diff = mean - static_cast<double>(load[e]);
-        const float step = static_cast<float>(moe.bias_update_rate);
         if (diff > 0) bias[e] += step;
         if (diff < 0) bias[e] -= step;
       }
@@ -85,8 +85,9 @@ void Executor::UpdateRouterBias() {
 void Executor::RecordStep(double grad_norm, double step_s) {
   traces::MeasuredStep s;
   s.step = step_ + 1;
-  // One process per rank: the loss summed as GatherRanks sums it, the
-  // slowest rank's time.
+  // One process per rank: the loss is summed on the last stage alone (the
+  // others add zeros), so the sum in rank order is the single process's
+  // bits; the time is the slowest rank's.
   double loss_sum = loss_sum_;
   if (options_.comm) {
     loss_sum = 0;

@@ -356,18 +356,23 @@ std::vector<ParamState*> Executor::ChunkParams(Rank& r, int32_t chunk) {
   return out;
 }
 
-void Executor::BeginGradPass(Rank& r, int32_t chunk) {
-  const Buffer& buffer = r.static_buffers.at("grad_double_buffer");
-  const int64_t half = buffer.bytes / 2;
-  const int64_t start = half * (r.grad_passes++ % 2);
+void Executor::BindGrads(Rank& r, const std::vector<ParamState*>& params, const Buffer& buffer, int64_t start,
+                         int64_t end, const char* too_small) {
   int64_t at = start;
-  for (ParamState* ps : ChunkParams(r, chunk)) {
+  for (ParamState* ps : params) {
     const int64_t bytes = ps->elements * 4;
-    MEMPLAN_CHECK(at + bytes <= start + half, "a chunk's gradients exceed the plan's double buffer");
+    MEMPLAN_CHECK(at + bytes <= end, too_small);
     ps->grad = Buffer{buffer.ptr + at, buffer.offset + at, bytes};
     r.ops->Zero(ps->grad.ptr, bytes);
     at += bytes;
   }
+}
+
+void Executor::BeginGradPass(Rank& r, int32_t chunk) {
+  const Buffer& buffer = r.static_buffers.at("grad_double_buffer");
+  const int64_t half = buffer.bytes / 2;
+  const int64_t start = half * (r.grad_passes++ % 2);
+  BindGrads(r, ChunkParams(r, chunk), buffer, start, start + half, "a chunk's gradients exceed the plan's double buffer");
 }
 
 void Executor::EndGradPass(Rank& r, int32_t chunk) {
@@ -392,12 +397,8 @@ void Executor::BindToBucket(Rank& r, int64_t layer) {
     FlushGrads(r, std::exchange(bucket_, {}));
     at = 0;
   }
-  for (ParamState* ps : params) {
-    ps->grad = Buffer{bucket.ptr + at, bucket.offset + at, ps->elements * 4};
-    r.ops->Zero(ps->grad.ptr, ps->grad.bytes);
-    at += ps->grad.bytes;
-    bucket_.push_back(ps);
-  }
+  BindGrads(r, params, bucket, at, bucket.bytes, "a layer's gradients exceed the plan's reduce bucket");
+  bucket_.insert(bucket_.end(), params.begin(), params.end());
 }
 
 void Executor::FlushGrads(Rank& r, const std::vector<ParamState*>& params) {

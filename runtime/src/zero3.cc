@@ -21,17 +21,17 @@ void Executor::PrepareParams(Rank& r, const OpSpec& op, bool backward) {
   if (backward && r.grad_unit != unit) {
     FlushUnitGrads(r);
     const Buffer& buffer = r.static_buffers.at("fsdp_grads");
-    int64_t at = 0;
-    for (auto& ps : r.params) {
-      if (ps.unit != unit) continue;
-      const int64_t bytes = ps.elements * 4;
-      MEMPLAN_CHECK(at + bytes <= buffer.bytes, "a unit's gradients exceed the plan's fsdp_grads");
-      ps.grad = Buffer{buffer.ptr + at, buffer.offset + at, bytes};
-      r.ops->Zero(ps.grad.ptr, bytes);
-      at += bytes;
-    }
+    BindGrads(r, UnitParams(r, unit), buffer, 0, buffer.bytes, "a unit's gradients exceed the plan's fsdp_grads");
     r.grad_unit = unit;
   }
+}
+
+std::vector<ParamState*> Executor::UnitParams(Rank& r, int64_t unit) {
+  std::vector<ParamState*> out;
+  for (auto& ps : r.params) {
+    if (ps.unit == unit) out.push_back(&ps);
+  }
+  return out;
 }
 
 void Executor::GatherUnit(Rank& r, int64_t unit) {
@@ -66,11 +66,7 @@ void Executor::GatherUnit(Rank& r, int64_t unit) {
 
 void Executor::FlushUnitGrads(Rank& r) {
   if (r.grad_unit < 0) return;
-  std::vector<ParamState*> params;
-  for (auto& ps : r.params) {
-    if (ps.unit == r.grad_unit) params.push_back(&ps);
-  }
-  FlushGrads(r, params);
+  FlushGrads(r, UnitParams(r, r.grad_unit));
   r.grad_unit = -1;
   ++r.events["fsdp_grad_reduce_scatters"];
 }
