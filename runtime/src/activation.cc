@@ -138,9 +138,11 @@ void ActivationManager::Allocate(Rank& r, const ProgramBuffer& b) {
       // The copy-out that filled the payload runs on another queue (another
       // thread, another stream): the prefetch reads it only once it is done.
       // The plan times it to be; a loaded machine may not (a CI run read a
-      // half-written payload under load, 2026-12-05). The host waits: on
-      // cuda a stream wait would order the compute stream, not this queue.
-      s.out_event.Wait();
+      // half-written payload under load, 2026-12-05). As device.h says,
+      // copies on different queues are ordered by a Wait between them: the
+      // compute stream waits for the copy-out, and the prefetch, issued
+      // after it, is ordered after the compute stream (the host blocks).
+      r.mem.device->Wait(s.out_event);
       if (!planner::IsRemote(st)) {
         s.in_event = r.mem.device->CopyAsync(s.fetched.ptr, s.host.ptr, b.bytes, Queue::kH2D);
         ++r.events["h2d_copies"];
