@@ -326,6 +326,14 @@ class CudaOps final : public Ops {
                        float* dlogits) override {
     MEMPLAN_CUDA_CHECK(cuda::LaunchCrossEntropyBwd(ctx_, probs, targets, tokens, vocab, scale, dlogits));
   }
+  void CrossEntropyPartialStats(const float* logits, const int32_t* targets, int64_t tokens, int64_t vocab,
+                                float* stats) override {
+    MEMPLAN_CUDA_CHECK(cuda::LaunchCrossEntropyPartialStats(ctx_, logits, targets, tokens, vocab, stats));
+  }
+  void CrossEntropyPartialProbs(const float* logits, const float* stats, int64_t tokens, int64_t vocab,
+                                float* probs) override {
+    MEMPLAN_CUDA_CHECK(cuda::LaunchCrossEntropyPartialProbs(ctx_, logits, stats, tokens, vocab, probs));
+  }
 
   void KdaFwd(const float* q, const float* k, const float* v, const float* g, const float* beta, const float* a_log,
               const float* dt_bias, const KdaShape& shape, float* o, float* states) override {

@@ -294,6 +294,39 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Vocabulary-parallel cross-entropy (ops.h): per row this rank's max, its
+// sum of exp(l - max) and the target's logit; then probs from the combined
+// (M, S). One block per token row.
+__global__ void __launch_bounds__(kThreads)
+    CrossEntropyPartialStatsKernel(const float* logits, const int32_t* targets, int64_t tokens, int64_t vocab,
+                                   float* stats) {
+  __shared__ float red[kWarps];
+  for (int64_t t = blockIdx.x; t < tokens; t += gridDim.x) {
+    const float* lg = logits + t * vocab;
+    float m = -INFINITY;
+    for (int64_t c = threadIdx.x; c < vocab; c += blockDim.x) m = fmaxf(m, lg[c]);
+    m = BlockMax(m, red);
+    float s = 0.f;
+    for (int64_t c = threadIdx.x; c < vocab; c += blockDim.x) s += expf(lg[c] - m);
+    s = BlockSum1(s, red);
+    if (threadIdx.x == 0) {
+      const int64_t target = targets[t];
+      stats[3 * t] = m;
+      stats[3 * t + 1] = s;
+      stats[3 * t + 2] = target >= 0 && target < vocab ? lg[target] : 0.f;
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads)
+    CrossEntropyPartialProbsKernel(const float* logits, const float* stats, int64_t tokens, int64_t vocab,
+                                   float* probs) {
+  for (int64_t t = blockIdx.x; t < tokens; t += gridDim.x) {
+    const float m = stats[2 * t], s = stats[2 * t + 1];
+    for (int64_t c = threadIdx.x; c < vocab; c += blockDim.x) probs[t * vocab + c] = expf(logits[t * vocab + c] - m) / s;
+  }
+}
+
 // ---------------------------------------------------------------------------
 // Strided batched GEMM with k == 0: C_i = beta * C_i (C not read when beta is
 // 0), over the m x n entries of each [m, ldc] matrix.
@@ -390,11 +423,17 @@ template <int W>
 __global__ void __launch_bounds__(kThreads)
     EmbeddingFwdKernel(const int32_t* tokens, const float* table, int64_t n, int64_t d, float* y) {
   for (int64_t t = blockIdx.x; t < n; t += gridDim.x) {
-    const float* src = table + static_cast<int64_t>(tokens[t]) * d;
+    const int64_t token = tokens[t];  // negative: a row another rank holds
+    const float* src = table + token * d;
     float* dst = y + t * d;
     ForEachInRow<W>(d, [&](int64_t c) {
       float v[W];
-      LoadRo<W>(src + c, v);
+      if (token >= 0) {
+        LoadRo<W>(src + c, v);
+      } else {
+#pragma unroll
+        for (int j = 0; j < W; ++j) v[j] = 0.f;
+      }
       Store<W>(dst + c, v);
     });
   }
@@ -409,7 +448,9 @@ __global__ void __launch_bounds__(kThreads) EmbeddingBwdKernel(const int32_t* __
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < d; c += stride) {
     for (int64_t t = 0; t < n; ++t) {
-      float* p = dtable + static_cast<int64_t>(__ldg(tokens + t)) * d + c;
+      const int64_t token = __ldg(tokens + t);
+      if (token < 0) continue;
+      float* p = dtable + token * d + c;
       *p = __fadd_rn(*p, __ldg(dy + t * d + c));
     }
   }
@@ -656,6 +697,22 @@ cudaError_t LaunchCrossEntropyBwd(const LaunchContext& ctx, const float* probs, 
     CrossEntropyBwdKernel<kW>
         <<<RowGrid(ctx, tokens), kThreads, 0, ctx.stream>>>(probs, targets, tokens, vocab, scale, dlogits);
   });
+}
+
+cudaError_t LaunchCrossEntropyPartialStats(const LaunchContext& ctx, const float* logits, const int32_t* targets,
+                                           int64_t tokens, int64_t vocab, float* stats) {
+  if (tokens <= 0 || vocab <= 0) return cudaSuccess;
+  CrossEntropyPartialStatsKernel<<<RowGrid(ctx, tokens), kThreads, 0, ctx.stream>>>(logits, targets, tokens, vocab,
+                                                                                     stats);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchCrossEntropyPartialProbs(const LaunchContext& ctx, const float* logits, const float* stats,
+                                           int64_t tokens, int64_t vocab, float* probs) {
+  if (tokens <= 0 || vocab <= 0) return cudaSuccess;
+  CrossEntropyPartialProbsKernel<<<RowGrid(ctx, tokens), kThreads, 0, ctx.stream>>>(logits, stats, tokens, vocab,
+                                                                                     probs);
+  return cudaGetLastError();
 }
 
 cudaError_t LaunchScaleMatrices(const LaunchContext& ctx, int64_t m, int64_t n, float beta, float* c, int64_t ldc,

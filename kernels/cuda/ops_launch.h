@@ -157,6 +157,10 @@ cudaError_t LaunchCrossEntropyFwd(const LaunchContext& ctx, const float* logits,
                                   int64_t vocab, float* probs, float* loss);
 cudaError_t LaunchCrossEntropyBwd(const LaunchContext& ctx, const float* probs, const int32_t* targets, int64_t tokens,
                                   int64_t vocab, float scale, float* dlogits);
+cudaError_t LaunchCrossEntropyPartialStats(const LaunchContext& ctx, const float* logits, const int32_t* targets,
+                                           int64_t tokens, int64_t vocab, float* stats);
+cudaError_t LaunchCrossEntropyPartialProbs(const LaunchContext& ctx, const float* logits, const float* stats,
+                                           int64_t tokens, int64_t vocab, float* probs);
 
 // weights [T, n] may be nullptr. Sources and their gradients are n separate
 // [T, d] tensors (n <= workspace::kMaxAttnResSources); dsources, dw and dgamma

@@ -534,6 +534,10 @@ void RefMath<T>::RouterGradRewrite(const T* da, const T* act, const int32_t* slo
 template <typename T>
 void RefMath<T>::EmbeddingFwd(const int32_t* tokens, const T* table, int64_t n, int64_t d, T* y) {
   for (int64_t t = 0; t < n; ++t) {
+    if (tokens[t] < 0) {
+      std::fill(y + t * d, y + (t + 1) * d, T(0));
+      continue;
+    }
     const T* src = table + static_cast<int64_t>(tokens[t]) * d;
     std::copy(src, src + d, y + t * d);
   }
@@ -542,6 +546,7 @@ void RefMath<T>::EmbeddingFwd(const int32_t* tokens, const T* table, int64_t n, 
 template <typename T>
 void RefMath<T>::EmbeddingBwd(const int32_t* tokens, const T* dy, int64_t n, int64_t d, T* dtable) {
   for (int64_t t = 0; t < n; ++t) {
+    if (tokens[t] < 0) continue;
     T* dst = dtable + static_cast<int64_t>(tokens[t]) * d;
     for (int64_t c = 0; c < d; ++c) dst[c] += dy[t * d + c];
   }
@@ -728,6 +733,30 @@ void RefMath<T>::CrossEntropyBwd(const T* probs, const int32_t* targets, int64_t
     for (int64_t v = 0; v < vocab; ++v) {
       const T onehot = v == targets[t] ? T(1) : T(0);
       dlogits[t * vocab + v] = (probs[t * vocab + v] - onehot) * scale;
+    }
+  }
+}
+
+template <typename T>
+void RefMath<T>::CrossEntropyPartialStats(const T* logits, const int32_t* targets, int64_t tokens, int64_t vocab,
+                                          T* stats) {
+  for (int64_t t = 0; t < tokens; ++t) {
+    const T* l = logits + t * vocab;
+    T mx = l[0];
+    for (int64_t v = 1; v < vocab; ++v) mx = std::max(mx, l[v]);
+    T sum = 0;
+    for (int64_t v = 0; v < vocab; ++v) sum += std::exp(l[v] - mx);
+    stats[3 * t] = mx;
+    stats[3 * t + 1] = sum;
+    stats[3 * t + 2] = targets[t] >= 0 ? l[targets[t]] : T(0);
+  }
+}
+
+template <typename T>
+void RefMath<T>::CrossEntropyPartialProbs(const T* logits, const T* stats, int64_t tokens, int64_t vocab, T* probs) {
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t v = 0; v < vocab; ++v) {
+      probs[t * vocab + v] = std::exp(logits[t * vocab + v] - stats[2 * t]) / stats[2 * t + 1];
     }
   }
 }
@@ -966,6 +995,14 @@ class RefOps final : public Ops {
   void CrossEntropyBwd(const float* probs, const int32_t* targets, int64_t tokens, int64_t vocab, float scale,
                        float* dlogits) override {
     M::CrossEntropyBwd(probs, targets, tokens, vocab, scale, dlogits);
+  }
+  void CrossEntropyPartialStats(const float* logits, const int32_t* targets, int64_t tokens, int64_t vocab,
+                                float* stats) override {
+    M::CrossEntropyPartialStats(logits, targets, tokens, vocab, stats);
+  }
+  void CrossEntropyPartialProbs(const float* logits, const float* stats, int64_t tokens, int64_t vocab,
+                                float* probs) override {
+    M::CrossEntropyPartialProbs(logits, stats, tokens, vocab, probs);
   }
 
   void AttnResFwd(const float* const* sources, int64_t n, const float* w, const float* gamma, int64_t tokens,

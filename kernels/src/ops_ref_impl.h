@@ -135,6 +135,9 @@ struct RefMath {
                               T* loss);
   static void CrossEntropyBwd(const T* probs, const int32_t* targets, int64_t tokens, int64_t vocab, T scale,
                               T* dlogits);
+  static void CrossEntropyPartialStats(const T* logits, const int32_t* targets, int64_t tokens, int64_t vocab,
+                                       T* stats);
+  static void CrossEntropyPartialProbs(const T* logits, const T* stats, int64_t tokens, int64_t vocab, T* probs);
 
   // Source i is [tokens, d] at sources[i]; weights is [tokens, n] (row t:
   // token t's softmax over the n sources). Both directions recompute each

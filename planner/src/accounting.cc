@@ -222,6 +222,7 @@ StaticBreakdown AccountRank(const Model& model, const std::vector<LayerGraph>& l
     }
     if (ns > 0) s.buffer_detail["muon_ns_scratch"] = ns;
   }
+  if (par.tp > 1) s.buffer_detail["tp_comm"] = TpCommBytes(model);
   // What the kernels hold for the run (common/workspace.h): every device
   // byte the runtime uses is in the plan.
   s.buffer_detail["gemm_workspace"] = workspace::GemmBytes();
@@ -231,6 +232,18 @@ StaticBreakdown AccountRank(const Model& model, const std::vector<LayerGraph>& l
   s.runtime_detail = RuntimeItems(model);
   for (const auto& [name, bytes] : s.runtime_detail) s.runtime += bytes;
   return s;
+}
+
+int64_t TpCommBytes(const Model& model) {
+  const Parallel& par = model.parallel;
+  if (par.tp <= 1) return 0;
+  const int64_t tokens = CheckedMul(model.train.seq_len / par.cp, model.train.micro_batch, "tokens per microbatch");
+  // Vocabulary-parallel cross-entropy's per-token statistics (max, sum,
+  // target logit), fp32; with sequence parallelism the gathered input and
+  // the partial output of one linear, fp32 [tokens, hidden] each.
+  int64_t floats = 3 * tokens;
+  if (par.sp) floats = CheckedAdd(floats, CheckedMul(2 * tokens, model.arch.hidden, "SP buffers"), "SP buffers");
+  return CheckedMul(floats, 4, "tensor-parallel buffers");
 }
 
 std::map<std::string, int64_t> RuntimeItems(const Model& model) {

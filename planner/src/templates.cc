@@ -218,7 +218,7 @@ std::string AddKda(Builder& B, const Dims& d, const std::string& x_in) {
   // Chunked delta rule: intra-chunk attention plus state updates.
   double delta_flops = 4.0 * static_cast<double>(d.tokens) * static_cast<double>(heads) *
                        static_cast<double>(dk) * static_cast<double>(dk + la.chunk);
-  int64_t wa = B.Param("kda", "a_log", {a.heads}, ParamKind::kNorm, false);
+  int64_t wa = B.Param("kda", "a_log", {a.heads}, ParamKind::kNorm, true);
   int64_t wdt = B.Param("kda", "dt_bias", {width_full}, ParamKind::kNorm, true);
   B.Op("kda", "delta_rule", "kda_chunked", {q, k, v, g, beta}, {o, states}, delta_flops, wa + wdt);
   B.SetParams("kda", {"a_log", "dt_bias"});

@@ -256,7 +256,7 @@ Expected<std::monostate> Executor::AgreeAcrossRanks(const Expected<std::monostat
   if (comm.size() != grid) {
     return BadInput(options_.plan_file + ": launched as " + std::to_string(comm.size()) +
                     " processes, the plan's grid has " + std::to_string(grid) + " ranks (pp " + std::to_string(par.pp) +
-                    " x dp " + std::to_string(par.dp) +
+                    " x dp " + std::to_string(par.dp) + (par.tp > 1 ? " x tp " + std::to_string(par.tp) : std::string()) +
                     (par.ep > 1 ? ", ep " + std::to_string(par.ep) + " inside dp" : std::string()) +
                     "): run mpirun -np " + std::to_string(grid));
   }
@@ -269,10 +269,15 @@ Expected<RunResult> Executor::Run() {
   Expected<std::monostate> local = Validate();
   if (local.ok()) local = MakeBackend();
   if (auto s = AgreeAcrossRanks(local); !s.ok()) return s.error();
-  // World ranks are pp-major: pp rank * dp + data-parallel rank.
-  pp_rank_ = static_cast<int32_t>(options_.comm->rank() / model_.parallel.dp);
-  dp_rank_ = options_.comm->rank() % model_.parallel.dp;
-  dp_comm_ = options_.comm->Split(pp_rank_, static_cast<int>(dp_rank_));
+  // World ranks in Megatron's order, tensor-parallel fastest: (pp rank *
+  // dp + data-parallel rank) * tp + tensor-parallel rank.
+  const int64_t tp = model_.parallel.tp;
+  const int64_t replica = options_.comm->rank() / tp;
+  tp_rank_ = options_.comm->rank() % tp;
+  pp_rank_ = static_cast<int32_t>(replica / model_.parallel.dp);
+  dp_rank_ = replica % model_.parallel.dp;
+  tp_comm_ = options_.comm->Split(static_cast<int>(replica), static_cast<int>(tp_rank_));
+  dp_comm_ = options_.comm->Split(static_cast<int>(pp_rank_ * tp + tp_rank_), static_cast<int>(dp_rank_));
   // Expert parallelism: EP groups are runs of ep consecutive replicas; the
   // replicas at the same place in each hold the same experts.
   const int64_t ep = model_.parallel.ep;

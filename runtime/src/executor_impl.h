@@ -143,6 +143,15 @@ struct ParamState {
   bool expert = false;     // a routed expert: this EP rank's experts, reduced over the expert data-parallel group
 };
 
+// How a tp_split parameter's full tensor [rows, cols] divides over the
+// tensor-parallel ranks (tensor_parallel.cc): by rows, or by columns with
+// each segment of the columns divided on its own.
+struct TpLayout {
+  int64_t rows = 1, cols = 1;
+  bool by_rows = false;
+  std::vector<int64_t> segments;
+};
+
 // Muon (docs/runtime.md, "Optimizer"): Moonlight's recipe. Momentum 0.95
 // with Nesterov, Newton-Schulz with the quintic coefficients of Keller
 // Jordan's Muon (a, b, c) = (3.4445, -4.7750, 2.0315), five iterations,
@@ -263,8 +272,34 @@ class Executor {
   int32_t RankOfStage(int64_t stage) const { return static_cast<int32_t>(stage % model_.parallel.pp); }
   bool Local(int32_t rank) const { return !options_.comm || rank == pp_rank_; }
   // The process of pipeline rank `pp` in this process's data-parallel
-  // replica (ranks are pp-major: world rank = pp * dp + dp rank).
-  int World(int32_t pp) const { return static_cast<int>(pp * model_.parallel.dp + dp_rank_); }
+  // replica and tensor-parallel place (Megatron's order, tp fastest:
+  // world rank = (pp * dp + dp rank) * tp + tp rank).
+  int World(int32_t pp) const {
+    return static_cast<int>((pp * model_.parallel.dp + dp_rank_) * model_.parallel.tp + tp_rank_);
+  }
+  // Tensor parallelism (tensor_parallel.cc, docs/runtime.md "Tensor
+  // parallelism"). A tp_split parameter holds this rank's slice of the full
+  // tensor; TpSlice cuts it from the full values, TpWhole gathers every
+  // rank's slice into the full tensor (a collective of the group).
+  bool TpSplit(const ParamState& ps) const;
+  TpLayout TpLayoutOf(const ParamState& ps) const;
+  std::vector<float> TpSlice(const ParamState& ps, const std::vector<float>& full) const;
+  std::vector<float> TpWhole(const ParamState& ps, const std::vector<float>& mine);
+  // Collectives over the group on device floats, staged through the host:
+  // every rank's n floats (TpGather, on the host), their sum in place, every
+  // rank's n floats into `whole` (n * tp) in rank order, and this rank's
+  // block of n of the sum of every rank's `whole`.
+  std::vector<float> TpGather(Rank& r, const float* data, int64_t n);
+  void TpAllReduce(Rank& r, float* data, int64_t n);
+  void TpAllGather(Rank& r, const float* mine, int64_t n, float* whole);
+  void TpReduceScatter(Rank& r, const float* whole, int64_t n, float* mine);
+  // Parameters whose gradient each rank holds a part of (FindTpPartials),
+  // summed over the group before the data-parallel reduction.
+  void FindTpPartials();
+  void ReduceTpPartial(Rank& r, ParamState& ps);
+  std::set<std::string> tp_partial_;
+  int64_t tp_rank_ = 0;
+  std::unique_ptr<Communicator> tp_comm_;
   // The microbatch's index in the global batch (data, dropout masks).
   // A microbatch's index in the whole run: optimizer step, data-parallel
   // replica, then microbatch (the batch, dropout masks and dumps use it).

@@ -87,6 +87,28 @@ class ExecOpContext final : public OpContext {
     r_.max_expert_load = std::max(r_.max_expert_load, expert_load);
     r_.max_rank_load = std::max(r_.max_rank_load, rank_load);
   }
+  int tp_size() const override { return static_cast<int>(e_.model_.parallel.tp); }
+  int tp_rank() const override { return static_cast<int>(e_.tp_rank_); }
+  std::vector<float> TpGather(const Buffer& mine, int64_t n) override { return e_.TpGather(r_, mine.as<float>(), n); }
+  void TpAllReduce(const Buffer& data, int64_t n) override { e_.TpAllReduce(r_, data.as<float>(), n); }
+  void TpAllGather(const Buffer& mine, int64_t n, const Buffer& whole) override {
+    MEMPLAN_CHECK(n * e_.model_.parallel.tp * 4 <= whole.bytes, "a tensor-parallel gather outgrew its buffer");
+    e_.TpAllGather(r_, mine.as<float>(), n, whole.as<float>());
+  }
+  void TpReduceScatter(const Buffer& whole, int64_t n, const Buffer& mine) override {
+    MEMPLAN_CHECK(n * 4 <= mine.bytes, "a tensor-parallel reduce-scatter outgrew its output");
+    e_.TpReduceScatter(r_, whole.as<float>(), n, mine.as<float>());
+  }
+  Buffer TpBuffer(int slot) override {
+    const Buffer& all = r_.static_buffers.at("tp_comm");
+    const auto& train = e_.model_.train;
+    const int64_t tokens = train.seq_len / e_.model_.parallel.cp * train.micro_batch;
+    const int64_t stats = 3 * tokens * 4, slot_bytes = tokens * e_.model_.arch.hidden * 4;
+    const int64_t at = slot == 2 ? 0 : stats + slot * slot_bytes;
+    const int64_t bytes = slot == 2 ? stats : slot_bytes;
+    MEMPLAN_CHECK(at + bytes <= all.bytes, "the plan's tp_comm buffer has no such slot");
+    return Buffer{all.ptr + at, all.offset + at, bytes};
+  }
   void ToHost(void* dst, const void* src, int64_t bytes) override { e_.backend_->ToHost(*r_.dev, dst, src, bytes); }
   void FromHost(void* dst, const void* src, int64_t bytes) override {
     e_.backend_->FromHost(*r_.dev, dst, src, bytes);
@@ -94,6 +116,8 @@ class ExecOpContext final : public OpContext {
   void AddLosses(const Buffer& losses, int64_t tokens) override {
     std::vector<float> host(static_cast<size_t>(tokens));
     e_.backend_->ToHost(*r_.dev, host.data(), losses.ptr, tokens * 4);
+    // Every tensor-parallel rank computes the same losses: counted once.
+    if (e_.tp_rank_ != 0) return;
     for (float l : host) e_.loss_sum_ += l;
   }
 
@@ -230,7 +254,20 @@ void Executor::LoadInput(Rank& r, size_t bi, int32_t t, Buffer dst, const std::v
   const TensorSpec& spec = G(blk.layer).tensors[static_cast<size_t>(t)];
   if (spec.producer.empty()) {
     const auto& src = spec.name.ends_with(".targets") ? targets_ : tokens_;
-    backend_->FromHost(*r.dev, dst.ptr, src[static_cast<size_t>(blk.microbatch)].data(), spec.bytes);
+    const std::vector<int32_t>& ids = src[static_cast<size_t>(blk.microbatch)];
+    if (model_.parallel.tp == 1) {
+      backend_->FromHost(*r.dev, dst.ptr, ids.data(), spec.bytes);
+      return;
+    }
+    // Tensor parallelism: this rank's rows of the vocabulary (the
+    // embedding's, the head's columns) are [tp rank * V / tp, + V / tp); an
+    // id outside them is -1 for the lookup and the loss (op_impls.cc).
+    const int64_t part = model_.arch.vocab / model_.parallel.tp, lo = tp_rank_ * part;
+    std::vector<int32_t> local(ids.size());
+    for (size_t i = 0; i < ids.size(); ++i) {
+      local[i] = ids[i] >= lo && ids[i] < lo + part ? static_cast<int32_t>(ids[i] - lo) : -1;
+    }
+    backend_->FromHost(*r.dev, dst.ptr, local.data(), spec.bytes);
     return;
   }
   MEMPLAN_CHECK(inbox != nullptr && static_cast<int64_t>(inbox->size()) == spec.bytes,

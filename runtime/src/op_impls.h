@@ -64,6 +64,20 @@ class OpContext {
   // (tokens x top_k): the load the bias update reads after the step. A
   // recomputed forward notes the same selection again.
   virtual void NoteSelected(const std::vector<int32_t>& experts_of_tokens) = 0;
+  // Tensor parallelism (docs/runtime.md, "Tensor parallelism"): the
+  // group's size and this rank's place in it; its collectives on float
+  // buffers, staged through the host: every rank's n floats (on the host,
+  // in rank order), their sum in place, every rank's n floats into `whole`
+  // (n * tp), and this rank's n of the sum of every rank's `whole`. The
+  // plan's tp_comm buffer (planner::TpCommBytes): slot 0 and 1 [tokens,
+  // hidden] fp32 each (sequence parallelism), slot 2 3 * tokens fp32.
+  virtual int tp_size() const = 0;
+  virtual int tp_rank() const = 0;
+  virtual std::vector<float> TpGather(const Buffer& mine, int64_t n) = 0;
+  virtual void TpAllReduce(const Buffer& data, int64_t n) = 0;
+  virtual void TpAllGather(const Buffer& mine, int64_t n, const Buffer& whole) = 0;
+  virtual void TpReduceScatter(const Buffer& whole, int64_t n, const Buffer& mine) = 0;
+  virtual Buffer TpBuffer(int slot) = 0;
   // Device <-> host, in order with the ops (the exchange's staging).
   virtual void ToHost(void* dst, const void* src, int64_t bytes) = 0;
   virtual void FromHost(void* dst, const void* src, int64_t bytes) = 0;

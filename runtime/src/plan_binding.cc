@@ -17,20 +17,37 @@ Expected<std::monostate> Executor::Setup() {
   // each reason with its JSON path or op).
   std::vector<std::string> why;
   const auto& par = model_.parallel;
-  for (auto [name, v] : {std::pair<const char*, int64_t>{"tp", par.tp}, {"cp", par.cp}}) {
-    if (v > 1) {
-      why.push_back("/model/parallel/" + std::string(name) + " is " + std::to_string(v) +
-                    ": the runtime executes pipeline, data-parallel and expert-parallel ranks and cannot execute " +
-                    name + " > 1 yet");
-    }
+  if (par.cp > 1) {
+    why.push_back("/model/parallel/cp is " + std::to_string(par.cp) +
+                  ": the runtime executes pipeline, data-, expert- and tensor-parallel ranks and cannot execute cp > 1 "
+                  "yet");
   }
-  // Data and expert parallelism run one process per rank: their
+  // Data, expert and tensor parallelism run one process per rank: their
   // reductions and exchanges are real.
-  for (auto [name, v] : {std::pair<const char*, int64_t>{"dp", par.dp}, {"ep", par.ep}}) {
+  for (auto [name, v] : {std::pair<const char*, int64_t>{"dp", par.dp}, {"ep", par.ep}, {"tp", par.tp}}) {
     if (v > 1 && !options_.comm) {
       why.push_back("/model/parallel/" + std::string(name) + " is " + std::to_string(v) +
-                    ": data- and expert-parallel ranks run one process per rank (mpirun -np " +
+                    ": data-, expert- and tensor-parallel ranks run one process per rank (mpirun -np " +
                     std::to_string(par.Processes()) + " memplan run ...)");
+    }
+  }
+  if (par.tp > 1) {
+    // Tensor parallelism (docs/runtime.md, "Tensor parallelism"); not yet with:
+    const std::string tp = std::to_string(par.tp);
+    if (model_.arch.vocab % par.tp != 0) {
+      why.push_back("/model/arch/vocab (" + std::to_string(model_.arch.vocab) + ") is not divisible by tp (" + tp +
+                    "): the runtime splits the vocabulary evenly (Megatron pads it: --make-vocab-size-divisible-by)");
+    }
+    if (model_.arch.moe) {
+      why.push_back("/model/arch/moe: routed experts under tp > 1 (Megatron's expert tensor-parallel grid) are not "
+                    "executed yet");
+    }
+    if (model_.train.optimizer == planner::Optimizer::kMuon) {
+      why.push_back("/model/train/optimizer: Muon under tp > 1 (Newton-Schulz on matrices split over the "
+                    "tensor-parallel ranks) is not executed yet");
+    }
+    if (model_.arch.dropout) {
+      why.push_back("/model/arch/dropout: dropout masks under tp > 1 are not executed yet");
     }
   }
   if (model_.arch.position_embeddings > 0) {

@@ -6,6 +6,7 @@
 namespace memplan::runtime::exec {
 
 Expected<std::monostate> Executor::MakeRanks() {
+  FindTpPartials();
   const int32_t pp = static_cast<int32_t>(p_.tensors.size());
   for (int32_t r = 0; r < pp; ++r) {
     if (!Local(r)) continue;  // another process's
@@ -134,6 +135,9 @@ void Executor::InitParams(Rank& r) {
       // Initial values (docs/runtime.md): norms gamma 1, beta 0; every
       // matrix U(-a, a) with a = 1/sqrt(fan_in), fan_in its input width
       // (the embedding and a tied head: hidden).
+      // Tensor parallelism: the full tensor's values, then this rank's slice.
+      const int64_t n_local = n;
+      if (TpSplit(ps)) n *= model_.parallel.tp;
       std::vector<float> w(static_cast<size_t>(n), 0.f);
       const std::string& name = spec.name;
       const bool is_bias = name.ends_with(".bias");
@@ -178,6 +182,8 @@ void Executor::InitParams(Rank& r) {
         for (auto& th : pool) th.join();
       }
       if (options_.init_hook) options_.init_hook(ps.tied_head ? G(0).params.front().name : name, &w);
+      if (TpSplit(ps)) w = TpSlice(ps, w);
+      n = n_local;
       std::vector<float> zero(static_cast<size_t>(n), 0.f);
       if (!bf16 && Zero3()) {
         backend_->FromHost(*r.stat, ps.shard.ptr, zero.data(), Shard(ps) * 4);
@@ -297,6 +303,7 @@ void Executor::Optimize(double* grad_norm) {
     double sum = 0;
     for (auto& ps : r->params) {
       if (ps.tied_head) continue;  // counted once, with the embedding
+      if (tp_rank_ != 0 && !TpSplit(ps)) continue;  // every tensor-parallel rank holds it whole
       if (Zero1()) {
         sum += SquaredNorm(*r, OwnGrad(ps, RangeStart(ps)), Owned(ps));
       } else if (GroupOf(ps).rank == 0) {
@@ -404,6 +411,7 @@ void Executor::BindToBucket(Rank& r, int64_t layer) {
 void Executor::FlushGrads(Rank& r, const std::vector<ParamState*>& params) {
   backend_->Finish(*r.dev);
   for (ParamState* ps : params) {
+    ReduceTpPartial(r, *ps);
     // Reduced across the replicas, then added into this replica's partition.
     const int64_t owned = Owned(*ps);
     std::vector<float> mine = ReduceScatterRange(r, *ps, ps->grad.ptr), part(static_cast<size_t>(owned));
@@ -437,8 +445,10 @@ std::vector<std::byte> Executor::GatherRanges(Rank& r, const ParamState& ps, con
 }
 
 void Executor::ReduceGradients() {
-  if (model_.parallel.dp == 1 || GradPartitions()) return;  // (pipeline) ZeRO-2: reduced pass by pass
+  if (GradPartitions()) return;  // (pipeline) ZeRO-2, ZeRO-3: reduced pass by pass (FlushGrads)
   Rank& r = *ranks_.front();
+  for (auto& ps : r.params) ReduceTpPartial(r, ps);
+  if (model_.parallel.dp == 1) return;
   for (auto& ps : r.params) {
     const int64_t n = ps.elements;
     if (DeviceCommunicator* nccl = GroupOf(ps).device) {

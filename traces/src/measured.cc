@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdio>
 #include <set>
+#include <tuple>
 #include <string>
 #include <vector>
 
@@ -179,6 +180,7 @@ MeasuredStep ParseStep(const Json& json, const JsonLocation& where) {
     sr.peak = ByteCount(k, "peak");
     sr.allocations = k.Int("allocations", 0, kMaxBytes, 0);
     sr.allocated_bytes = k.Int("allocated_bytes", 0, kMaxBytes, 0);
+    sr.tp_rank = k.Int("tp_rank", 0, 1 << 20, 0);
     k.Finish();
     s.ranks.push_back(sr);
   }
@@ -192,6 +194,7 @@ MeasuredRank ParseRank(const Json& json, const JsonLocation& where) {
   rank.pp_rank = r.Int("pp_rank", 0, 1 << 20);
   if (r.Has("dp_rank")) rank.dp_rank = r.Int("dp_rank", 0, 1 << 20);
   if (r.Has("ep_rank")) rank.ep_rank = r.Int("ep_rank", 0, 1 << 20);
+  if (r.Has("tp_rank")) rank.tp_rank = r.Int("tp_rank", 0, 1 << 20);
   rank.allocated_peak = ByteCount(r, "allocated_peak");
   rank.peak = ByteCount(r, "peak");
   rank.static_bytes = ByteCount(r, "static");
@@ -265,13 +268,14 @@ Expected<Measured> ParseMeasured(const Json& json, const std::string& file) {
     m.grad_norm = NonNegative(r, "grad_norm");
     const Json& ranks = ExpectArray(r.Required("ranks"), r.At("ranks"));
     if (ranks.empty()) ThrowAt(r.At("ranks"), "expected at least one rank");
-    std::set<std::pair<int64_t, int64_t>> seen;
+    std::set<std::tuple<int64_t, int64_t, int64_t>> seen;
     for (size_t i = 0; i < ranks.size(); ++i) {
       m.ranks.push_back(ParseRank(ranks[i], r.At("ranks").Child(i)));
       const MeasuredRank& mr = m.ranks.back();
-      if (!seen.insert({mr.pp_rank, mr.dp_rank}).second) {
+      if (!seen.insert({mr.pp_rank, mr.dp_rank, mr.tp_rank}).second) {
         ThrowAt(r.At("ranks").Child(i).Child("pp_rank"),
-                "pp_rank " + std::to_string(mr.pp_rank) + " (dp_rank " + std::to_string(mr.dp_rank) + ") appears twice");
+                "pp_rank " + std::to_string(mr.pp_rank) + " (dp_rank " + std::to_string(mr.dp_rank) + ", tp_rank " +
+                    std::to_string(mr.tp_rank) + ") appears twice");
       }
     }
     for (size_t i = 0; i < m.ranks.size(); ++i) {
@@ -332,6 +336,7 @@ OrderedJson MeasuredToJson(const Measured& m) {
     r["pp_rank"] = rank.pp_rank;
     r["dp_rank"] = rank.dp_rank;
     if (rank.ep_rank > 0) r["ep_rank"] = rank.ep_rank;
+    if (rank.tp_rank > 0) r["tp_rank"] = rank.tp_rank;
     r["allocated_peak"] = rank.allocated_peak;
     r["peak"] = rank.peak;
     r["static"] = rank.static_bytes;
@@ -399,12 +404,14 @@ OrderedJson MeasuredToJson(const Measured& m) {
       o["step_s"] = s.step_s;
       o["ranks"] = OrderedJson::array();
       for (const auto& sr : s.ranks) {
-        o["ranks"].push_back({{"pp_rank", sr.pp_rank},
-                              {"dp_rank", sr.dp_rank},
-                              {"allocated_peak", sr.allocated_peak},
-                              {"peak", sr.peak},
-                              {"allocations", sr.allocations},
-                              {"allocated_bytes", sr.allocated_bytes}});
+        OrderedJson k = {{"pp_rank", sr.pp_rank},
+                         {"dp_rank", sr.dp_rank},
+                         {"allocated_peak", sr.allocated_peak},
+                         {"peak", sr.peak},
+                         {"allocations", sr.allocations},
+                         {"allocated_bytes", sr.allocated_bytes}};
+        if (sr.tp_rank > 0) k["tp_rank"] = sr.tp_rank;
+        o["ranks"].push_back(std::move(k));
       }
       j["steps"].push_back(std::move(o));
     }

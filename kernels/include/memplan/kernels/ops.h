@@ -214,11 +214,14 @@ class Ops {
   virtual void TopKBwd(const float* probs, const int32_t* idx, const float* weights, const float* d_weights,
                        int64_t tokens, int64_t experts, int64_t top_k, bool renormalize, float* dprobs) = 0;
 
-  // Token embedding: y[t] = table[tokens[t]] (n tokens, rows of d).
+  // Token embedding: y[t] = table[tokens[t]] (n tokens, rows of d); a
+  // negative token is a row another rank holds (vocabulary-parallel
+  // embedding): y[t] = 0.
   virtual void EmbeddingFwd(const int32_t* tokens, const float* table, int64_t n, int64_t d, float* y) = 0;
-  // dtable[tokens[t]] += dy[t] (accumulate). Deterministic: every element of
-  // dtable receives its tokens' terms one by one in increasing t, so both
-  // backends give the same bits. Preconditions: tokens index table's rows.
+  // dtable[tokens[t]] += dy[t] (accumulate; negative tokens skipped).
+  // Deterministic: every element of dtable receives its tokens' terms one by
+  // one in increasing t, so both backends give the same bits.
+  // Preconditions: tokens index table's rows or are negative.
   virtual void EmbeddingBwd(const int32_t* tokens, const float* dy, int64_t n, int64_t d, float* dtable) = 0;
 
   // qkv -> q, k, v (with RoPE on q and k when sh.rope); see SplitShape.
@@ -329,8 +332,20 @@ class Ops {
   // onehot) * scale (scale = 1/T for a mean loss).
   virtual void CrossEntropyFwd(const float* logits, const int32_t* targets, int64_t tokens, int64_t vocab,
                                float* probs, float* loss) = 0;
+  // A negative target is a column another rank holds (no one-hot here).
   virtual void CrossEntropyBwd(const float* probs, const int32_t* targets, int64_t tokens, int64_t vocab, float scale,
                                float* dlogits) = 0;
+  // Vocabulary-parallel cross-entropy (Megatron's): this rank holds `vocab`
+  // columns of the logits, and a row's target is one of its columns or
+  // negative. Stats [tokens, 3] per row: this rank's max m, sum over its
+  // columns of exp(l - m), and the target's logit (0 when
+  // negative). With every rank's stats combined into M = max m_r and S =
+  // sum_r s_r exp(m_r - M), written as [tokens, 2] = (M, S): probs =
+  // exp(l - M) / S.
+  virtual void CrossEntropyPartialStats(const float* logits, const int32_t* targets, int64_t tokens, int64_t vocab,
+                                        float* stats) = 0;
+  virtual void CrossEntropyPartialProbs(const float* logits, const float* stats, int64_t tokens, int64_t vocab,
+                                        float* probs) = 0;
 
   // Block AttnRes: for each token, weights over n sources, source i a
   // separate [T, d] tensor at sources[i] (the blocks are read in place, so

@@ -44,6 +44,13 @@ struct StaticBreakdown {
 // on every pipeline rank (a middle rank's two pipeline neighbours).
 std::map<std::string, int64_t> RuntimeItems(const Model& model);
 
+// Tensor parallelism's communication buffer (static `tp_comm`, tp > 1;
+// docs/accounting.md): vocabulary-parallel cross-entropy's per-token
+// statistics, and with sequence parallelism one linear's gathered input
+// and partial output ([tokens, hidden] fp32 each), as Megatron's global
+// memory buffer holds them.
+int64_t TpCommBytes(const Model& model);
+
 // Parameters a device holds for `param`: TP shards tp_split weights, EP
 // divides routed experts. Returns 0 for a tied output head when pp == 1
 // (the embedding's storage is shared).

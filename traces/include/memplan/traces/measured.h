@@ -100,6 +100,7 @@ struct MeasuredRank {
   // "allocation_timeline"; omitted when empty).
   std::vector<StepAllocation> allocation_timeline;
   std::optional<MoeRoutingSeen> moe_routing;  // models with MoE layers on this rank (JSON "moe_routing")
+  int64_t tp_rank = 0;  // tensor-parallel rank (JSON: optional, 0 when absent)
 };
 
 // One optimizer step of a multi-step run (memplan run --steps N), one rank:
@@ -113,6 +114,7 @@ struct MeasuredStepRank {
   int64_t peak = 0;            // bytes, the run so far
   int64_t allocations = 0;     // eager: allocations this step (0 otherwise)
   int64_t allocated_bytes = 0;  // eager: their bytes
+  int64_t tp_rank = 0;
 };
 struct MeasuredStep {
   int64_t step = 1;  // from 1
@@ -152,7 +154,7 @@ struct Measured {
   double compute_s = 0;
   double loss = 0;
   double grad_norm = 0;
-  std::vector<MeasuredRank> ranks;  // (pp_rank, dp_rank) unique
+  std::vector<MeasuredRank> ranks;  // (pp_rank, dp_rank, tp_rank) unique
   std::optional<MeasuredProcess> process;
   // cuda runs: "collected", "off" (--no-cupti) or "unavailable" (CUPTI did
   // not start, or dropped records); empty on the host and in older files.
