@@ -162,9 +162,9 @@ class CudaOps final : public Ops {
     MEMPLAN_CUDA_CHECK(cuda::LaunchSwigluBwd(ctx_, x, dy, rows, f, dx));
   }
 
-  void DropoutFwd(const float* x, int64_t n, float p, uint64_t seed, uint64_t offset, float* y,
-                  uint8_t* mask) override {
-    MEMPLAN_CUDA_CHECK(cuda::LaunchDropoutFwd(ctx_, x, n, p, seed, offset, y, mask));
+  void DropoutFwd(const float* x, int64_t n, float p, uint64_t seed, uint64_t offset, float* y, uint8_t* mask,
+                  int64_t first) override {
+    MEMPLAN_CUDA_CHECK(cuda::LaunchDropoutFwd(ctx_, x, n, p, seed, offset, y, mask, first));
   }
   void DropoutBwd(const float* dy, const uint8_t* mask, int64_t n, float p, float* dx) override {
     MEMPLAN_CUDA_CHECK(cuda::LaunchDropoutBwd(ctx_, dy, mask, n, p, dx));

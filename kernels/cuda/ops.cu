@@ -127,7 +127,8 @@ __device__ __forceinline__ void LoadMask(const uint8_t* p, uint8_t (&m)[W]) {
 // gives zeros rather than 0 * inf.
 template <int W>
 __global__ void __launch_bounds__(kThreads) DropoutFwdKernel(const float* x, int64_t n, float p, float keep,
-                                                             uint64_t seed, uint64_t offset, float* y, uint8_t* mask) {
+                                                             uint64_t seed, uint64_t offset, float* y, uint8_t* mask,
+                                                             int64_t first) {
   ForEachFlat<W>(n, [&](int64_t i, auto width) {
     constexpr int kW = decltype(width)::value;
     float v[kW];
@@ -135,7 +136,7 @@ __global__ void __launch_bounds__(kThreads) DropoutFwdKernel(const float* x, int
     LoadRo<kW>(x + i, v);
 #pragma unroll
     for (int j = 0; j < kW; ++j) {
-      m[j] = Uniform01Device(seed, offset, static_cast<uint64_t>(i + j)) >= p ? 1 : 0;
+      m[j] = Uniform01Device(seed, offset, static_cast<uint64_t>(first + i + j)) >= p ? 1 : 0;
       v[j] = m[j] ? v[j] / keep : 0.f;
     }
     Store<kW>(y + i, v);
@@ -654,13 +655,13 @@ cudaError_t LaunchSwigluBwd(const LaunchContext& ctx, const float* x, const floa
 }
 
 cudaError_t LaunchDropoutFwd(const LaunchContext& ctx, const float* x, int64_t n, float p, uint64_t seed,
-                             uint64_t offset, float* y, uint8_t* mask) {
+                             uint64_t offset, float* y, uint8_t* mask, int64_t first) {
   if (n <= 0) return cudaSuccess;
   const float keep = 1.f - p;
   return LaunchByWidth(AllAligned16(x, y) && Aligned(mask, 4), [&](auto width) {
     constexpr int kW = decltype(width)::value;
-    DropoutFwdKernel<kW>
-        <<<FlatGrid(ctx, kW == 4 ? n / 4 + 1 : n), kThreads, 0, ctx.stream>>>(x, n, p, keep, seed, offset, y, mask);
+    DropoutFwdKernel<kW><<<FlatGrid(ctx, kW == 4 ? n / 4 + 1 : n), kThreads, 0, ctx.stream>>>(x, n, p, keep, seed,
+                                                                                              offset, y, mask, first);
   });
 }
 

@@ -49,7 +49,7 @@ cudaError_t LaunchSwigluFwd(const LaunchContext& ctx, const float* x, int64_t ro
 cudaError_t LaunchSwigluBwd(const LaunchContext& ctx, const float* x, const float* dy, int64_t rows, int64_t f,
                             float* dx);
 cudaError_t LaunchDropoutFwd(const LaunchContext& ctx, const float* x, int64_t n, float p, uint64_t seed,
-                             uint64_t offset, float* y, uint8_t* mask);
+                             uint64_t offset, float* y, uint8_t* mask, int64_t first);
 cudaError_t LaunchDropoutBwd(const LaunchContext& ctx, const float* dy, const uint8_t* mask, int64_t n, float p,
                              float* dx);
 cudaError_t LaunchAdd(const LaunchContext& ctx, const float* a, const float* b, int64_t n, float* y);

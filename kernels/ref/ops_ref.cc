@@ -320,10 +320,11 @@ void RefMath<T>::SwigluBwd(const T* x, const T* dy, int64_t rows, int64_t f, T* 
 }
 
 template <typename T>
-void RefMath<T>::DropoutFwd(const T* x, int64_t n, T p, uint64_t seed, uint64_t offset, T* y, uint8_t* mask) {
+void RefMath<T>::DropoutFwd(const T* x, int64_t n, T p, uint64_t seed, uint64_t offset, T* y, uint8_t* mask,
+                            int64_t first) {
   const T keep = T(1) - p;
   for (int64_t i = 0; i < n; ++i) {
-    const bool kept = T(Uniform01(seed, offset, static_cast<uint64_t>(i))) >= p;
+    const bool kept = T(Uniform01(seed, offset, static_cast<uint64_t>(first + i))) >= p;
     mask[i] = kept ? 1 : 0;
     y[i] = kept ? x[i] / keep : T(0);
   }
@@ -868,9 +869,9 @@ class RefOps final : public Ops {
   void SwigluBwd(const float* x, const float* dy, int64_t rows, int64_t f, float* dx) override {
     M::SwigluBwd(x, dy, rows, f, dx);
   }
-  void DropoutFwd(const float* x, int64_t n, float p, uint64_t seed, uint64_t offset, float* y,
-                  uint8_t* mask) override {
-    M::DropoutFwd(x, n, p, seed, offset, y, mask);
+  void DropoutFwd(const float* x, int64_t n, float p, uint64_t seed, uint64_t offset, float* y, uint8_t* mask,
+                  int64_t first) override {
+    M::DropoutFwd(x, n, p, seed, offset, y, mask, first);
   }
   void DropoutBwd(const float* dy, const uint8_t* mask, int64_t n, float p, float* dx) override {
     M::DropoutBwd(dy, mask, n, p, dx);

@@ -67,7 +67,8 @@ struct RefMath {
 
   // Kept elements are x / (1 - p) (one division); dropped ones are +0, so
   // p == 1 gives zeros rather than 0/0.
-  static void DropoutFwd(const T* x, int64_t n, T p, uint64_t seed, uint64_t offset, T* y, uint8_t* mask);
+  static void DropoutFwd(const T* x, int64_t n, T p, uint64_t seed, uint64_t offset, T* y, uint8_t* mask,
+                         int64_t first = 0);
   static void DropoutBwd(const T* dy, const uint8_t* mask, int64_t n, T p, T* dx);
   static void Add(const T* a, const T* b, int64_t n, T* y);
   static void Accumulate(T* y, const T* x, int64_t n);

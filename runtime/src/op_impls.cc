@@ -74,10 +74,24 @@ void EmbeddingBwd(OpContext& c) {
   c.k().EmbeddingBwd(c.In(0).as<int32_t>(), dy.as<float>(), n, d, w.grad.as<float>());
 }
 
+// Under tensor parallelism each rank draws its part of the whole tensor's
+// masks: the sequence-parallel rows [rank * rows, + rows) of the residual
+// stream, or attention's heads [rank * heads, + heads) of each sequence.
 void DropoutFwd(OpContext& c) {
   const uint64_t offset = Fnv1a(c.op().outputs[1]) ^ (static_cast<uint64_t>(c.microbatch()) << 48);
-  c.k().DropoutFwd(c.In(0).as<float>(), Elements(c.InSpec(0).shape), kDropoutP, c.seed(), offset,
-                   c.Out(0).as<float>(), c.Out(1).as<uint8_t>());
+  const planner::TensorSpec& x = c.InSpec(0);
+  const int64_t n = Elements(x.shape), r = c.tp_rank();
+  if (c.tp_size() > 1 && x.sharding == "tp") {
+    const int64_t b = x.shape[0], per = n / b;  // [b, heads, s, s]: this rank's heads, per sequence
+    for (int64_t i = 0; i < b; ++i) {
+      c.k().DropoutFwd(c.In(0).as<float>() + i * per, per, kDropoutP, c.seed(), offset, c.Out(0).as<float>() + i * per,
+                       c.Out(1).as<uint8_t>() + i * per, (i * c.tp_size() + r) * per);
+    }
+    return;
+  }
+  const int64_t first = c.tp_size() > 1 && x.sharding == "sp" ? r * n : 0;
+  c.k().DropoutFwd(c.In(0).as<float>(), n, kDropoutP, c.seed(), offset, c.Out(0).as<float>(), c.Out(1).as<uint8_t>(),
+                   first);
 }
 void DropoutBwd(OpContext& c) {
   c.k().DropoutBwd(c.DOut(0).as<float>(), c.Out(1).as<uint8_t>(), Elements(c.InSpec(0).shape), kDropoutP,

@@ -46,9 +46,6 @@ Expected<std::monostate> Executor::Setup() {
       why.push_back("/model/train/optimizer: Muon under tp > 1 (Newton-Schulz on matrices split over the "
                     "tensor-parallel ranks) is not executed yet");
     }
-    if (model_.arch.dropout) {
-      why.push_back("/model/arch/dropout: dropout masks under tp > 1 are not executed yet");
-    }
   }
   if (model_.arch.position_embeddings > 0) {
     why.push_back("/model/arch/position_embeddings: learned positions are planned (their table, gradient and "

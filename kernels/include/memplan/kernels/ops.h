@@ -172,10 +172,12 @@ class Ops {
   virtual void SwigluFwd(const float* x, int64_t rows, int64_t f, float* y) = 0;
   virtual void SwigluBwd(const float* x, const float* dy, int64_t rows, int64_t f, float* dx) = 0;
 
-  // Dropout with probability p: mask[i] = (Uniform01(seed, offset, i) >= p),
-  // y = x * mask / (1 - p). Backward: dx = dy * mask / (1 - p).
+  // Dropout with probability p: mask[i] = (Uniform01(seed, offset, first +
+  // i) >= p), y = x * mask / (1 - p). Backward: dx = dy * mask / (1 - p).
+  // `first`: the index of x[0] in the whole tensor, when x is a slice of it
+  // (tensor parallelism: a rank's part draws the whole tensor's masks).
   virtual void DropoutFwd(const float* x, int64_t n, float p, uint64_t seed, uint64_t offset, float* y,
-                          uint8_t* mask) = 0;
+                          uint8_t* mask, int64_t first = 0) = 0;
   virtual void DropoutBwd(const float* dy, const uint8_t* mask, int64_t n, float p, float* dx) = 0;
 
   // y = a + b (residual add; its backward is the identity on both inputs).
