@@ -281,14 +281,20 @@ Expected<RunResult> Executor::Run() {
   // Expert parallelism: EP groups are runs of ep consecutive replicas; the
   // replicas at the same place in each hold the same experts.
   const int64_t ep = model_.parallel.ep;
-  ep_comm_ = dp_comm_->Split(static_cast<int>(dp_rank_ / ep), static_cast<int>(dp_rank_ % ep));
-  edp_comm_ = dp_comm_->Split(static_cast<int>(dp_rank_ % ep), static_cast<int>(dp_rank_ / ep));
+  // With tensor parallelism the experts are not split over tp (Megatron's
+  // expert tensor-parallel size 1): the expert grid is the tp x dp ranks of
+  // the pipeline rank in rank order (ExpertGridIndex), EP fastest, and the
+  // expert data-parallel group tp * dp / ep.
+  const int64_t grid_index = ExpertGridIndex();
+  std::unique_ptr<Communicator> grid = options_.comm->Split(pp_rank_, static_cast<int>(grid_index));
+  ep_comm_ = grid->Split(static_cast<int>(grid_index / ep), static_cast<int>(grid_index % ep));
+  edp_comm_ = grid->Split(static_cast<int>(grid_index % ep), static_cast<int>(grid_index / ep));
   dense_group_ = {model_.parallel.dp, dp_rank_, dp_comm_.get()};
-  expert_group_ = {model_.parallel.dp / ep, dp_rank_ / ep, edp_comm_.get()};
+  expert_group_ = {tp * model_.parallel.dp / ep, grid_index / ep, edp_comm_.get()};
   // cuda: the data-parallel gradients and ZeRO-1's weights move between
   // GPUs by NCCL (docs/runtime.md, "NCCL"); a rank whose NCCL cannot start
   // ends the job (every rank makes the same calls).
-  if (cuda_ != nullptr && model_.parallel.dp > 1) {
+  if (cuda_ != nullptr && (model_.parallel.dp > 1 || tp > 1)) {
     for (auto [group, nccl] : {std::pair{&dense_group_, &dense_nccl_}, std::pair{&expert_group_, &expert_nccl_}}) {
       if (group->size == 1) continue;
       auto made = cuda_->make_nccl(*group->comm);

@@ -318,7 +318,10 @@ class Executor {
     DeviceCommunicator* device = nullptr;  // cuda with dp > 1: NCCL over the same ranks
   };
   const DpGroup& GroupOf(const ParamState& ps) const { return ps.expert ? expert_group_ : dense_group_; }
-  int64_t EpRank() const { return dp_rank_ % model_.parallel.ep; }
+  // The expert grid (executor.cc Run): this process's place among the dp x
+  // tp ranks of its pipeline rank, and its EP rank there.
+  int64_t ExpertGridIndex() const { return dp_rank_ * model_.parallel.tp + tp_rank_; }
+  int64_t EpRank() const { return ExpertGridIndex() % model_.parallel.ep; }
   // ZeRO-1: the elements of a parameter this replica's optimizer owns,
   // [RangeStart, + Owned), Shard each in its group.
   int64_t Shard(const ParamState& ps) const { return (ps.elements + GroupOf(ps).size - 1) / GroupOf(ps).size; }

@@ -51,10 +51,32 @@ float AdjustedLr(const kernels::AdamConfig& cfg, int64_t rows, int64_t cols) {
 // One Muon step of every matrix of `ps` (experts: each expert's):
 //   M <- mu M + G;  X <- G + mu M  (Nesterov);  X <- Orthogonalize(X)
 //   W <- (1 - lr wd) W - lr 0.2 sqrt(max(rows, cols)) X
+// Tensor parallelism: each rank holds a slice of the matrix (TpLayoutOf);
+// Newton-Schulz needs it whole, so the ranks' X slices are gathered, every
+// rank orthogonalizes the whole matrix and applies its own slice
+// (Megatron's "duplicated" mode; the plan's NS scratch holds the whole).
 void Executor::MuonStep(Rank& r, ParamState& ps, const kernels::AdamConfig& cfg) {
   kernels::Ops& k = *r.ops;
   auto [rows, cols] = planner::MuonMatrixShape(*ps.spec);
   const int64_t n = rows * cols;
+  if (TpSplit(ps)) {
+    const int64_t mine = ps.elements;
+    MEMPLAN_CHECK(mine * model_.parallel.tp == n, "a tensor-parallel Muon parameter is not one matrix");
+    float* x = r.static_buffers.at("muon_ns_scratch").as<float>();
+    float* mom = ps.m.as<float>();
+    k.Axpby(mom, OwnGrad(ps, 0), mine, kMuonMomentum, 1.f, mom);
+    k.Axpby(OwnGrad(ps, 0), mom, mine, 1.f, kMuonMomentum, x);
+    std::vector<float> part(static_cast<size_t>(mine));
+    backend_->ToHost(*r.dev, part.data(), x, mine * 4);
+    std::vector<float> whole = TpWhole(ps, part);
+    backend_->FromHost(*r.dev, x, whole.data(), n * 4);
+    Orthogonalize(r, rows, cols);
+    backend_->ToHost(*r.dev, whole.data(), x, n * 4);
+    part = TpSlice(ps, whole);
+    backend_->FromHost(*r.dev, x, part.data(), mine * 4);
+    k.Axpby(ps.Master(), x, mine, 1.f - cfg.lr * cfg.weight_decay, -AdjustedLr(cfg, rows, cols), ps.Master());
+    return;
+  }
   MEMPLAN_CHECK(n > 0 && ps.elements % n == 0, "Muon parameter is not a stack of matrices");
   float* x = r.static_buffers.at("muon_ns_scratch").as<float>();
   for (int64_t i = 0; i < ps.elements / n; ++i) {

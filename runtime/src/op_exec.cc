@@ -71,7 +71,7 @@ class ExecOpContext final : public OpContext {
   }
   exec::Routing& Routing() override { return r_.routing[{blk_.layer, mb_}]; }
   int ep_size() const override { return static_cast<int>(e_.model_.parallel.ep); }
-  int ep_rank() const override { return static_cast<int>(e_.dp_rank_ % e_.model_.parallel.ep); }
+  int ep_rank() const override { return static_cast<int>(e_.EpRank()); }
   std::vector<std::vector<std::byte>> ExchangeExperts(std::vector<std::vector<std::byte>> out) override {
     return e_.ExchangeExperts(std::move(out));
   }

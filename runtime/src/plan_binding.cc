@@ -38,13 +38,18 @@ Expected<std::monostate> Executor::Setup() {
       why.push_back("/model/arch/vocab (" + std::to_string(model_.arch.vocab) + ") is not divisible by tp (" + tp +
                     "): the runtime splits the vocabulary evenly (Megatron pads it: --make-vocab-size-divisible-by)");
     }
-    if (model_.arch.moe) {
-      why.push_back("/model/arch/moe: routed experts under tp > 1 (Megatron's expert tensor-parallel grid) are not "
-                    "executed yet");
+    if (model_.arch.moe && par.dp == 1 && (par.zero >= 1 || par.pipeline_zero2)) {
+      why.push_back("/model/parallel/zero: routed experts under tp > 1 with dp 1 and a sharded optimizer (the plan "
+                    "shards them over tp / ep replicas) are not executed yet");
     }
-    if (model_.train.optimizer == planner::Optimizer::kMuon) {
-      why.push_back("/model/train/optimizer: Muon under tp > 1 (Newton-Schulz on matrices split over the "
-                    "tensor-parallel ranks) is not executed yet");
+    if (model_.arch.moe && !par.sp) {
+      why.push_back("/model/parallel/sp: MoE under tp > 1 needs sequence parallelism (each tensor-parallel rank "
+                    "routes its own tokens, as Megatron requires)");
+    }
+    if (model_.train.optimizer == planner::Optimizer::kMuon && (par.zero >= 1 || par.pipeline_zero2) &&
+        (par.dp > 1 || par.zero >= 3)) {
+      why.push_back("/model/train/optimizer: Muon under tp > 1 with a sharded optimizer (ZeRO-1 and up across "
+                    "replicas) is not executed yet; with ZeRO-0 it is");
     }
   }
   if (model_.arch.position_embeddings > 0) {

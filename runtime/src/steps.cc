@@ -67,6 +67,8 @@ void Executor::UpdateRouterBias() {
         for (size_t e = 0; e < experts; ++e) load[e] += it->second[e];
       }
       if (dp_comm_ && model_.parallel.dp > 1) dp_comm_->AllReduceSum(load.data(), static_cast<int64_t>(experts));
+      // Sequence parallelism: each tensor-parallel rank routed its own tokens.
+      if (tp_comm_ && model_.parallel.tp > 1) tp_comm_->AllReduceSum(load.data(), static_cast<int64_t>(experts));
       double total = 0;
       for (float v : load) total += v;
       const double mean = total / static_cast<double>(experts);

@@ -303,7 +303,8 @@ void Executor::Optimize(double* grad_norm) {
     double sum = 0;
     for (auto& ps : r->params) {
       if (ps.tied_head) continue;  // counted once, with the embedding
-      if (tp_rank_ != 0 && !TpSplit(ps)) continue;  // every tensor-parallel rank holds it whole
+      // Every tensor-parallel rank holds it whole (routed experts: their group's first, below).
+      if (tp_rank_ != 0 && !TpSplit(ps) && !ps.expert) continue;
       if (Zero1()) {
         sum += SquaredNorm(*r, OwnGrad(ps, RangeStart(ps)), Owned(ps));
       } else if (GroupOf(ps).rank == 0) {
@@ -448,7 +449,9 @@ void Executor::ReduceGradients() {
   if (GradPartitions()) return;  // (pipeline) ZeRO-2, ZeRO-3: reduced pass by pass (FlushGrads)
   Rank& r = *ranks_.front();
   for (auto& ps : r.params) ReduceTpPartial(r, ps);
-  if (model_.parallel.dp == 1) return;
+  // Routed experts under tensor parallelism are reduced over tp * dp / ep
+  // replicas even with dp 1.
+  if (model_.parallel.dp == 1 && expert_group_.size == 1) return;
   for (auto& ps : r.params) {
     const int64_t n = ps.elements;
     if (DeviceCommunicator* nccl = GroupOf(ps).device) {

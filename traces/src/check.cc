@@ -180,11 +180,13 @@ Expected<CheckResult> Check(const PlanBounds& plan, const Measured& measured, co
   }
   for (size_t i = 0; i < measured.ranks.size(); ++i) {
     const MeasuredRank& m = measured.ranks[i];
-    if (m.ep_rank != m.dp_rank % plan.ep) {
+    const int64_t grid_index = m.dp_rank * plan.tp + m.tp_rank;  // the expert grid: EP fastest
+    if (m.ep_rank != grid_index % plan.ep) {
       return Error{ErrorCode::kBadInput, options.measured_file + ": /ranks/" + std::to_string(i) + "/ep_rank: " +
                                              std::to_string(m.ep_rank) + ", but " + options.plan_file +
                                              ": /model/parallel/ep " + std::to_string(plan.ep) + " puts dp_rank " +
-                                             std::to_string(m.dp_rank) + " at " + std::to_string(m.dp_rank % plan.ep)};
+                                             std::to_string(m.dp_rank) + " (tp_rank " + std::to_string(m.tp_rank) +
+                                             ") at " + std::to_string(grid_index % plan.ep)};
     }
   }
   result.pass = true;
