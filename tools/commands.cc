@@ -167,7 +167,7 @@ int RunViz(const Command& c) {
 Expected<bool> CheckEagerTimelines(const Json& plan_json, const std::string& plan_file, const traces::Measured& m) {
   auto programs = planner::ReplayPrograms(plan_json, plan_file);
   if (!programs) return programs.error();
-  Table t({"pp_rank", "dp_rank", "tp_rank", "steps", "buffers", "divergent", "moved copies", "pred_alloc(MiB)",
+  Table t({"pp_rank", "dp_rank", "cp_rank", "tp_rank", "steps", "buffers", "divergent", "moved copies", "pred_alloc(MiB)",
            "meas_alloc(MiB)", "timeline"});
   bool all = true;
   std::vector<std::string> failures;
@@ -186,7 +186,8 @@ Expected<bool> CheckEagerTimelines(const Json& plan_json, const std::string& pla
     traces::TimelineComparison cmp = traces::CompareTimelines(lives, mr.allocation_timeline, steps, describe);
     all = all && cmp.pass;
     auto mib = [](int64_t b) { return FormatFixed(static_cast<double>(b) / (1 << 20), 3); };
-    t.AddRow({std::to_string(mr.pp_rank), std::to_string(mr.dp_rank), std::to_string(mr.tp_rank), std::to_string(cmp.steps),
+    t.AddRow({std::to_string(mr.pp_rank), std::to_string(mr.dp_rank), std::to_string(mr.cp_rank), std::to_string(mr.tp_rank),
+              std::to_string(cmp.steps),
               std::to_string(cmp.buffers), std::to_string(cmp.divergent_steps), std::to_string(cmp.moved.size()),
               mib(cmp.predicted_peak), mib(cmp.measured_peak), cmp.pass ? "pass" : "FAIL"});
     if (!cmp.pass) failures.push_back("pp rank " + std::to_string(mr.pp_rank) + " dp rank " + std::to_string(mr.dp_rank) + " tp rank " + std::to_string(mr.tp_rank) + ": " + cmp.verdict);
@@ -264,6 +265,8 @@ void PrintRunTable(const Json& plan_json, const traces::Measured& m) {
   if (replicas) header.push_back("dp_rank");
   const bool experts = std::any_of(m.ranks.begin(), m.ranks.end(), [](const auto& r) { return r.ep_rank > 0; });
   if (experts) header.push_back("ep_rank");
+  const bool context = std::any_of(m.ranks.begin(), m.ranks.end(), [](const auto& r) { return r.cp_rank > 0; });
+  if (context) header.push_back("cp_rank");
   const bool tensor = std::any_of(m.ranks.begin(), m.ranks.end(), [](const auto& r) { return r.tp_rank > 0; });
   if (tensor) header.push_back("tp_rank");
   for (const char* h : {"static(MiB)", "lower_bd(MiB)", "alloc_peak(MiB)", "peak(MiB)", "meas_peak(MiB)", "diff(%)"}) {
@@ -278,6 +281,7 @@ void PrintRunTable(const Json& plan_json, const traces::Measured& m) {
     std::vector<std::string> row{std::to_string(mr.pp_rank)};
     if (replicas) row.push_back(std::to_string(mr.dp_rank));
     if (experts) row.push_back(std::to_string(mr.ep_rank));
+    if (context) row.push_back(std::to_string(mr.cp_rank));
     if (tensor) row.push_back(std::to_string(mr.tp_rank));
     std::vector<std::string> cells{FormatFixed(static_cast<double>(mr.static_bytes) / mib, 3),
               FormatFixed(static_cast<double>(lb) / mib, 3), FormatFixed(static_cast<double>(mr.allocated_peak) / mib, 3),
@@ -292,7 +296,7 @@ void PrintRunTable(const Json& plan_json, const traces::Measured& m) {
     std::vector<std::string> sh{"step", "loss", "grad_norm", "time(ms)"};
     for (const auto& sr : m.steps.front().ranks) {
       sh.push_back("pp" + std::to_string(sr.pp_rank) + (replicas ? "/dp" + std::to_string(sr.dp_rank) : "") +
-                   (tensor ? "/tp" + std::to_string(sr.tp_rank) : "") +
+                   (context ? "/cp" + std::to_string(sr.cp_rank) : "") + (tensor ? "/tp" + std::to_string(sr.tp_rank) : "") +
                    " alloc_peak(MiB)");
     }
     Table st(sh);

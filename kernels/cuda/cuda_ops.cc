@@ -29,7 +29,9 @@
 namespace memplan::kernels {
 namespace {
 
-cuda::MlaDims Dims(const MlaShape& sh) { return {sh.b, sh.s, sh.heads, sh.nope, sh.rope, sh.v, sh.rope_theta}; }
+cuda::MlaDims Dims(const MlaShape& sh) {
+  return {sh.b, sh.s, sh.heads, sh.nope, sh.rope, sh.v, sh.rope_theta, sh.cp, sh.cp_rank};
+}
 
 // DispatchPlan copies the E+1 offsets to the host through a device buffer of
 // this many entries, one window at a time.
@@ -217,11 +219,11 @@ class CudaOps final : public Ops {
   }
   void SplitHeadsFwd(const float* qkv, const SplitShape& sh, float* q, float* k, float* v) override {
     MEMPLAN_CUDA_CHECK(cuda::LaunchSplitHeadsFwd(ctx_, qkv, sh.b, sh.s, sh.heads, sh.kv_heads, sh.head_dim, sh.rope,
-                                                 sh.rope_theta, q, k, v));
+                                                 sh.rope_theta, q, k, v, sh.cp, sh.cp_rank));
   }
   void SplitHeadsBwd(const float* dq, const float* dk, const float* dv, const SplitShape& sh, float* dqkv) override {
     MEMPLAN_CUDA_CHECK(cuda::LaunchSplitHeadsBwd(ctx_, dq, dk, dv, sh.b, sh.s, sh.heads, sh.kv_heads, sh.head_dim,
-                                                 sh.rope, sh.rope_theta, dqkv));
+                                                 sh.rope, sh.rope_theta, dqkv, sh.cp, sh.cp_rank));
   }
   void AdamStep(float* master, const float* grad, float* m, float* v, int64_t n, const AdamConfig& c,
                 int64_t step) override {

@@ -19,6 +19,7 @@ namespace {
 struct MlaArgs {
   int64_t b, s, heads, nope, rope, v;
   float theta;
+  int64_t cp, cp_rank;  // ops.h's CpPosition
 };
 
 // Element j of the rope part [0, rope) of `x` rotated (forward) or rotated
@@ -27,7 +28,7 @@ __device__ __forceinline__ float Rotate(const float* x, int64_t j, int64_t pos, 
   const int64_t half = a.rope / 2;
   const int64_t i = j < half ? j : j - half;
   float c, s;
-  RopeCosSin(pos, i, a.rope, a.theta, &c, &s);
+  RopeCosSin(CpPositionDevice(pos, a.s, a.cp, a.cp_rank), i, a.rope, a.theta, &c, &s);
   const float x0 = x[i], x1 = x[i + half];
   if (j < half) return inverse ? __fadd_rn(__fmul_rn(x0, c), __fmul_rn(x1, s)) : __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
   return inverse ? __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x0, s)) : __fadd_rn(__fmul_rn(x1, c), __fmul_rn(x0, s));
@@ -113,7 +114,9 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-MlaArgs Args(const MlaDims& sh) { return {sh.b, sh.s, sh.heads, sh.nope, sh.rope, sh.v, sh.rope_theta}; }
+MlaArgs Args(const MlaDims& sh) {
+  return {sh.b, sh.s, sh.heads, sh.nope, sh.rope, sh.v, sh.rope_theta, sh.cp, sh.cp_rank};
+}
 
 bool Valid(const MlaDims& sh) { return sh.heads >= 1 && sh.v >= 1 && sh.nope >= 0 && sh.rope >= 0 && sh.rope % 2 == 0; }
 

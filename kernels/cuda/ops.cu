@@ -466,6 +466,7 @@ struct SplitArgs {
   int64_t b, s, heads, kv_heads, head_dim;
   bool rope;
   float rope_theta;
+  int64_t cp, cp_rank;  // ops.h's CpPosition
 };
 
 // kBwd = false: qkv -> q, k, v (rotate); true: dq, dk, dv -> dqkv (rotate
@@ -516,7 +517,7 @@ __global__ void __launch_bounds__(kThreads)
       dst[i + half] = src[i + half];
     } else {
       float c, s;
-      RopeCosSin(pos, i, a.head_dim, a.rope_theta, &c, &s);
+      RopeCosSin(CpPositionDevice(pos, a.s, a.cp, a.cp_rank), i, a.head_dim, a.rope_theta, &c, &s);
       const float x0 = src[i];
       const float x1 = src[i + half];
       if constexpr (kBwd) {
@@ -778,8 +779,8 @@ cudaError_t LaunchEmbeddingBwd(const LaunchContext& ctx, const int32_t* tokens, 
 namespace {
 
 SplitArgs MakeSplitArgs(int64_t b, int64_t s, int64_t heads, int64_t kv_heads, int64_t head_dim, bool rope,
-                        float rope_theta) {
-  return SplitArgs{b, s, heads, kv_heads, head_dim, rope, rope_theta};
+                        float rope_theta, int64_t cp, int64_t cp_rank) {
+  return SplitArgs{b, s, heads, kv_heads, head_dim, rope, rope_theta, cp, cp_rank};
 }
 
 int64_t SplitItems(const SplitArgs& a) {
@@ -790,8 +791,8 @@ int64_t SplitItems(const SplitArgs& a) {
 
 cudaError_t LaunchSplitHeadsFwd(const LaunchContext& ctx, const float* qkv, int64_t b, int64_t s, int64_t heads,
                                 int64_t kv_heads, int64_t head_dim, bool rope, float rope_theta, float* q, float* k,
-                                float* v) {
-  const SplitArgs a = MakeSplitArgs(b, s, heads, kv_heads, head_dim, rope, rope_theta);
+                                float* v, int64_t cp, int64_t cp_rank) {
+  const SplitArgs a = MakeSplitArgs(b, s, heads, kv_heads, head_dim, rope, rope_theta, cp, cp_rank);
   const int64_t items = SplitItems(a);
   if (items <= 0) return cudaSuccess;
   if (rope && head_dim % 2 != 0) return cudaErrorInvalidValue;
@@ -802,8 +803,8 @@ cudaError_t LaunchSplitHeadsFwd(const LaunchContext& ctx, const float* qkv, int6
 
 cudaError_t LaunchSplitHeadsBwd(const LaunchContext& ctx, const float* dq, const float* dk, const float* dv, int64_t b,
                                 int64_t s, int64_t heads, int64_t kv_heads, int64_t head_dim, bool rope,
-                                float rope_theta, float* dqkv) {
-  const SplitArgs a = MakeSplitArgs(b, s, heads, kv_heads, head_dim, rope, rope_theta);
+                                float rope_theta, float* dqkv, int64_t cp, int64_t cp_rank) {
+  const SplitArgs a = MakeSplitArgs(b, s, heads, kv_heads, head_dim, rope, rope_theta, cp, cp_rank);
   const int64_t items = SplitItems(a);
   if (items <= 0) return cudaSuccess;
   if (rope && head_dim % 2 != 0) return cudaErrorInvalidValue;

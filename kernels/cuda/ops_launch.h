@@ -92,10 +92,10 @@ cudaError_t LaunchEmbeddingBwd(const LaunchContext& ctx, const int32_t* tokens, 
 // cudaErrorInvalidValue for rope with an odd head_dim.
 cudaError_t LaunchSplitHeadsFwd(const LaunchContext& ctx, const float* qkv, int64_t b, int64_t s, int64_t heads,
                                 int64_t kv_heads, int64_t head_dim, bool rope, float rope_theta, float* q, float* k,
-                                float* v);
+                                float* v, int64_t cp = 1, int64_t cp_rank = 0);
 cudaError_t LaunchSplitHeadsBwd(const LaunchContext& ctx, const float* dq, const float* dk, const float* dv, int64_t b,
                                 int64_t s, int64_t heads, int64_t kv_heads, int64_t head_dim, bool rope,
-                                float rope_theta, float* dqkv);
+                                float rope_theta, float* dqkv, int64_t cp = 1, int64_t cp_rank = 0);
 
 // AdamW with the bias corrections bc1, bc2 computed by the caller
 // (AdamBiasCorrection); bit-identical to the reference.
@@ -107,6 +107,7 @@ cudaError_t LaunchAdamStep(const LaunchContext& ctx, float* master, const float*
 struct MlaDims {
   int64_t b, s, heads, nope, rope, v;
   float rope_theta;
+  int64_t cp, cp_rank;  // ops.h's CpPosition
 };
 cudaError_t LaunchMlaSplitFwd(const LaunchContext& ctx, const float* q_lin, const float* kv, const float* k_pe,
                               const MlaDims& sh, float* q, float* k, float* v);

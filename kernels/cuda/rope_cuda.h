@@ -9,6 +9,13 @@
 
 namespace memplan::kernels::cuda {
 
+// ops.h's CpPosition on the device.
+__device__ __forceinline__ int64_t CpPositionDevice(int64_t pos, int64_t s, int64_t cp, int64_t cp_rank) {
+  if (cp <= 1) return pos;
+  const int64_t c = s / 2;
+  return pos < c ? cp_rank * c + pos : (2 * cp - 1 - cp_rank) * c + (pos - c);
+}
+
 // Pair i (of rotated width `dim`) at position `pos`.
 __device__ __forceinline__ void RopeCosSin(int64_t pos, int64_t i, int64_t dim, float theta, float* c, float* s) {
   const double angle =

@@ -565,7 +565,7 @@ void RopeRow(const T* x, T* y, int64_t pos, const SplitShape& sh, bool rotate, b
   }
   const int64_t half = sh.head_dim / 2;
   for (int64_t i = 0; i < half; ++i) {
-    const double angle = static_cast<double>(pos) * std::pow(static_cast<double>(sh.rope_theta),
+    const double angle = static_cast<double>(CpPosition(pos, sh.s, sh.cp, sh.cp_rank)) * std::pow(static_cast<double>(sh.rope_theta),
                                                              -static_cast<double>(2 * i) /
                                                                  static_cast<double>(sh.head_dim));
     const T c = static_cast<T>(std::cos(angle));
@@ -623,7 +623,7 @@ void RefMath<T>::SplitHeadsBwd(const T* dq, const T* dk, const T* dv, const Spli
 template <typename T>
 void RefMath<T>::MlaSplitFwd(const T* q_lin, const T* kv, const T* k_pe, const MlaShape& sh, T* q, T* k, T* v) {
   const int64_t qk = sh.nope + sh.rope, qw = sh.heads * qk, kvw = sh.heads * (sh.nope + sh.v);
-  const SplitShape rope{sh.b, sh.s, 1, 1, sh.rope, true, sh.rope_theta};
+  const SplitShape rope{sh.b, sh.s, 1, 1, sh.rope, true, sh.rope_theta, sh.cp, sh.cp_rank};
   for (int64_t bb = 0; bb < sh.b; ++bb) {
     for (int64_t pos = 0; pos < sh.s; ++pos) {
       const int64_t row = bb * sh.s + pos;
@@ -645,7 +645,7 @@ template <typename T>
 void RefMath<T>::MlaSplitBwd(const T* dq, const T* dk, const T* dv, const MlaShape& sh, T* dq_lin, T* dkv,
                              T* dk_pe) {
   const int64_t qk = sh.nope + sh.rope, qw = sh.heads * qk, kvw = sh.heads * (sh.nope + sh.v);
-  const SplitShape rope{sh.b, sh.s, 1, 1, sh.rope, true, sh.rope_theta};
+  const SplitShape rope{sh.b, sh.s, 1, 1, sh.rope, true, sh.rope_theta, sh.cp, sh.cp_rank};
   std::vector<T> back(static_cast<size_t>(sh.rope));
   for (int64_t bb = 0; bb < sh.b; ++bb) {
     for (int64_t pos = 0; pos < sh.s; ++pos) {

@@ -223,6 +223,7 @@ StaticBreakdown AccountRank(const Model& model, const std::vector<LayerGraph>& l
     if (ns > 0) s.buffer_detail["muon_ns_scratch"] = ns;
   }
   if (par.tp > 1) s.buffer_detail["tp_comm"] = TpCommBytes(model);
+  if (const int64_t cp = CpCommBytes(model); cp > 0) s.buffer_detail["cp_comm"] = cp;
   // What the kernels hold for the run (common/workspace.h): every device
   // byte the runtime uses is in the plan.
   s.buffer_detail["gemm_workspace"] = workspace::GemmBytes();
@@ -244,6 +245,28 @@ int64_t TpCommBytes(const Model& model) {
   int64_t floats = 3 * tokens;
   if (par.sp) floats = CheckedAdd(floats, CheckedMul(2 * tokens, model.arch.hidden, "SP buffers"), "SP buffers");
   return CheckedMul(floats, 4, "tensor-parallel buffers");
+}
+
+int64_t CpCommBytes(const Model& model) {
+  const Parallel& par = model.parallel;
+  const Arch& a = model.arch;
+  bool attention = false;
+  for (int64_t l = 0; l < a.layers; ++l) attention = attention || !a.IsLinearAttentionLayer(l);
+  if (par.cp <= 1 || !attention) return 0;
+  const int64_t b = model.train.micro_batch, s = model.train.seq_len, hq = a.heads / par.tp;
+  int64_t hkv = a.kv_heads / par.tp, dqk = a.head_dim, dv = a.head_dim;
+  if (a.mla) {
+    hkv = hq;
+    dqk = a.mla->qk_nope_head_dim + a.mla->qk_rope_head_dim;
+    dv = a.mla->v_head_dim;
+  }
+  // The whole sequence's q, k, v and output, their gradients, the
+  // log-sum-exp and flash attention's backward workspace, fp32.
+  const int64_t per = CheckedMul(b, s, "context-parallel buffers");
+  int64_t floats = CheckedMul(per, hq * dqk + hkv * dqk + hkv * dv + hq * dv, "context-parallel buffers");
+  floats = CheckedAdd(CheckedMul(floats, 2, "context-parallel buffers"), per * hq, "context-parallel buffers");
+  floats = CheckedAdd(floats, workspace::FlashAttentionBwdBytes(b, hq, s) / 4, "context-parallel buffers");
+  return CheckedMul(floats, 4, "context-parallel buffers");
 }
 
 std::map<std::string, int64_t> RuntimeItems(const Model& model) {

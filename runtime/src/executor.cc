@@ -257,6 +257,7 @@ Expected<std::monostate> Executor::AgreeAcrossRanks(const Expected<std::monostat
     return BadInput(options_.plan_file + ": launched as " + std::to_string(comm.size()) +
                     " processes, the plan's grid has " + std::to_string(grid) + " ranks (pp " + std::to_string(par.pp) +
                     " x dp " + std::to_string(par.dp) + (par.tp > 1 ? " x tp " + std::to_string(par.tp) : std::string()) +
+                    (par.cp > 1 ? " x cp " + std::to_string(par.cp) : std::string()) +
                     (par.ep > 1 ? ", ep " + std::to_string(par.ep) + " inside dp" : std::string()) +
                     "): run mpirun -np " + std::to_string(grid));
   }
@@ -269,15 +270,21 @@ Expected<RunResult> Executor::Run() {
   Expected<std::monostate> local = Validate();
   if (local.ok()) local = MakeBackend();
   if (auto s = AgreeAcrossRanks(local); !s.ok()) return s.error();
-  // World ranks in Megatron's order, tensor-parallel fastest: (pp rank *
-  // dp + data-parallel rank) * tp + tensor-parallel rank.
-  const int64_t tp = model_.parallel.tp;
-  const int64_t replica = options_.comm->rank() / tp;
-  tp_rank_ = options_.comm->rank() % tp;
-  pp_rank_ = static_cast<int32_t>(replica / model_.parallel.dp);
-  dp_rank_ = replica % model_.parallel.dp;
-  tp_comm_ = options_.comm->Split(static_cast<int>(replica), static_cast<int>(tp_rank_));
-  dp_comm_ = options_.comm->Split(static_cast<int>(pp_rank_ * tp + tp_rank_), static_cast<int>(dp_rank_));
+  // World ranks in Megatron's order (tp-cp-ep-dp-pp), tensor-parallel
+  // fastest: ((pp rank * dp + data-parallel rank) * cp + context-parallel
+  // rank) * tp + tensor-parallel rank (docs/runtime.md, "Process grid").
+  const int64_t tp = model_.parallel.tp, cp = model_.parallel.cp;
+  const int64_t world = options_.comm->rank();
+  tp_rank_ = world % tp;
+  cp_rank_ = world / tp % cp;
+  dp_rank_ = world / (tp * cp) % model_.parallel.dp;
+  pp_rank_ = static_cast<int32_t>(world / (tp * cp * model_.parallel.dp));
+  tp_comm_ = options_.comm->Split(static_cast<int>(world / tp), static_cast<int>(tp_rank_));
+  cp_comm_ = options_.comm->Split(static_cast<int>((pp_rank_ * model_.parallel.dp + dp_rank_) * tp + tp_rank_),
+                                  static_cast<int>(cp_rank_));
+  // Gradients are reduced over the dp x cp ranks (context-parallel ranks
+  // hold the same parameters and see other tokens).
+  dp_comm_ = options_.comm->Split(static_cast<int>(pp_rank_ * tp + tp_rank_), static_cast<int>(DenseRank()));
   // Expert parallelism: EP groups are runs of ep consecutive replicas; the
   // replicas at the same place in each hold the same experts.
   const int64_t ep = model_.parallel.ep;
@@ -289,12 +296,12 @@ Expected<RunResult> Executor::Run() {
   std::unique_ptr<Communicator> grid = options_.comm->Split(pp_rank_, static_cast<int>(grid_index));
   ep_comm_ = grid->Split(static_cast<int>(grid_index / ep), static_cast<int>(grid_index % ep));
   edp_comm_ = grid->Split(static_cast<int>(grid_index % ep), static_cast<int>(grid_index / ep));
-  dense_group_ = {model_.parallel.dp, dp_rank_, dp_comm_.get()};
-  expert_group_ = {tp * model_.parallel.dp / ep, grid_index / ep, edp_comm_.get()};
+  dense_group_ = {Replicas(), DenseRank(), dp_comm_.get()};
+  expert_group_ = {tp * Replicas() / ep, grid_index / ep, edp_comm_.get()};
   // cuda: the data-parallel gradients and ZeRO-1's weights move between
   // GPUs by NCCL (docs/runtime.md, "NCCL"); a rank whose NCCL cannot start
   // ends the job (every rank makes the same calls).
-  if (cuda_ != nullptr && (model_.parallel.dp > 1 || tp > 1)) {
+  if (cuda_ != nullptr && (Replicas() > 1 || tp > 1)) {
     for (auto [group, nccl] : {std::pair{&dense_group_, &dense_nccl_}, std::pair{&expert_group_, &expert_nccl_}}) {
       if (group->size == 1) continue;
       auto made = cuda_->make_nccl(*group->comm);

@@ -273,9 +273,10 @@ class Executor {
   bool Local(int32_t rank) const { return !options_.comm || rank == pp_rank_; }
   // The process of pipeline rank `pp` in this process's data-parallel
   // replica and tensor-parallel place (Megatron's order, tp fastest:
-  // world rank = (pp * dp + dp rank) * tp + tp rank).
+  // world rank = ((pp * dp + dp rank) * cp + cp rank) * tp + tp rank).
   int World(int32_t pp) const {
-    return static_cast<int>((pp * model_.parallel.dp + dp_rank_) * model_.parallel.tp + tp_rank_);
+    return static_cast<int>(((pp * model_.parallel.dp + dp_rank_) * model_.parallel.cp + cp_rank_) * model_.parallel.tp +
+                            tp_rank_);
   }
   // Tensor parallelism (tensor_parallel.cc, docs/runtime.md "Tensor
   // parallelism"). A tp_split parameter holds this rank's slice of the full
@@ -300,6 +301,15 @@ class Executor {
   std::set<std::string> tp_partial_;
   int64_t tp_rank_ = 0;
   std::unique_ptr<Communicator> tp_comm_;
+  // Context parallelism (context_parallel.cc, docs/runtime.md "Context
+  // parallelism"): this rank's place, its group (the ranks holding the
+  // other chunks of the same sequences) and its collectives on device
+  // floats, staged through the host: every rank's n floats (rank order),
+  // and their sum in place.
+  int64_t cp_rank_ = 0;
+  std::unique_ptr<Communicator> cp_comm_;
+  std::vector<float> CpGather(Rank& r, const float* data, int64_t n);
+  void CpAllReduce(Rank& r, float* data, int64_t n);
   // The microbatch's index in the global batch (data, dropout masks).
   // A microbatch's index in the whole run: optimizer step, data-parallel
   // replica, then microbatch (the batch, dropout masks and dumps use it).
@@ -320,7 +330,11 @@ class Executor {
   const DpGroup& GroupOf(const ParamState& ps) const { return ps.expert ? expert_group_ : dense_group_; }
   // The expert grid (executor.cc Run): this process's place among the dp x
   // tp ranks of its pipeline rank, and its EP rank there.
-  int64_t ExpertGridIndex() const { return dp_rank_ * model_.parallel.tp + tp_rank_; }
+  int64_t ExpertGridIndex() const { return DenseRank() * model_.parallel.tp + tp_rank_; }
+  // The replicas a dense parameter's gradient is reduced over: dp x cp,
+  // this process's place among them.
+  int64_t Replicas() const { return model_.parallel.dp * model_.parallel.cp; }
+  int64_t DenseRank() const { return dp_rank_ * model_.parallel.cp + cp_rank_; }
   int64_t EpRank() const { return ExpertGridIndex() % model_.parallel.ep; }
   // ZeRO-1: the elements of a parameter this replica's optimizer owns,
   // [RangeStart, + Owned), Shard each in its group.
@@ -348,7 +362,7 @@ class Executor {
   // plan's timeline; one process per rank: this process's rank.
   Rank* NextRank();
   bool Zero1() const {
-    return (model_.parallel.dp > 1 && (model_.parallel.zero >= 1 || model_.parallel.pipeline_zero2)) || Zero3();
+    return (Replicas() > 1 && (model_.parallel.zero >= 1 || model_.parallel.pipeline_zero2)) || Zero3();
   }
   // ZeRO-3 / FSDP (docs/runtime.md, "ZeRO-3"): parameters, gradients and
   // optimizer state sharded over the replicas (with dp 1: one shard, the
@@ -359,7 +373,7 @@ class Executor {
   // ZeRO-2 with dp > 1 (without pipeline ZeRO-2): gradients partitioned,
   // reduced through the plan's reduce bucket layer by layer.
   bool Zero2Bucket() const {
-    return !PipelineZero2() && model_.parallel.zero == 2 && model_.parallel.dp > 1;
+    return !PipelineZero2() && model_.parallel.zero == 2 && Replicas() > 1;
   }
   // Whether the reduced gradients live in per-replica partitions (`part`).
   bool GradPartitions() const { return PipelineZero2() || Zero2Bucket() || Zero3(); }

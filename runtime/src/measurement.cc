@@ -42,13 +42,13 @@ Expected<std::monostate> Executor::Dump(DumpWhat what) {
         v = std::move(whole);
       }
       if (TpSplit(ps)) v = TpWhole(ps, v);  // every tensor-parallel rank's slice: the whole tensor
-      if (dp_rank_ != 0 || tp_rank_ != 0) continue;  // the replicas hold the same step
+      if (DenseRank() != 0 || tp_rank_ != 0) continue;  // the replicas hold the same step
       auto st = WriteNpy((dir / sub / (ps.spec->name + ".npy")).string(), v.data(), ps.shape);
       if (!st.ok()) return st.error();
     }
   }
   if (what != DumpWhat::kGrads && model_.arch.moe && model_.arch.moe->selection_bias && dp_rank_ == 0 &&
-      tp_rank_ == 0) {
+      tp_rank_ == 0 && cp_rank_ == 0) {
     // arch.moe.selection_bias: each MoE layer's routing bias, state that is
     // not a parameter (no gradient): before and after the step's update.
     for (auto& r : ranks_) {
@@ -66,7 +66,7 @@ Expected<std::monostate> Executor::Dump(DumpWhat what) {
     fs::create_directories(dir / "batch", ec);
     if (ec) return Error{ErrorCode::kRuntime, options_.dump_dir + ": " + ec.message()};
     std::vector<int64_t> shape{model_.train.micro_batch, model_.train.seq_len};
-    for (size_t m = 0; m < tokens_.size() && Local(0) && tp_rank_ == 0; ++m) {
+    for (size_t m = 0; m < tokens_.size() && Local(0) && tp_rank_ == 0 && cp_rank_ == 0; ++m) {
       const std::string g = std::to_string(GlobalMicrobatch(static_cast<int32_t>(m)));
       auto a = WriteNpy((dir / "batch" / ("tokens_mb" + g + ".npy")).string(), tokens_[m].data(), shape);
       if (!a.ok()) return a.error();
@@ -96,6 +96,7 @@ Expected<RunResult> Executor::Finish() {
     mr.pp_rank = r->index;
     mr.dp_rank = dp_rank_;
     mr.tp_rank = tp_rank_;
+    mr.cp_rank = cp_rank_;
     mr.ep_rank = EpRank();
     mr.static_bytes = r->static_bytes;
     // The largest step's (RecordStep): one step's when there is one.

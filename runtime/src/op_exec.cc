@@ -109,6 +109,11 @@ class ExecOpContext final : public OpContext {
     MEMPLAN_CHECK(at + bytes <= all.bytes, "the plan's tp_comm buffer has no such slot");
     return Buffer{all.ptr + at, all.offset + at, bytes};
   }
+  int cp_size() const override { return static_cast<int>(e_.model_.parallel.cp); }
+  int cp_rank() const override { return static_cast<int>(e_.cp_rank_); }
+  std::vector<float> CpGather(const Buffer& mine, int64_t n) override { return e_.CpGather(r_, mine.as<float>(), n); }
+  void CpAllReduce(const Buffer& data, int64_t n) override { e_.CpAllReduce(r_, data.as<float>(), n); }
+  Buffer CpBuffer() override { return r_.static_buffers.at("cp_comm"); }
   void ToHost(void* dst, const void* src, int64_t bytes) override { e_.backend_->ToHost(*r_.dev, dst, src, bytes); }
   void FromHost(void* dst, const void* src, int64_t bytes) override {
     e_.backend_->FromHost(*r_.dev, dst, src, bytes);
@@ -255,18 +260,23 @@ void Executor::LoadInput(Rank& r, size_t bi, int32_t t, Buffer dst, const std::v
   if (spec.producer.empty()) {
     const auto& src = spec.name.ends_with(".targets") ? targets_ : tokens_;
     const std::vector<int32_t>& ids = src[static_cast<size_t>(blk.microbatch)];
-    if (model_.parallel.tp == 1) {
+    if (model_.parallel.tp == 1 && model_.parallel.cp == 1) {
       backend_->FromHost(*r.dev, dst.ptr, ids.data(), spec.bytes);
       return;
+    }
+    // Context parallelism: this rank's two chunks of each sequence
+    // (kernels::CpPosition).
+    const int64_t seq = model_.train.seq_len, s = seq / model_.parallel.cp;
+    std::vector<int32_t> local(static_cast<size_t>(spec.bytes / 4));
+    for (size_t i = 0; i < local.size(); ++i) {
+      const int64_t b = static_cast<int64_t>(i) / s, pos = static_cast<int64_t>(i) % s;
+      local[i] = ids[static_cast<size_t>(b * seq + kernels::CpPosition(pos, s, model_.parallel.cp, cp_rank_))];
     }
     // Tensor parallelism: this rank's rows of the vocabulary (the
     // embedding's, the head's columns) are [tp rank * V / tp, + V / tp); an
     // id outside them is -1 for the lookup and the loss (op_impls.cc).
     const int64_t part = model_.arch.vocab / model_.parallel.tp, lo = tp_rank_ * part;
-    std::vector<int32_t> local(ids.size());
-    for (size_t i = 0; i < ids.size(); ++i) {
-      local[i] = ids[i] >= lo && ids[i] < lo + part ? static_cast<int32_t>(ids[i] - lo) : -1;
-    }
+    for (int32_t& id : local) id = id >= lo && id < lo + part ? static_cast<int32_t>(id - lo) : -1;
     backend_->FromHost(*r.dev, dst.ptr, local.data(), spec.bytes);
     return;
   }

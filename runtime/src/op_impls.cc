@@ -31,48 +31,10 @@ namespace {
 
 using planner::OpKind;
 
-struct Dims2 {
-  int64_t rows = 1, cols = 1;
-};
-
-// A tensor as a row-major matrix: its last dimension by the rest.
-Dims2 RowsCols(const planner::TensorSpec& t) {
-  Dims2 d;
-  d.cols = t.shape.empty() ? 1 : t.shape.back();
-  d.rows = d.cols == 0 ? 0 : Elements(t.shape) / d.cols;
-  return d;
-}
 
 const planner::Arch& A(OpContext& c) { return c.model().arch; }
 
 // --- Embedding, copies, elementwise -------------------------------------------------
-
-// Vocabulary-parallel under tensor parallelism: each rank's tokens outside
-// its rows are negative (Executor::LoadInput), its lookup adds zeros for
-// them, and the ranks' outputs are summed (with sequence parallelism:
-// reduce-scattered over the tokens).
-void EmbeddingFwd(OpContext& c) {
-  const ParamState& w = c.Param(0);
-  const int64_t n = Elements(c.InSpec(0).shape), d = A(c).hidden;
-  const bool scatter = RowsCols(c.OutSpec(0)).rows < n;
-  Buffer out = scatter ? c.TpBuffer(0) : c.Out(0);
-  c.k().EmbeddingFwd(c.In(0).as<int32_t>(), w.weight.as<float>(), n, d, out.as<float>());
-  if (scatter) {
-    c.TpReduceScatter(out, n / c.tp_size() * d, c.Out(0));
-  } else if (c.tp_size() > 1) {
-    c.TpAllReduce(out, n * d);
-  }
-}
-void EmbeddingBwd(OpContext& c) {
-  const ParamState& w = c.Param(0);
-  const int64_t n = Elements(c.InSpec(0).shape), d = A(c).hidden;
-  Buffer dy = c.DOut(0);
-  if (RowsCols(c.OutSpec(0)).rows < n) {
-    c.TpAllGather(dy, n / c.tp_size() * d, c.TpBuffer(0));
-    dy = c.TpBuffer(0);
-  }
-  c.k().EmbeddingBwd(c.In(0).as<int32_t>(), dy.as<float>(), n, d, w.grad.as<float>());
-}
 
 // Under tensor parallelism each rank draws its part of the whole tensor's
 // masks: the sequence-parallel rows [rank * rows, + rows) of the residual
@@ -181,97 +143,17 @@ void RmsNormBwd(OpContext& c) {
   c.FinishInputGrad(0);
 }
 
-// y = x W; a tied head stores the embedding E = W^T [vocab, hidden]: y = x E^T.
-bool Transposed(const ParamState& w) { return w.tied_head || w.spec->kind == planner::ParamKind::kEmbedding; }
-
-// A linear under tensor parallelism (docs/runtime.md, "Tensor
-// parallelism"), from its shapes: column-parallel (a tp_split weight that
-// reads the whole input width: local output columns; its input gradient
-// summed over the group), row-parallel (a tp_split weight that reads this
-// rank's columns: its output summed over the group). With sequence
-// parallelism a linear whose input has fewer rows (tokens) than its output
-// gathers the input first and reduce-scatters its input gradient (a
-// replicated weight's identical one: this rank's rows of it); a
-// row-parallel one whose output has fewer rows reduce-scatters the output
-// and gathers its gradient.
-struct TpLinear {
-  bool column = false, row = false, gather = false, scatter = false;
-};
-TpLinear TpLinearOf(OpContext& c, const ParamState& w, const Dims2& x, const Dims2& y) {
-  TpLinear t;
-  if (c.tp_size() == 1) return t;
-  const int64_t in_full = Transposed(w) ? w.shape[1] : w.shape[0];
-  t.row = w.spec->tp_split && x.cols != in_full;
-  t.column = w.spec->tp_split && !t.row;
-  t.gather = x.rows < y.rows;
-  t.scatter = t.row && y.rows < x.rows;
-  return t;
-}
-
-void LinearFwd(OpContext& c) {
-  const ParamState& w = c.Param(0);
-  Dims2 x = RowsCols(c.InSpec(0));
-  Dims2 y = RowsCols(c.OutSpec(0));
-  const TpLinear tp = TpLinearOf(c, w, x, y);
-  Buffer in = c.In(0);
-  if (tp.gather) {
-    c.TpAllGather(in, x.rows * x.cols, c.TpBuffer(0));
-    in = c.TpBuffer(0);
-  }
-  const int64_t rows = tp.gather ? y.rows : x.rows;
-  Buffer out = tp.scatter ? c.TpBuffer(1) : c.Out(0);
-  c.k().Gemm(false, Transposed(w), rows, y.cols, x.cols, 1.f, in.as<float>(), w.weight.as<float>(), 0.f,
-             out.as<float>(), nullptr);
-  if (tp.scatter) {
-    c.TpReduceScatter(out, y.rows * y.cols, c.Out(0));
-  } else if (tp.row) {
-    c.TpAllReduce(out, y.rows * y.cols);
-  }
-}
-void LinearBwd(OpContext& c) {
-  const ParamState& w = c.Param(0);
-  Dims2 x = RowsCols(c.InSpec(0));
-  Dims2 y = RowsCols(c.OutSpec(0));
-  const TpLinear tp = TpLinearOf(c, w, x, y);
-  Buffer dy = c.DOut(0);
-  Buffer xv = c.In(0);
-  if (tp.gather) {
-    c.TpAllGather(xv, x.rows * x.cols, c.TpBuffer(0));
-    xv = c.TpBuffer(0);
-  }
-  if (tp.scatter) {
-    c.TpAllGather(dy, y.rows * y.cols, c.TpBuffer(0));
-    dy = c.TpBuffer(0);
-  }
-  const int64_t rows = tp.gather ? y.rows : x.rows;
-  // dx = dy W^T; dW += x^T dy (a tied head: dE += dy^T x).
-  const bool tied = Transposed(w);
-  Buffer dx = tp.gather ? c.TpBuffer(1) : c.InputGrad(0);
-  c.k().Gemm(false, !tied, rows, x.cols, y.cols, 1.f, dy.as<float>(), w.weight.as<float>(), 0.f, dx.as<float>(),
-             nullptr);
-  if (tied) {
-    c.k().Gemm(true, false, y.cols, x.cols, rows, 1.f, dy.as<float>(), xv.as<float>(), 1.f, w.grad.as<float>(),
-               nullptr);
-  } else {
-    c.k().Gemm(true, false, x.cols, y.cols, rows, 1.f, xv.as<float>(), dy.as<float>(), 1.f, w.grad.as<float>(),
-               nullptr);
-  }
-  if (tp.gather && tp.column) {
-    c.TpReduceScatter(dx, x.rows * x.cols, c.InputGrad(0));
-  } else if (tp.gather) {
-    c.k().Copy(c.InputGrad(0).ptr, dx.ptr + c.tp_rank() * x.rows * x.cols * 4, x.rows * x.cols * 4);
-  } else if (tp.column) {
-    c.TpAllReduce(dx, x.rows * x.cols);
-  }
-  c.FinishInputGrad(0);
-}
 
 // --- Attention ----------------------------------------------------------------------
 
+// This rank's heads (tp) and positions (cp: its two chunks of each sequence).
 kernels::SplitShape SplitShapeOf(OpContext& c) {
   const auto& a = A(c);
-  return {c.model().train.micro_batch, c.model().train.seq_len, a.heads / c.tp_size(), a.kv_heads / c.tp_size(),
-          a.head_dim, a.norm == planner::Norm::kRmsNorm};
+  kernels::SplitShape sh{c.model().train.micro_batch, c.model().train.seq_len / c.cp_size(), a.heads / c.tp_size(),
+                         a.kv_heads / c.tp_size(), a.head_dim, a.norm == planner::Norm::kRmsNorm};
+  sh.cp = c.cp_size();
+  sh.cp_rank = c.cp_rank();
+  return sh;
 }
 void SplitRopeFwd(OpContext& c) {
   c.k().SplitHeadsFwd(c.In(0).as<float>(), SplitShapeOf(c), c.Out(0).as<float>(), c.Out(1).as<float>(),
@@ -346,23 +228,15 @@ void BatchedGemmBwd(OpContext& c) {
   c.FinishInputGrad(1);
 }
 
-// From the tensors: q [b, heads, s, dqk], k [b, kv_heads, s, dqk], v [b,
-// kv_heads, s, dv] (MLA: dqk = nope + rope, dv its own); scale 1/sqrt(dqk).
-kernels::AttentionShape FlashShapeOf(OpContext& c) {
-  const auto& q = c.InSpec(0).shape;
-  const auto& k = c.InSpec(1).shape;
-  const auto& v = c.InSpec(2).shape;
-  kernels::AttentionShape sh{q[0], q[1], k[1], q[2], q[3], v[3], 1.f / std::sqrt(static_cast<float>(q[3])), true};
-  sh.o_token_major = true;
-  return sh;
-}
-
 // MLA: q_lin, kv, k_pe -> q, k, v (ops.h MlaShape).
 kernels::MlaShape MlaShapeOf(OpContext& c) {
   const auto& a = A(c);
   const auto& m = *a.mla;
-  return {c.model().train.micro_batch, c.model().train.seq_len, c.OutSpec(0).shape[1], m.qk_nope_head_dim,
-          m.qk_rope_head_dim, m.v_head_dim, kernels::MlaShape{}.rope_theta};
+  kernels::MlaShape sh{c.model().train.micro_batch, c.model().train.seq_len / c.cp_size(), c.OutSpec(0).shape[1],
+                       m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, kernels::MlaShape{}.rope_theta};
+  sh.cp = c.cp_size();
+  sh.cp_rank = c.cp_rank();
+  return sh;
 }
 void MlaSplitFwd(OpContext& c) {
   c.k().MlaSplitFwd(c.In(0).as<float>(), c.In(1).as<float>(), c.In(2).as<float>(), MlaShapeOf(c),
@@ -375,47 +249,7 @@ void MlaSplitBwd(OpContext& c) {
   if (c.tp_size() > 1) c.TpAllReduce(c.InputGrad(2), Elements(c.InSpec(2).shape));
   for (size_t i = 0; i < 3; ++i) c.FinishInputGrad(i);
 }
-void FlashAttentionFwd(OpContext& c) {
-  c.k().FlashAttentionFwd(FlashShapeOf(c), c.In(0).as<float>(), c.In(1).as<float>(), c.In(2).as<float>(),
-                          c.Out(0).as<float>(), c.Out(1).as<float>());
-}
-void FlashAttentionBwd(OpContext& c) {
-  c.k().FlashAttentionBwd(FlashShapeOf(c), c.In(0).as<float>(), c.In(1).as<float>(), c.In(2).as<float>(),
-                          c.Out(0).as<float>(), c.Out(1).as<float>(), c.DOut(0).as<float>(),
-                          c.InputGrad(0).as<float>(), c.InputGrad(1).as<float>(), c.InputGrad(2).as<float>(),
-                          c.Workspace().ptr);
-  for (size_t i = 0; i < 3; ++i) c.FinishInputGrad(i);
-}
-
 // --- Loss ---------------------------------------------------------------------------
-
-// Vocabulary-parallel under tensor parallelism (Megatron's): each rank's
-// max, sum and target logit over its columns (targets outside them are
-// negative, Executor::LoadInput), combined over the group on the host in
-// rank order (the same bits on every rank), then each rank's probabilities.
-void VocabParallelCrossEntropyFwd(OpContext& c, const Dims2& d) {
-  Buffer stats = c.TpBuffer(2);
-  c.k().CrossEntropyPartialStats(c.In(0).as<float>(), c.In(1).as<int32_t>(), d.rows, d.cols, stats.as<float>());
-  const std::vector<float> all = c.TpGather(stats, 3 * d.rows);
-  const int64_t t = c.tp_size();
-  std::vector<float> ms(static_cast<size_t>(2 * d.rows)), loss(static_cast<size_t>(d.rows));
-  for (int64_t i = 0; i < d.rows; ++i) {
-    float m = all[static_cast<size_t>(3 * i)], target = 0.f;
-    for (int64_t k = 1; k < t; ++k) m = std::max(m, all[static_cast<size_t>(k * 3 * d.rows + 3 * i)]);
-    float sum = 0.f;
-    for (int64_t k = 0; k < t; ++k) {
-      const float* st = all.data() + k * 3 * d.rows + 3 * i;
-      sum += st[1] * std::exp(st[0] - m);
-      target += st[2];
-    }
-    ms[static_cast<size_t>(2 * i)] = m;
-    ms[static_cast<size_t>(2 * i + 1)] = sum;
-    loss[static_cast<size_t>(i)] = std::log(sum) - (target - m);
-  }
-  c.FromHost(stats.ptr, ms.data(), 2 * d.rows * 4);
-  c.FromHost(c.Out(1).ptr, loss.data(), d.rows * 4);
-  c.k().CrossEntropyPartialProbs(c.In(0).as<float>(), stats.as<float>(), d.rows, d.cols, c.Out(0).as<float>());
-}
 
 void CrossEntropyFwd(OpContext& c) {
   Dims2 d = RowsCols(c.InSpec(0));
@@ -430,7 +264,9 @@ void CrossEntropyFwd(OpContext& c) {
 void CrossEntropyBwd(OpContext& c) {
   Dims2 d = RowsCols(c.InSpec(0));
   // The mean over the global batch: every data-parallel replica's tokens.
-  const float scale = 1.f / static_cast<float>(d.rows * c.model().train.microbatches * c.model().parallel.dp);
+  // Context parallelism: the rows are this rank's part of each sequence.
+  const auto& par = c.model().parallel;
+  const float scale = 1.f / static_cast<float>(d.rows * c.model().train.microbatches * par.dp * par.cp);
   c.k().CrossEntropyBwd(c.Out(0).as<float>(), c.In(1).as<int32_t>(), d.rows, d.cols, scale,
                         c.InputGrad(0).as<float>());
   c.FinishInputGrad(0);

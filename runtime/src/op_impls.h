@@ -78,6 +78,15 @@ class OpContext {
   virtual void TpAllGather(const Buffer& mine, int64_t n, const Buffer& whole) = 0;
   virtual void TpReduceScatter(const Buffer& whole, int64_t n, const Buffer& mine) = 0;
   virtual Buffer TpBuffer(int slot) = 0;
+  // Context parallelism (docs/runtime.md, "Context parallelism"): the
+  // group's size and this rank's place; every rank's n floats (on the host,
+  // rank order), their sum in place; the plan's cp_comm buffer
+  // (planner::CpCommBytes).
+  virtual int cp_size() const = 0;
+  virtual int cp_rank() const = 0;
+  virtual std::vector<float> CpGather(const Buffer& mine, int64_t n) = 0;
+  virtual void CpAllReduce(const Buffer& data, int64_t n) = 0;
+  virtual Buffer CpBuffer() = 0;
   // Device <-> host, in order with the ops (the exchange's staging).
   virtual void ToHost(void* dst, const void* src, int64_t bytes) = 0;
   virtual void FromHost(void* dst, const void* src, int64_t bytes) = 0;
@@ -96,6 +105,27 @@ class OpContext {
   // started one.
   void PassThrough(size_t i, const Buffer& dy);
 };
+
+// A tensor as a row-major matrix: its last dimension by the rest.
+struct Dims2 {
+  int64_t rows = 1, cols = 1;
+};
+inline Dims2 RowsCols(const planner::TensorSpec& t) {
+  Dims2 d;
+  d.cols = t.shape.empty() ? 1 : t.shape.back();
+  d.rows = d.cols == 0 ? 0 : Elements(t.shape) / d.cols;
+  return d;
+}
+
+// op_impls_parallel.cc: the ops whose work divides over tensor- or
+// context-parallel ranks (the whole op with tp = cp = 1).
+void LinearFwd(OpContext& c);
+void LinearBwd(OpContext& c);
+void EmbeddingFwd(OpContext& c);
+void EmbeddingBwd(OpContext& c);
+void VocabParallelCrossEntropyFwd(OpContext& c, const Dims2& d);
+void FlashAttentionFwd(OpContext& c);
+void FlashAttentionBwd(OpContext& c);
 
 using OpFn = void (*)(OpContext&);
 

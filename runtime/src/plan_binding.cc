@@ -18,16 +18,27 @@ Expected<std::monostate> Executor::Setup() {
   std::vector<std::string> why;
   const auto& par = model_.parallel;
   if (par.cp > 1) {
-    why.push_back("/model/parallel/cp is " + std::to_string(par.cp) +
-                  ": the runtime executes pipeline, data-, expert- and tensor-parallel ranks and cannot execute cp > 1 "
-                  "yet");
+    // Context parallelism (docs/runtime.md, "Context parallelism"); not yet with:
+    const auto& a = model_.arch;
+    bool kda = false;
+    for (int64_t l = 0; l < a.layers; ++l) kda = kda || a.IsLinearAttentionLayer(l);
+    if (kda) {
+      why.push_back("/model/arch/linear_attention: KDA under cp > 1 (its state passed from rank to rank along the "
+                    "sequence) is not executed yet");
+    }
+    if (a.attention != planner::Attention::kFlash) {
+      why.push_back("/model/arch/attention: context parallelism executes flash attention only (the runtime's "
+                    "standard attention saves the whole sequence's scores)");
+    }
+    if (a.dropout) why.push_back("/model/arch/dropout: dropout masks under cp > 1 are not executed yet");
   }
   // Data, expert and tensor parallelism run one process per rank: their
   // reductions and exchanges are real.
-  for (auto [name, v] : {std::pair<const char*, int64_t>{"dp", par.dp}, {"ep", par.ep}, {"tp", par.tp}}) {
+  for (auto [name, v] :
+       {std::pair<const char*, int64_t>{"dp", par.dp}, {"ep", par.ep}, {"tp", par.tp}, {"cp", par.cp}}) {
     if (v > 1 && !options_.comm) {
       why.push_back("/model/parallel/" + std::string(name) + " is " + std::to_string(v) +
-                    ": data-, expert- and tensor-parallel ranks run one process per rank (mpirun -np " +
+                    ": data-, expert-, tensor- and context-parallel ranks run one process per rank (mpirun -np " +
                     std::to_string(par.Processes()) + " memplan run ...)");
     }
   }

@@ -66,7 +66,7 @@ void Executor::UpdateRouterBias() {
         if (it == r->expert_load.end()) continue;
         for (size_t e = 0; e < experts; ++e) load[e] += it->second[e];
       }
-      if (dp_comm_ && model_.parallel.dp > 1) dp_comm_->AllReduceSum(load.data(), static_cast<int64_t>(experts));
+      if (dp_comm_ && Replicas() > 1) dp_comm_->AllReduceSum(load.data(), static_cast<int64_t>(experts));
       // Sequence parallelism: each tensor-parallel rank routed its own tokens.
       if (tp_comm_ && model_.parallel.tp > 1) tp_comm_->AllReduceSum(load.data(), static_cast<int64_t>(experts));
       double total = 0;
@@ -104,6 +104,7 @@ void Executor::RecordStep(double grad_norm, double step_s) {
     sr.pp_rank = r->index;
     sr.dp_rank = dp_rank_;
     sr.tp_rank = tp_rank_;
+    sr.cp_rank = cp_rank_;
     sr.allocated_peak = r->static_bytes + r->dev->allocated_peak();
     sr.peak = r->static_bytes + r->dev->high_water();
     r->run_allocated_peak = std::max(r->run_allocated_peak, sr.allocated_peak);

@@ -1,7 +1,8 @@
 // Tensor parallelism (docs/runtime.md, "Tensor parallelism"): how a
 // tp_split parameter's full tensor divides over the tensor-parallel ranks,
 // the collectives of the tensor-parallel group, and the parameters whose
-// gradients each rank only holds a part of (executor_impl.h).
+// gradients each rank only holds a part of; the context-parallel group's
+// collectives (executor_impl.h).
 #include "executor_impl.h"
 
 namespace memplan::runtime::exec {
@@ -157,6 +158,25 @@ void Executor::FindTpPartials() {
 void Executor::ReduceTpPartial(Rank& r, ParamState& ps) {
   if (!tp_partial_.contains(ps.spec->name) || ps.grad.empty()) return;
   TpAllReduce(r, ps.grad.as<float>(), ps.elements);
+}
+
+// --- Context parallelism's collectives -----------------------------------------
+// As the tensor-parallel ones: gathered on every rank, summed in rank order.
+
+std::vector<float> Executor::CpGather(Rank& r, const float* data, int64_t n) {
+  std::vector<float> mine(static_cast<size_t>(n)), all(static_cast<size_t>(n * model_.parallel.cp));
+  backend_->ToHost(*r.dev, mine.data(), data, n * 4);
+  cp_comm_->AllGatherBlocks(mine.data(), all.data(), n * 4);
+  ++r.events["cp_collectives"];
+  return all;
+}
+
+void Executor::CpAllReduce(Rank& r, float* data, int64_t n) {
+  std::vector<float> all = CpGather(r, data, n), sum(static_cast<size_t>(n), 0.f);
+  for (int64_t k = 0; k < model_.parallel.cp; ++k) {
+    for (int64_t i = 0; i < n; ++i) sum[static_cast<size_t>(i)] += all[static_cast<size_t>(k * n + i)];
+  }
+  backend_->FromHost(*r.dev, data, sum.data(), n * 4);
 }
 
 }  // namespace memplan::runtime::exec

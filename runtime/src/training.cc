@@ -451,7 +451,7 @@ void Executor::ReduceGradients() {
   for (auto& ps : r.params) ReduceTpPartial(r, ps);
   // Routed experts under tensor parallelism are reduced over tp * dp / ep
   // replicas even with dp 1.
-  if (model_.parallel.dp == 1 && expert_group_.size == 1) return;
+  if (Replicas() == 1 && expert_group_.size == 1) return;
   for (auto& ps : r.params) {
     const int64_t n = ps.elements;
     if (DeviceCommunicator* nccl = GroupOf(ps).device) {

@@ -81,7 +81,7 @@ Expected<PlanBounds> ParsePlanBounds(const Json& json, const std::string& file) 
     // The data-parallel grid; the schema below checks the model whole.
     if (const Json* m = json.contains("model") ? &json["model"] : nullptr; m && m->is_object() && m->contains("parallel")) {
       const Json& par = (*m)["parallel"];
-      for (auto [key, out] : {std::pair{"dp", &plan.dp}, std::pair{"ep", &plan.ep}, std::pair{"tp", &plan.tp}}) {
+      for (auto [key, out] : {std::pair{"dp", &plan.dp}, std::pair{"ep", &plan.ep}, std::pair{"tp", &plan.tp}, std::pair{"cp", &plan.cp}}) {
         if (!par.is_object() || !par.contains(key)) continue;
         const JsonLocation at = JsonLocation{file, "/model/parallel"}.Child(key);
         *out = ExpectInt(par[key], at, 1, 1 << 20);
@@ -147,12 +147,13 @@ Expected<CheckResult> Check(const PlanBounds& plan, const Measured& measured, co
   // Every data-parallel replica of a pipeline rank against that rank.
   std::multimap<int64_t, const MeasuredRank*> by_rank;
   std::set<int64_t> measured_ranks, plan_ranks;
-  bool replicas = false, tensor_ranks = false;
+  bool replicas = false, tensor_ranks = false, context_ranks = false;
   for (const auto& r : measured.ranks) {
     by_rank.emplace(r.pp_rank, &r);
     measured_ranks.insert(r.pp_rank);
     replicas = replicas || r.dp_rank > 0;
     tensor_ranks = tensor_ranks || r.tp_rank > 0;
+    context_ranks = context_ranks || r.cp_rank > 0;
   }
   for (const auto& r : plan.ranks) plan_ranks.insert(r.pp_rank);
   if (measured_ranks != plan_ranks) {
@@ -164,23 +165,24 @@ Expected<CheckResult> Check(const PlanBounds& plan, const Measured& measured, co
   // rank: LoadMeasured), and each replica sits at dp_rank % ep in its
   // expert-parallel group.
   std::set<int64_t> grid;
-  for (int64_t d = 0; d < plan.dp * plan.tp; ++d) grid.insert(d);
+  for (int64_t d = 0; d < plan.dp * plan.cp * plan.tp; ++d) grid.insert(d);
   for (int64_t pp : plan_ranks) {
     std::set<int64_t> replicas_here;
     for (auto [it, end] = by_rank.equal_range(pp); it != end; ++it) {
-      replicas_here.insert(it->second->dp_rank * plan.tp + it->second->tp_rank);
+      replicas_here.insert((it->second->dp_rank * plan.cp + it->second->cp_rank) * plan.tp + it->second->tp_rank);
     }
     if (replicas_here != grid) {
       return Error{ErrorCode::kBadInput, options.measured_file + ": /ranks: pp rank " + std::to_string(pp) +
-                                             " has data- and tensor-parallel ranks (dp_rank * tp + tp_rank) " +
-                                             RankList(replicas_here) + ", but " + options.plan_file +
-                                             ": /model/parallel dp " + std::to_string(plan.dp) + " x tp " +
-                                             std::to_string(plan.tp) + " makes them " + RankList(grid)};
+                                             " has data-, context- and tensor-parallel ranks ((dp_rank * cp + cp_rank) * "
+                                             "tp + tp_rank) " + RankList(replicas_here) + ", but " + options.plan_file +
+                                             ": /model/parallel dp " + std::to_string(plan.dp) + " x cp " +
+                                             std::to_string(plan.cp) + " x tp " + std::to_string(plan.tp) +
+                                             " makes them " + RankList(grid)};
     }
   }
   for (size_t i = 0; i < measured.ranks.size(); ++i) {
     const MeasuredRank& m = measured.ranks[i];
-    const int64_t grid_index = m.dp_rank * plan.tp + m.tp_rank;  // the expert grid: EP fastest
+    const int64_t grid_index = (m.dp_rank * plan.cp + m.cp_rank) * plan.tp + m.tp_rank;  // the expert grid: EP fastest
     if (m.ep_rank != grid_index % plan.ep) {
       return Error{ErrorCode::kBadInput, options.measured_file + ": /ranks/" + std::to_string(i) + "/ep_rank: " +
                                              std::to_string(m.ep_rank) + ", but " + options.plan_file +
@@ -197,9 +199,10 @@ Expected<CheckResult> Check(const PlanBounds& plan, const Measured& measured, co
   for (const auto& p : plan.ranks) {
     for (auto [it, end] = by_rank.equal_range(p.pp_rank); it != end; ++it) {
     const MeasuredRank& m = *it->second;
-    RankCheck c{p.pp_rank, std::nullopt, p.peak, m.peak, p.lower_bound, m.allocated_peak, std::nullopt, true, "", std::nullopt, std::nullopt};
+    RankCheck c{p.pp_rank, std::nullopt, p.peak, m.peak, p.lower_bound, m.allocated_peak, std::nullopt, true, "", std::nullopt, std::nullopt, std::nullopt};
     if (replicas) c.dp_rank = m.dp_rank;
     if (tensor_ranks) c.tp_rank = m.tp_rank;
+    if (context_ranks) c.cp_rank = m.cp_rank;
     std::vector<std::string> why;
     // Eager: the allocated bytes are compared step by step with the plan's
     // program (timeline_compare.h), where moved copies are accounted for.
@@ -266,10 +269,12 @@ std::string RenderCheckTable(const CheckResult& result, bool failures_only) {
   for (const auto& r : result.ranks) devices = devices || r.device.has_value();
   bool replicas = false;
   for (const auto& r : result.ranks) replicas = replicas || r.dp_rank.has_value();
-  bool tensor_ranks = false;
+  bool tensor_ranks = false, context_ranks = false;
   for (const auto& r : result.ranks) tensor_ranks = tensor_ranks || r.tp_rank.has_value();
+  for (const auto& r : result.ranks) context_ranks = context_ranks || r.cp_rank.has_value();
   std::vector<std::string> header{"pp_rank"};
   if (replicas) header.push_back("dp_rank");
+  if (context_ranks) header.push_back("cp_rank");
   if (tensor_ranks) header.push_back("tp_rank");
   if (devices) header.push_back("device");
   for (const char* h : {"peak", "measured", "lower_bd", "allocated"}) header.push_back(h + u);
@@ -280,6 +285,7 @@ std::string RenderCheckTable(const CheckResult& result, bool failures_only) {
     if (failures_only && r.pass) continue;
     std::vector<std::string> row{std::to_string(r.pp_rank)};
     if (replicas) row.push_back(r.dp_rank ? std::to_string(*r.dp_rank) : "-");
+    if (context_ranks) row.push_back(r.cp_rank ? std::to_string(*r.cp_rank) : "-");
     if (tensor_ranks) row.push_back(r.tp_rank ? std::to_string(*r.tp_rank) : "-");
     if (devices) row.push_back(r.device ? std::to_string(*r.device) : "-");
     for (int64_t b : {r.predicted_peak, r.measured_peak, r.lower_bound, r.allocated_peak}) row.push_back(cell(b));

@@ -181,6 +181,7 @@ MeasuredStep ParseStep(const Json& json, const JsonLocation& where) {
     sr.allocations = k.Int("allocations", 0, kMaxBytes, 0);
     sr.allocated_bytes = k.Int("allocated_bytes", 0, kMaxBytes, 0);
     sr.tp_rank = k.Int("tp_rank", 0, 1 << 20, 0);
+    sr.cp_rank = k.Int("cp_rank", 0, 1 << 20, 0);
     k.Finish();
     s.ranks.push_back(sr);
   }
@@ -195,6 +196,7 @@ MeasuredRank ParseRank(const Json& json, const JsonLocation& where) {
   if (r.Has("dp_rank")) rank.dp_rank = r.Int("dp_rank", 0, 1 << 20);
   if (r.Has("ep_rank")) rank.ep_rank = r.Int("ep_rank", 0, 1 << 20);
   if (r.Has("tp_rank")) rank.tp_rank = r.Int("tp_rank", 0, 1 << 20);
+  if (r.Has("cp_rank")) rank.cp_rank = r.Int("cp_rank", 0, 1 << 20);
   rank.allocated_peak = ByteCount(r, "allocated_peak");
   rank.peak = ByteCount(r, "peak");
   rank.static_bytes = ByteCount(r, "static");
@@ -268,14 +270,14 @@ Expected<Measured> ParseMeasured(const Json& json, const std::string& file) {
     m.grad_norm = NonNegative(r, "grad_norm");
     const Json& ranks = ExpectArray(r.Required("ranks"), r.At("ranks"));
     if (ranks.empty()) ThrowAt(r.At("ranks"), "expected at least one rank");
-    std::set<std::tuple<int64_t, int64_t, int64_t>> seen;
+    std::set<std::tuple<int64_t, int64_t, int64_t, int64_t>> seen;
     for (size_t i = 0; i < ranks.size(); ++i) {
       m.ranks.push_back(ParseRank(ranks[i], r.At("ranks").Child(i)));
       const MeasuredRank& mr = m.ranks.back();
-      if (!seen.insert({mr.pp_rank, mr.dp_rank, mr.tp_rank}).second) {
+      if (!seen.insert({mr.pp_rank, mr.dp_rank, mr.cp_rank, mr.tp_rank}).second) {
         ThrowAt(r.At("ranks").Child(i).Child("pp_rank"),
-                "pp_rank " + std::to_string(mr.pp_rank) + " (dp_rank " + std::to_string(mr.dp_rank) + ", tp_rank " +
-                    std::to_string(mr.tp_rank) + ") appears twice");
+                "pp_rank " + std::to_string(mr.pp_rank) + " (dp_rank " + std::to_string(mr.dp_rank) + ", cp_rank " +
+                    std::to_string(mr.cp_rank) + ", tp_rank " + std::to_string(mr.tp_rank) + ") appears twice");
       }
     }
     for (size_t i = 0; i < m.ranks.size(); ++i) {
@@ -337,6 +339,7 @@ OrderedJson MeasuredToJson(const Measured& m) {
     r["dp_rank"] = rank.dp_rank;
     if (rank.ep_rank > 0) r["ep_rank"] = rank.ep_rank;
     if (rank.tp_rank > 0) r["tp_rank"] = rank.tp_rank;
+    if (rank.cp_rank > 0) r["cp_rank"] = rank.cp_rank;
     r["allocated_peak"] = rank.allocated_peak;
     r["peak"] = rank.peak;
     r["static"] = rank.static_bytes;
@@ -411,6 +414,7 @@ OrderedJson MeasuredToJson(const Measured& m) {
                          {"allocations", sr.allocations},
                          {"allocated_bytes", sr.allocated_bytes}};
         if (sr.tp_rank > 0) k["tp_rank"] = sr.tp_rank;
+        if (sr.cp_rank > 0) k["cp_rank"] = sr.cp_rank;
         o["ranks"].push_back(std::move(k));
       }
       j["steps"].push_back(std::move(o));

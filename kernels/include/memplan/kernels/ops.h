@@ -74,7 +74,21 @@ struct SplitShape {
   int64_t b = 1, s = 1, heads = 1, kv_heads = 1, head_dim = 1;
   bool rope = false;
   float rope_theta = 10000.f;
+  // Context parallelism: the rows are this rank's two load-balanced chunks
+  // of each sequence, rotated at their positions in the whole sequence
+  // (CpPosition).
+  int64_t cp = 1, cp_rank = 0;
 };
+
+// Context parallelism's load-balanced split (Megatron's): a sequence of 2 cp
+// chunks of s / 2, rank r holding chunks r and 2 cp - 1 - r back to back in
+// its s local positions. The position in the whole sequence of local
+// position `pos`.
+constexpr int64_t CpPosition(int64_t pos, int64_t s, int64_t cp, int64_t cp_rank) {
+  if (cp <= 1) return pos;
+  const int64_t c = s / 2;
+  return pos < c ? cp_rank * c + pos : (2 * cp - 1 - cp_rank) * c + (pos - c);
+}
 
 // MLA heads (DeepSeek-V2/V3 multi-head latent attention), T = b*s tokens,
 // row = batch * s + position:
@@ -87,6 +101,7 @@ struct SplitShape {
 struct MlaShape {
   int64_t b = 1, s = 1, heads = 1, nope = 0, rope = 0, v = 1;
   float rope_theta = 10000.f;
+  int64_t cp = 1, cp_rank = 0;  // as SplitShape's
 };
 
 // AdamW hyperparameters (AdamStep).

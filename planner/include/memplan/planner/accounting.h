@@ -51,6 +51,14 @@ std::map<std::string, int64_t> RuntimeItems(const Model& model);
 // memory buffer holds them.
 int64_t TpCommBytes(const Model& model);
 
+// Context parallelism's attention buffer (static `cp_comm`, cp > 1 with
+// softmax attention layers; docs/accounting.md): the runtime attends with
+// every rank's keys and values all-gathered, its queries placed in the
+// whole sequence (docs/runtime.md, "Context parallelism"): the whole
+// sequence's q, k, v, output and their gradients, the log-sum-exp and
+// flash attention's backward workspace, fp32.
+int64_t CpCommBytes(const Model& model);
+
 // Parameters a device holds for `param`: TP shards tp_split weights, EP
 // divides routed experts. Returns 0 for a tied output head when pp == 1
 // (the embedding's storage is shared).

@@ -52,6 +52,7 @@ struct PlanBounds {
   int64_t dp = 1;         // model.parallel.dp: replicas of every pipeline rank
   int64_t ep = 1;         // model.parallel.ep: a replica's place in its EP group is dp_rank % ep
   int64_t tp = 1;         // model.parallel.tp: tensor-parallel ranks of every replica
+  int64_t cp = 1;         // model.parallel.cp: context-parallel ranks of every replica
   // static.runtime_detail.cuda_context of the first rank: the plan's CUDA
   // context (0: a host plan or an older one).
   int64_t cuda_context = 0;
@@ -88,6 +89,7 @@ struct RankCheck {
   std::string verdict;  // "pass", or why not, with the excess in bytes
   std::optional<int64_t> dp_rank;  // the data-parallel replica, when the run had several
   std::optional<int64_t> tp_rank;  // the tensor-parallel rank, when the run had several
+  std::optional<int64_t> cp_rank;  // the context-parallel rank, when the run had several
 };
 
 // The process-wide comparison (measurements with a `process` object).

@@ -101,6 +101,7 @@ struct MeasuredRank {
   std::vector<StepAllocation> allocation_timeline;
   std::optional<MoeRoutingSeen> moe_routing;  // models with MoE layers on this rank (JSON "moe_routing")
   int64_t tp_rank = 0;  // tensor-parallel rank (JSON: optional, 0 when absent)
+  int64_t cp_rank = 0;  // context-parallel rank (JSON: optional, 0 when absent)
 };
 
 // One optimizer step of a multi-step run (memplan run --steps N), one rank:
@@ -115,6 +116,7 @@ struct MeasuredStepRank {
   int64_t allocations = 0;     // eager: allocations this step (0 otherwise)
   int64_t allocated_bytes = 0;  // eager: their bytes
   int64_t tp_rank = 0;
+  int64_t cp_rank = 0;
 };
 struct MeasuredStep {
   int64_t step = 1;  // from 1
@@ -154,7 +156,7 @@ struct Measured {
   double compute_s = 0;
   double loss = 0;
   double grad_norm = 0;
-  std::vector<MeasuredRank> ranks;  // (pp_rank, dp_rank, tp_rank) unique
+  std::vector<MeasuredRank> ranks;  // (pp_rank, dp_rank, cp_rank, tp_rank) unique
   std::optional<MeasuredProcess> process;
   // cuda runs: "collected", "off" (--no-cupti) or "unavailable" (CUPTI did
   // not start, or dropped records); empty on the host and in older files.
