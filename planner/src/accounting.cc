@@ -250,10 +250,25 @@ int64_t TpCommBytes(const Model& model) {
 int64_t CpCommBytes(const Model& model) {
   const Parallel& par = model.parallel;
   const Arch& a = model.arch;
-  bool attention = false;
-  for (int64_t l = 0; l < a.layers; ++l) attention = attention || !a.IsLinearAttentionLayer(l);
-  if (par.cp <= 1 || !attention) return 0;
+  bool attention = false, kda = false;
+  for (int64_t l = 0; l < a.layers; ++l) {
+    attention = attention || !a.IsLinearAttentionLayer(l);
+    kda = kda || a.IsLinearAttentionLayer(l);
+  }
+  if (par.cp <= 1) return 0;
   const int64_t b = model.train.micro_batch, s = model.train.seq_len, hq = a.heads / par.tp;
+  int64_t kda_floats = 0;
+  if (kda) {
+    // KDA in the same form: q, k, v, g, o, dO and four input gradients
+    // [b s, heads dk], beta and its gradient [b s, heads], the chunks'
+    // states; the short convolution's input, output gradient and input
+    // gradient fit in it.
+    const int64_t dk = a.linear_attention->head_dim, tokens = CheckedMul(b, s, "context-parallel buffers");
+    const int64_t chunks = CeilDiv(s, a.linear_attention->chunk);
+    kda_floats = CheckedAdd(CheckedMul(tokens, 10 * hq * dk + 2 * hq, "context-parallel buffers"),
+                            CheckedMul(b * hq * chunks, dk * dk, "context-parallel buffers"), "context-parallel buffers");
+  }
+  if (!attention) return CheckedMul(kda_floats, 4, "context-parallel buffers");
   int64_t hkv = a.kv_heads / par.tp, dqk = a.head_dim, dv = a.head_dim;
   if (a.mla) {
     hkv = hq;
@@ -266,7 +281,7 @@ int64_t CpCommBytes(const Model& model) {
   int64_t floats = CheckedMul(per, hq * dqk + hkv * dqk + hkv * dv + hq * dv, "context-parallel buffers");
   floats = CheckedAdd(CheckedMul(floats, 2, "context-parallel buffers"), per * hq, "context-parallel buffers");
   floats = CheckedAdd(floats, workspace::FlashAttentionBwdBytes(b, hq, s) / 4, "context-parallel buffers");
-  return CheckedMul(floats, 4, "context-parallel buffers");
+  return CheckedMul(std::max(floats, kda_floats), 4, "context-parallel buffers");
 }
 
 std::map<std::string, int64_t> RuntimeItems(const Model& model) {

@@ -454,11 +454,13 @@ kernels::KdaShape KdaShapeOf(OpContext& c) {
   return sh;
 }
 void KdaFwd(OpContext& c) {
+  if (c.cp_size() > 1) return CpKdaFwd(c, KdaShapeOf(c));
   c.k().KdaFwd(c.In(0).as<float>(), c.In(1).as<float>(), c.In(2).as<float>(), c.In(3).as<float>(),
                c.In(4).as<float>(), c.Param(0).weight.as<float>(), c.Param(1).weight.as<float>(), KdaShapeOf(c),
                c.Out(0).as<float>(), c.Out(1).as<float>());
 }
 void KdaBwd(OpContext& c) {
+  if (c.cp_size() > 1) return CpKdaBwd(c, KdaShapeOf(c));
   const ParamState& a_log = c.Param(0);
   const ParamState& dt_bias = c.Param(1);
   c.k().KdaBwd(c.In(0).as<float>(), c.In(1).as<float>(), c.In(2).as<float>(), c.In(3).as<float>(),
@@ -474,6 +476,7 @@ void KdaBwd(OpContext& c) {
 void ShortConvFwd(OpContext& c) {
   const Dims2 x = RowsCols(c.InSpec(0));
   const int64_t batch = c.model().train.micro_batch;
+  if (c.cp_size() > 1) return CpShortConvFwd(c, c.Param(0), batch, x.rows / batch, x.cols);
   c.k().ShortConvFwd(c.In(0).as<float>(), c.Param(0).weight.as<float>(), batch, x.rows / batch, x.cols,
                      c.Param(0).shape[0], c.Out(0).as<float>());
 }
@@ -481,6 +484,7 @@ void ShortConvBwd(OpContext& c) {
   const Dims2 x = RowsCols(c.InSpec(0));
   const int64_t batch = c.model().train.micro_batch;
   const ParamState& w = c.Param(0);
+  if (c.cp_size() > 1) return CpShortConvBwd(c, w, batch, x.rows / batch, x.cols);
   c.k().ShortConvBwd(c.In(0).as<float>(), w.weight.as<float>(), c.DOut(0).as<float>(), batch, x.rows / batch, x.cols,
                      w.shape[0], c.InputGrad(0).as<float>(), w.grad.as<float>());
   c.FinishInputGrad(0);

@@ -126,6 +126,12 @@ void EmbeddingBwd(OpContext& c);
 void VocabParallelCrossEntropyFwd(OpContext& c, const Dims2& d);
 void FlashAttentionFwd(OpContext& c);
 void FlashAttentionBwd(OpContext& c);
+// KDA's ops under context parallelism (op_impls.cc calls them with cp > 1;
+// this rank's shapes).
+void CpShortConvFwd(OpContext& c, const ParamState& w, int64_t batch, int64_t seq, int64_t channels);
+void CpShortConvBwd(OpContext& c, const ParamState& w, int64_t batch, int64_t seq, int64_t channels);
+void CpKdaFwd(OpContext& c, const kernels::KdaShape& local);
+void CpKdaBwd(OpContext& c, const kernels::KdaShape& local);
 
 using OpFn = void (*)(OpContext&);
 

@@ -4,6 +4,7 @@
 // under context parallelism ("Context parallelism"). With tp = cp = 1 each
 // is the whole op.
 #include <cmath>
+#include <utility>
 
 #include "op_impls.h"
 
@@ -294,6 +295,100 @@ void CpFlashAttentionBwd(OpContext& c) {
 }
 
 }  // namespace
+
+// KDA's short convolution and chunked delta rule under context
+// parallelism, in the same gathered form: every rank's inputs gathered into
+// the whole sequence, the op run over it, this rank's rows kept; in
+// backward the output gradient of this rank's rows only, and the inputs'
+// gradients summed over the group (the parameters' are summed with the
+// dp x cp reduction).
+void CpShortConvFwd(OpContext& c, const ParamState& w, int64_t batch, int64_t seq, int64_t channels) {
+  float* x = c.CpBuffer().as<float>();
+  float* y = x + batch * seq * c.cp_size() * channels;
+  CpGatherWhole(c, c.In(0), batch, seq, channels, x);
+  c.k().ShortConvFwd(x, w.weight.as<float>(), batch, seq * c.cp_size(), channels, w.shape[0], y);
+  CpCopy(c, batch, seq, channels, y, c.Out(0).as<float>(), false, c.cp_rank());
+}
+void CpShortConvBwd(OpContext& c, const ParamState& w, int64_t batch, int64_t seq, int64_t channels) {
+  const int64_t n = batch * seq * c.cp_size() * channels;
+  float* x = c.CpBuffer().as<float>();
+  float* dy = x + n;
+  float* dx = dy + n;
+  MEMPLAN_CHECK((3 * n) * 4 <= c.CpBuffer().bytes, "the plan's cp_comm buffer is too small");
+  CpGatherWhole(c, c.In(0), batch, seq, channels, x);
+  c.k().Zero(dy, n * 4);
+  CpCopy(c, batch, seq, channels, c.DOut(0).as<float>(), dy, true, c.cp_rank());
+  c.k().ShortConvBwd(x, w.weight.as<float>(), dy, batch, seq * c.cp_size(), channels, w.shape[0], dx,
+                     w.grad.as<float>());
+  c.CpAllReduce(Buffer{reinterpret_cast<std::byte*>(dx), -1, 0}, n);
+  CpCopy(c, batch, seq, channels, dx, c.InputGrad(0).as<float>(), false, c.cp_rank());
+  c.FinishInputGrad(0);
+}
+
+namespace {
+
+// The whole sequence's KDA tensors in cp_comm (planner::CpCommBytes):
+// q, k, v, g [T, heads * dk], beta [T, heads], o, the per-chunk states, and
+// in backward dO and the five inputs' gradients.
+struct CpKda {
+  kernels::KdaShape whole;
+  float* in[5];
+  float *o, *states, *d_o;
+  float* grad[5];
+};
+CpKda CarveCpKda(OpContext& c, const kernels::KdaShape& local) {
+  CpKda a;
+  a.whole = local;
+  a.whole.seq = local.seq * c.cp_size();
+  const auto& w = a.whole;
+  const Buffer buf = c.CpBuffer();
+  float* at = buf.as<float>();
+  const int64_t t = w.batch * w.seq, width[5] = {w.heads * w.dk, w.heads * w.dk, w.heads * w.dv, w.heads * w.dk, w.heads};
+  for (int i = 0; i < 5; ++i) a.in[i] = std::exchange(at, at + t * width[i]);
+  a.o = std::exchange(at, at + t * w.heads * w.dv);
+  a.states = std::exchange(at, at + w.batch * w.heads * w.Chunks() * w.dk * w.dv);
+  a.d_o = std::exchange(at, at + t * w.heads * w.dv);
+  for (int i = 0; i < 5; ++i) a.grad[i] = std::exchange(at, at + t * width[i]);
+  MEMPLAN_CHECK(reinterpret_cast<std::byte*>(at) <= buf.ptr + buf.bytes, "the plan's cp_comm buffer is too small");
+  return a;
+}
+
+void CpKdaWhole(OpContext& c, CpKda& a, const kernels::KdaShape& l, const ParamState& a_log,
+                const ParamState& dt_bias) {
+  const int64_t width[5] = {l.heads * l.dk, l.heads * l.dk, l.heads * l.dv, l.heads * l.dk, l.heads};
+  for (int i = 0; i < 5; ++i) CpGatherWhole(c, c.In(static_cast<size_t>(i)), l.batch, l.seq, width[i], a.in[i]);
+  c.k().KdaFwd(a.in[0], a.in[1], a.in[2], a.in[3], a.in[4], a_log.weight.as<float>(), dt_bias.weight.as<float>(),
+               a.whole, a.o, a.states);
+}
+
+}  // namespace
+
+void CpKdaFwd(OpContext& c, const kernels::KdaShape& l) {
+  CpKda a = CarveCpKda(c, l);
+  CpKdaWhole(c, a, l, c.Param(0), c.Param(1));
+  CpCopy(c, l.batch, l.seq, l.heads * l.dv, a.o, c.Out(0).as<float>(), false, c.cp_rank());
+  // This rank's chunks' states (whole chunks: seq / 2 is a multiple of the chunk, plan_binding.cc).
+  CpCopy(c, l.batch * l.heads, l.Chunks(), l.dk * l.dv, a.states, c.Out(1).as<float>(), false, c.cp_rank());
+}
+
+void CpKdaBwd(OpContext& c, const kernels::KdaShape& l) {
+  const ParamState& a_log = c.Param(0);
+  const ParamState& dt_bias = c.Param(1);
+  CpKda a = CarveCpKda(c, l);
+  CpKdaWhole(c, a, l, a_log, dt_bias);  // the whole sequence's states
+  const int64_t t = a.whole.batch * a.whole.seq;
+  c.k().Zero(a.d_o, t * l.heads * l.dv * 4);
+  CpCopy(c, l.batch, l.seq, l.heads * l.dv, c.DOut(0).as<float>(), a.d_o, true, c.cp_rank());
+  c.k().KdaBwd(a.in[0], a.in[1], a.in[2], a.in[3], a.in[4], a_log.weight.as<float>(), dt_bias.weight.as<float>(),
+               a.states, a.d_o, a.whole, a.grad[0], a.grad[1], a.grad[2], a.grad[3], a.grad[4], a_log.grad.as<float>(),
+               dt_bias.grad.as<float>(), c.Workspace().as<float>());
+  const int64_t width[5] = {l.heads * l.dk, l.heads * l.dk, l.heads * l.dv, l.heads * l.dk, l.heads};
+  for (size_t i = 0; i < 5; ++i) {
+    c.CpAllReduce(Buffer{reinterpret_cast<std::byte*>(a.grad[i]), -1, 0}, t * width[i]);
+    CpCopy(c, l.batch, l.seq, width[i], a.grad[i], c.InputGrad(i).as<float>(), false, c.cp_rank());
+    c.FinishInputGrad(i);
+  }
+}
 
 // --- Attention ---------------------------------------------------------------------
 

@@ -22,9 +22,11 @@ Expected<std::monostate> Executor::Setup() {
     const auto& a = model_.arch;
     bool kda = false;
     for (int64_t l = 0; l < a.layers; ++l) kda = kda || a.IsLinearAttentionLayer(l);
-    if (kda) {
-      why.push_back("/model/arch/linear_attention: KDA under cp > 1 (its state passed from rank to rank along the "
-                    "sequence) is not executed yet");
+    const int64_t half = model_.train.seq_len / (2 * par.cp);
+    if (kda && half % a.linear_attention->chunk != 0) {
+      why.push_back("/model/arch/linear_attention/chunk: KDA under cp > 1 needs whole chunks in each of a rank's two "
+                    "parts of the sequence (seq_len / (2 cp) = " + std::to_string(half) + " is not a multiple of " +
+                    std::to_string(a.linear_attention->chunk) + ")");
     }
     if (a.attention != planner::Attention::kFlash) {
       why.push_back("/model/arch/attention: context parallelism executes flash attention only (the runtime's "
