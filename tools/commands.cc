@@ -190,14 +190,14 @@ Expected<bool> CheckEagerTimelines(const Json& plan_json, const std::string& pla
               std::to_string(cmp.steps),
               std::to_string(cmp.buffers), std::to_string(cmp.divergent_steps), std::to_string(cmp.moved.size()),
               mib(cmp.predicted_peak), mib(cmp.measured_peak), cmp.pass ? "pass" : "FAIL"});
-    if (!cmp.pass) failures.push_back("pp rank " + std::to_string(mr.pp_rank) + " dp rank " + std::to_string(mr.dp_rank) + " tp rank " + std::to_string(mr.tp_rank) + ": " + cmp.verdict);
+    if (!cmp.pass) failures.push_back("pp rank " + std::to_string(mr.pp_rank) + " dp rank " + std::to_string(mr.dp_rank) + " cp rank " + std::to_string(mr.cp_rank) + " tp rank " + std::to_string(mr.tp_rank) + ": " + cmp.verdict);
     if (!cmp.moved.empty()) {
       int64_t earlier = 0, most = 0;
       for (const auto& mv : cmp.moved) {
         earlier += mv.measured_last < mv.predicted_last;
         most = std::max<int64_t>(most, std::llabs(mv.measured_last - mv.predicted_last));
       }
-      failures.push_back("pp rank " + std::to_string(mr.pp_rank) + " dp rank " + std::to_string(mr.dp_rank) + " tp rank " + std::to_string(mr.tp_rank) + ": " +
+      failures.push_back("pp rank " + std::to_string(mr.pp_rank) + " dp rank " + std::to_string(mr.dp_rank) + " cp rank " + std::to_string(mr.cp_rank) + " tp rank " + std::to_string(mr.tp_rank) + ": " +
                          std::to_string(cmp.moved.size()) + " copy-timed lifetimes moved (" + std::to_string(earlier) +
                          " copies finished earlier than the time model predicts, " +
                          std::to_string(cmp.moved.size() - static_cast<size_t>(earlier)) + " later; at most " +

@@ -275,12 +275,12 @@ int64_t CpCommBytes(const Model& model) {
     dqk = a.mla->qk_nope_head_dim + a.mla->qk_rope_head_dim;
     dv = a.mla->v_head_dim;
   }
-  // The whole sequence's q, k, v and output, their gradients, the
-  // log-sum-exp and flash attention's backward workspace, fp32.
+  // The whole sequence's q, k, v and output, their gradients and the
+  // log-sum-exp, fp32 (the backward's workspace is the op's, planned for
+  // the whole sequence: templates.cc).
   const int64_t per = CheckedMul(b, s, "context-parallel buffers");
   int64_t floats = CheckedMul(per, hq * dqk + hkv * dqk + hkv * dv + hq * dv, "context-parallel buffers");
   floats = CheckedAdd(CheckedMul(floats, 2, "context-parallel buffers"), per * hq, "context-parallel buffers");
-  floats = CheckedAdd(floats, workspace::FlashAttentionBwdBytes(b, hq, s) / 4, "context-parallel buffers");
   return CheckedMul(std::max(floats, kda_floats), 4, "context-parallel buffers");
 }
 

@@ -51,7 +51,9 @@ std::string AddAttentionCore(Builder& B, const Dims& d, std::string_view module,
     std::string out = B.Act(module, "out", {d.tokens, heads_local * v_dim}, true, "tp");
     std::string lse = B.Tensor(module, "lse", {d.b, heads_local, d.s}, DType::kFP32, true, "tp");
     B.Op(module, "flash", "flash_attention", {q, k, v}, {out, lse}, score_flops + pv_flops);
-    B.SetWorkspace(workspace::FlashAttentionBwdBytes(d.b, heads_local, d.s));
+    // Under context parallelism the runtime's backward runs over the whole
+    // sequence (docs/runtime.md, "Context parallelism"): its workspace too.
+    B.SetWorkspace(workspace::FlashAttentionBwdBytes(d.b, heads_local, d.skv));
     return out;
   }
   std::string scores = B.Act(module, "scores", prob_shape, false, "tp");

@@ -213,11 +213,10 @@ void CpGatherWhole(OpContext& c, const Buffer& mine, int64_t groups, int64_t s, 
 
 // Flash attention over the whole sequence in the plan's cp_comm buffer
 // (planner::CpCommBytes, in its order): q, k, v, o, lse, then dO, dq, dk,
-// dv and the backward's workspace.
+// dv; the backward's workspace is the op's (planned for the whole sequence).
 struct CpAttention {
   kernels::AttentionShape local, whole;
   float *q, *k, *v, *o, *lse, *d_o, *dq, *dk, *dv;
-  void* workspace;
 };
 CpAttention CarveCpAttention(OpContext& c) {
   CpAttention a;
@@ -243,7 +242,6 @@ CpAttention CarveCpAttention(OpContext& c) {
   a.dq = take(nq);
   a.dk = take(nk);
   a.dv = take(nv);
-  a.workspace = take(workspace::FlashAttentionBwdBytes(w.b, w.heads, w.s) / 4);
   MEMPLAN_CHECK(reinterpret_cast<std::byte*>(at) <= buf.ptr + buf.bytes, "the plan's cp_comm buffer is too small");
   return a;
 }
@@ -285,7 +283,9 @@ void CpFlashAttentionBwd(OpContext& c) {
   CpCopy(c, l.b, l.s, l.heads * l.dv, c.Out(0).as<float>(), a.o, true, c.cp_rank());
   CpCopy(c, l.b, l.s, l.heads * l.dv, c.DOut(0).as<float>(), a.d_o, true, c.cp_rank());
   CpCopy(c, l.b * l.heads, l.s, 1, c.Out(1).as<float>(), a.lse, true, c.cp_rank());
-  c.k().FlashAttentionBwd(w, a.q, a.k, a.v, a.o, a.lse, a.d_o, a.dq, a.dk, a.dv, a.workspace);
+  MEMPLAN_CHECK(c.Workspace().bytes >= workspace::FlashAttentionBwdBytes(w.b, w.heads, w.s),
+                "flash attention's workspace is not planned for the whole sequence");
+  c.k().FlashAttentionBwd(w, a.q, a.k, a.v, a.o, a.lse, a.d_o, a.dq, a.dk, a.dv, c.Workspace().ptr);
   c.CpAllReduce(Buffer{reinterpret_cast<std::byte*>(a.dk), -1, 0}, w.b * w.kv_heads * w.s * w.dqk);
   c.CpAllReduce(Buffer{reinterpret_cast<std::byte*>(a.dv), -1, 0}, w.b * w.kv_heads * w.s * w.dv);
   CpCopy(c, l.b * l.heads, l.s, l.dqk, a.dq, c.InputGrad(0).as<float>(), false, c.cp_rank());
@@ -353,21 +353,21 @@ CpKda CarveCpKda(OpContext& c, const kernels::KdaShape& local) {
   return a;
 }
 
-void CpKdaWhole(OpContext& c, CpKda& a, const kernels::KdaShape& l, const ParamState& a_log,
-                const ParamState& dt_bias) {
+void CpKdaInputs(OpContext& c, CpKda& a, const kernels::KdaShape& l) {
   const int64_t width[5] = {l.heads * l.dk, l.heads * l.dk, l.heads * l.dv, l.heads * l.dk, l.heads};
   for (int i = 0; i < 5; ++i) CpGatherWhole(c, c.In(static_cast<size_t>(i)), l.batch, l.seq, width[i], a.in[i]);
-  c.k().KdaFwd(a.in[0], a.in[1], a.in[2], a.in[3], a.in[4], a_log.weight.as<float>(), dt_bias.weight.as<float>(),
-               a.whole, a.o, a.states);
 }
 
 }  // namespace
 
 void CpKdaFwd(OpContext& c, const kernels::KdaShape& l) {
   CpKda a = CarveCpKda(c, l);
-  CpKdaWhole(c, a, l, c.Param(0), c.Param(1));
+  CpKdaInputs(c, a, l);
+  c.k().KdaFwd(a.in[0], a.in[1], a.in[2], a.in[3], a.in[4], c.Param(0).weight.as<float>(),
+               c.Param(1).weight.as<float>(), a.whole, a.o, a.states);
   CpCopy(c, l.batch, l.seq, l.heads * l.dv, a.o, c.Out(0).as<float>(), false, c.cp_rank());
-  // This rank's chunks' states (whole chunks: seq / 2 is a multiple of the chunk, plan_binding.cc).
+  // The saved states are this rank's chunks' (whole chunks: seq / 2 is a
+  // multiple of the chunk, plan_binding.cc); the backward gathers them.
   CpCopy(c, l.batch * l.heads, l.Chunks(), l.dk * l.dv, a.states, c.Out(1).as<float>(), false, c.cp_rank());
 }
 
@@ -375,7 +375,9 @@ void CpKdaBwd(OpContext& c, const kernels::KdaShape& l) {
   const ParamState& a_log = c.Param(0);
   const ParamState& dt_bias = c.Param(1);
   CpKda a = CarveCpKda(c, l);
-  CpKdaWhole(c, a, l, a_log, dt_bias);  // the whole sequence's states
+  CpKdaInputs(c, a, l);
+  // The whole sequence's states: every rank's saved chunks.
+  CpGatherWhole(c, c.Out(1), l.batch * l.heads, l.Chunks(), l.dk * l.dv, a.states);
   const int64_t t = a.whole.batch * a.whole.seq;
   c.k().Zero(a.d_o, t * l.heads * l.dv * 4);
   CpCopy(c, l.batch, l.seq, l.heads * l.dv, c.DOut(0).as<float>(), a.d_o, true, c.cp_rank());

@@ -55,8 +55,8 @@ int64_t TpCommBytes(const Model& model);
 // softmax attention layers; docs/accounting.md): the runtime attends with
 // every rank's keys and values all-gathered, its queries placed in the
 // whole sequence (docs/runtime.md, "Context parallelism"): the whole
-// sequence's q, k, v, output and their gradients, the log-sum-exp and
-// flash attention's backward workspace, fp32; for KDA layers the same of
+// sequence's q, k, v, output and their gradients and the log-sum-exp,
+// fp32; for KDA layers the same of
 // KDA's inputs, output, states and gradients (the larger of the two).
 int64_t CpCommBytes(const Model& model);
 
