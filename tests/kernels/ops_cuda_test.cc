@@ -363,6 +363,11 @@ TEST_CASE("GELU, SwiGLU, dropout and add") {
         env.cuda->DropoutBwd(d_dy.get(), d_mask.get(), n, p, d_y.get());
         env.ref->DropoutBwd(dy.data(), mask.data(), n, p, y.data());
         ExpectEqual(d_y.ToHost(), y, dwhat + " bwd");
+        // A slice of a larger tensor (tensor and context parallelism): its
+        // element indices start at `first`.
+        env.cuda->DropoutFwd(d_x.get(), n, p, seed, offset, d_y.get(), d_mask.get(), 12345);
+        env.ref->DropoutFwd(x.data(), n, p, seed, offset, y.data(), mask.data(), 12345);
+        ExpectEqual(d_mask.ToHost(), mask, dwhat + " mask from 12345");
       }
     }
 
@@ -547,6 +552,47 @@ TEST_CASE("CrossEntropy forward and backward") {
     env.cuda->CrossEntropyBwd(r_probs.get(), d_targets.get(), tokens, vocab, scale, d_dlogits.get());
     env.ref->CrossEntropyBwd(probs.data(), targets.data(), tokens, vocab, scale, dlogits.data());
     ExpectEqual(d_dlogits.ToHost(), dlogits, what + " dlogits");
+  }
+}
+
+TEST_CASE("Vocabulary-parallel cross-entropy and embedding: negative ids are another rank's") {
+  Env& env = GetEnv();
+  uint32_t seed = 650;
+  for (const int64_t vocab : {int64_t{2048}, int64_t{25}}) {
+    const int64_t tokens = 17;
+    const std::string what = "vocab-parallel " + Shape(tokens, vocab);
+    const size_t n = static_cast<size_t>(tokens * vocab);
+    const auto logits = Normal(n, ++seed, 3.f);
+    std::vector<int32_t> targets(static_cast<size_t>(tokens));
+    std::mt19937 rng(++seed);
+    for (auto& t : targets) t = rng() % 3 == 0 ? -1 : static_cast<int32_t>(rng() % static_cast<uint32_t>(vocab));
+    DevF d_logits(logits), d_stats(static_cast<size_t>(3 * tokens)), d_probs(n), d_dlogits(n);
+    DevI d_targets(targets);
+    std::vector<float> stats(static_cast<size_t>(3 * tokens)), probs(n), dlogits(n);
+    env.cuda->CrossEntropyPartialStats(d_logits.get(), d_targets.get(), tokens, vocab, d_stats.get());
+    env.ref->CrossEntropyPartialStats(logits.data(), targets.data(), tokens, vocab, stats.data());
+    ExpectNear(d_stats.ToHost(), stats, kReductionTol, what + " stats");
+    DevF r_stats(stats);
+    env.cuda->CrossEntropyPartialProbs(d_logits.get(), r_stats.get(), tokens, vocab, d_probs.get());
+    env.ref->CrossEntropyPartialProbs(logits.data(), stats.data(), tokens, vocab, probs.data());
+    ExpectNear(d_probs.ToHost(), probs, kElementwiseTol, what + " probs");
+    DevF r_probs(probs);
+    env.cuda->CrossEntropyBwd(r_probs.get(), d_targets.get(), tokens, vocab, 0.5f, d_dlogits.get());
+    env.ref->CrossEntropyBwd(probs.data(), targets.data(), tokens, vocab, 0.5f, dlogits.data());
+    ExpectEqual(d_dlogits.ToHost(), dlogits, what + " dlogits");
+    // The embedding with the same ids: zero rows, skipped in backward.
+    const int64_t d = 24;
+    const auto table = Random(static_cast<size_t>(vocab * d), ++seed);
+    const auto dy = Random(static_cast<size_t>(tokens * d), ++seed);
+    auto dtable = Random(table.size(), ++seed);
+    DevF d_table(table), d_dy(dy), d_y(dy.size()), d_dtable(dtable);
+    std::vector<float> y(dy.size());
+    env.cuda->EmbeddingFwd(d_targets.get(), d_table.get(), tokens, d, d_y.get());
+    env.ref->EmbeddingFwd(targets.data(), table.data(), tokens, d, y.data());
+    ExpectEqual(d_y.ToHost(), y, what + " embedding fwd");
+    env.cuda->EmbeddingBwd(d_targets.get(), d_dy.get(), tokens, d, d_dtable.get());
+    env.ref->EmbeddingBwd(targets.data(), dy.data(), tokens, d, dtable.data());
+    ExpectEqual(d_dtable.ToHost(), dtable, what + " embedding bwd");
   }
 }
 
@@ -976,6 +1022,9 @@ TEST_CASE("SplitHeads forward and backward, with and without RoPE") {
       {.b = 1, .s = 4096, .heads = 4, .kv_heads = 4, .head_dim = 128, .rope = true, .rope_theta = 500000.f},
       {.b = 3, .s = 7, .heads = 2, .kv_heads = 1, .head_dim = 17, .rope = false},
       {.b = 2, .s = 5, .heads = 4, .kv_heads = 2, .head_dim = 6, .rope = false},
+      // Context parallelism: rank 1 of 2 (its chunks at positions 16.. and 32.. of 64).
+      {.b = 2, .s = 32, .heads = 4, .kv_heads = 2, .head_dim = 16, .rope = true, .rope_theta = 10000.f, .cp = 2,
+       .cp_rank = 1},
   };
   for (const mk::SplitShape& sh : shapes) {
     const std::string what = "split heads s=" + std::to_string(sh.s) + " hd=" + std::to_string(sh.head_dim) +
@@ -1011,6 +1060,7 @@ TEST_CASE("MlaSplit forward and backward against the reference") {
       {.b = 2, .s = 33, .heads = 4, .nope = 16, .rope = 8, .v = 16, .rope_theta = 10000.f},
       {.b = 1, .s = 257, .heads = 16, .nope = 128, .rope = 64, .v = 128, .rope_theta = 10000.f},
       {.b = 1, .s = 5, .heads = 3, .nope = 7, .rope = 0, .v = 5, .rope_theta = 10000.f},
+      {.b = 2, .s = 32, .heads = 4, .nope = 16, .rope = 8, .v = 16, .rope_theta = 10000.f, .cp = 4, .cp_rank = 2},
   };
   for (const mk::MlaShape& sh : shapes) {
     const std::string what = "mla s=" + std::to_string(sh.s) + " heads=" + std::to_string(sh.heads);
