@@ -263,7 +263,7 @@ PY
 # One process cannot run data-parallel replicas.
 "$memplan" run "$tmp/llama-zero1.dp.plan.json" -q >"$tmp/out" 2>"$tmp/err"
 rc=$?
-[ "$rc" -eq 2 ] && grep -q "/model/parallel/dp is 2: data- and expert-parallel ranks run one process per rank (mpirun -np 4" "$tmp/err" \
+[ "$rc" -eq 2 ] && grep -q "/model/parallel/dp is 2: data-parallel ranks run one process per rank (mpirun -np 4" "$tmp/err" \
   && ok || bad "dp 2 in one process: exit $rc: $(cat "$tmp/err")"
 fi
 
@@ -337,7 +337,7 @@ timeout 60 "${mpi[@]}" -np 2 "$memplan" run "$tmp/drop.plan.json" -q -o "$tmp/dr
 # One process cannot run expert-parallel ranks; mpirun needs pp x dp ranks.
 "$memplan" run "$tmp/drop.plan.json" -q >"$tmp/out" 2>"$tmp/err"
 rc=$?
-[ "$rc" -eq 2 ] && grep -q "/model/parallel/ep is 2: data- and expert-parallel ranks run one process per rank (mpirun -np 2" "$tmp/err" \
+[ "$rc" -eq 2 ] && grep -q "/model/parallel/ep is 2: expert-parallel ranks run one process per rank (mpirun -np 2" "$tmp/err" \
   && ok || bad "ep 2 in one process: exit $rc: $(cat "$tmp/err")"
 "${mpi[@]}" -np 4 "$memplan" run "$tmp/drop.plan.json" -q >"$tmp/out" 2>"$tmp/err"
 rc=$?

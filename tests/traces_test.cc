@@ -110,7 +110,7 @@ TEST_CASE("MEASURED.json bad input names the file and the pointer") {
       {"/ranks/0/timeline/1", Json::array({1}), "m.json: /ranks/0/timeline/1: expected [t_us, allocated_bytes]"},
       {"/ranks/0/timeline/2/0", 3, "m.json: /ranks/0/timeline/2/0: timeline goes back in time"},
       {"/ranks/0/events/kernel", -1, "m.json: /ranks/0/events/kernel: expected a count"},
-      {"/ranks/1/pp_rank", 0, "m.json: /ranks/1/pp_rank: pp_rank 0 (dp_rank 0) appears twice"},
+      {"/ranks/1/pp_rank", 0, "m.json: /ranks/1/pp_rank: pp_rank 0 (dp_rank 0, cp_rank 0, tp_rank 0) appears twice"},
   };
   for (const auto& c : cases) {
     CAPTURE(c.pointer);

@@ -36,11 +36,16 @@ Expected<std::monostate> Executor::Setup() {
   }
   // Data, expert and tensor parallelism run one process per rank: their
   // reductions and exchanges are real.
-  for (auto [name, v] :
-       {std::pair<const char*, int64_t>{"dp", par.dp}, {"ep", par.ep}, {"tp", par.tp}, {"cp", par.cp}}) {
+  struct Dim {
+    const char* name;
+    int64_t size;
+    const char* what;
+  };
+  for (auto [name, v, what] : {Dim{"dp", par.dp, "data"}, Dim{"ep", par.ep, "expert"}, Dim{"tp", par.tp, "tensor"},
+                               Dim{"cp", par.cp, "context"}}) {
     if (v > 1 && !options_.comm) {
-      why.push_back("/model/parallel/" + std::string(name) + " is " + std::to_string(v) +
-                    ": data-, expert-, tensor- and context-parallel ranks run one process per rank (mpirun -np " +
+      why.push_back("/model/parallel/" + std::string(name) + " is " + std::to_string(v) + ": " + what +
+                    "-parallel ranks run one process per rank (mpirun -np " +
                     std::to_string(par.Processes()) + " memplan run ...)");
     }
   }

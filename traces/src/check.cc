@@ -171,6 +171,12 @@ Expected<CheckResult> Check(const PlanBounds& plan, const Measured& measured, co
     for (auto [it, end] = by_rank.equal_range(pp); it != end; ++it) {
       replicas_here.insert((it->second->dp_rank * plan.cp + it->second->cp_rank) * plan.tp + it->second->tp_rank);
     }
+    if (replicas_here != grid && plan.tp * plan.cp == 1) {
+      return Error{ErrorCode::kBadInput, options.measured_file + ": /ranks: pp rank " + std::to_string(pp) +
+                                             " has data-parallel replicas " + RankList(replicas_here) + ", but " +
+                                             options.plan_file + ": /model/parallel/dp " + std::to_string(plan.dp) +
+                                             " makes them " + RankList(grid)};
+    }
     if (replicas_here != grid) {
       return Error{ErrorCode::kBadInput, options.measured_file + ": /ranks: pp rank " + std::to_string(pp) +
                                              " has data-, context- and tensor-parallel ranks ((dp_rank * cp + cp_rank) * "
@@ -187,8 +193,11 @@ Expected<CheckResult> Check(const PlanBounds& plan, const Measured& measured, co
       return Error{ErrorCode::kBadInput, options.measured_file + ": /ranks/" + std::to_string(i) + "/ep_rank: " +
                                              std::to_string(m.ep_rank) + ", but " + options.plan_file +
                                              ": /model/parallel/ep " + std::to_string(plan.ep) + " puts dp_rank " +
-                                             std::to_string(m.dp_rank) + " (tp_rank " + std::to_string(m.tp_rank) +
-                                             ") at " + std::to_string(grid_index % plan.ep)};
+                                             std::to_string(m.dp_rank) +
+                                             (plan.tp * plan.cp > 1 ? " (cp_rank " + std::to_string(m.cp_rank) +
+                                                                          ", tp_rank " + std::to_string(m.tp_rank) + ")"
+                                                                    : std::string()) +
+                                             " at " + std::to_string(grid_index % plan.ep)};
     }
   }
   result.pass = true;
