@@ -622,7 +622,7 @@ grid mla-tp2-cp2 "$root/examples/models/tiny-mla.json" "m['parallel'].update(tp=
 # The README's example: every K3 mechanism (MLA, KDA with its short
 # convolutions, latent MoE, Block AttnRes, Muon) on tp 2 x cp 2 x pp 2, and
 # eagerly: each process's allocations against the plan's program.
-grid k3-tp2-cp2-pp2 "$root/examples/models/tiny-k3-fp32.json" "m['parallel'].update(tp=2, sp=True, cp=2)" 8
+grid k3-tp2-cp2-pp2 "$root/examples/models/tiny-k3-grid.json" pass 8
 if timeout 60 "${mpi[@]}" -np 8 "$memplan" run "$tmp/k3-tp2-cp2-pp2.grid.plan.json" -q --allocator eager \
     -o "$tmp/k3e.m.json" >"$tmp/out" 2>"$tmp/err"; then
   "$memplan" check "$tmp/k3-tp2-cp2-pp2.grid.plan.json" "$tmp/k3e.m.json" >"$tmp/out" \
