@@ -303,7 +303,7 @@ Expected<RunResult> Executor::Run() {
   // ends the job (every rank makes the same calls).
   if (cuda_ != nullptr && (Replicas() > 1 || tp > 1)) {
     for (auto [group, nccl] : {std::pair{&dense_group_, &dense_nccl_}, std::pair{&expert_group_, &expert_nccl_}}) {
-      if (group->size == 1) continue;
+      if (group->size == 1 || (group == &expert_group_ && !model_.arch.moe)) continue;  // no routed experts
       auto made = cuda_->make_nccl(*group->comm);
       if (!made.ok()) FailAlone(made.error());
       *nccl = std::move(*made);
