@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Property test (docs/runtime.md, "Eager execution"): random valid
-# configurations of the tiny models — pp, vp, dp, ep, ZeRO, pipeline ZeRO-2,
+# configurations of the tiny models — pp, vp, dp, ep, tp (with or without
+# sequence parallelism), cp, ZeRO, pipeline ZeRO-2,
 # gradient offload, AdamW or Muon with either gather, storage mixes and
 # budgets — planned, run under mpirun in eager mode (one process per rank)
 # and checked step by step against the plan. Seeded (MEMPLAN_PROPERTY_SEED,
@@ -57,6 +58,15 @@ def config(seed):
         par.pop("muon_gather", None)
     if par["zero"] == 2 and not par["pipeline_zero2"]:
         par["zero"] = 1  # a ZeRO-2 reduce bucket wants 40 M parameters; tiny layers only test its refusal
+    # Tensor and context parallelism (at most 8 processes: dp drops to 1).
+    par["tp"] = 2 if rng.random() < 0.3 else 1
+    par["sp"] = par["tp"] > 1 and (moe or rng.random() < 0.5)
+    flash = m["arch"]["attention"] == "flash" and not m["arch"].get("dropout")
+    par["cp"] = 2 if flash and rng.random() < 0.25 else 1
+    if par["pp"] * par["dp"] * par["tp"] * par["cp"] > 8:
+        par.update(dp=1, ep=1, zero=0, pipeline_zero2=False, grad_offload="none")
+    if moe and par["tp"] * par["cp"] > 1 and par["ep"] == 1 and rng.random() < 0.5:
+        par["ep"] = 2
     train["microbatches"] = rng.choice([2, 4])
     m["policies"] = [{"match": rng.choice(MODULES), "policy": rng.choice(MIXES)} for _ in range(rng.randint(0, 3))]
     if rng.random() < 0.3:
@@ -93,7 +103,8 @@ for seed in seeds:
         refused += 1
         continue
     par = m["parallel"]
-    what = (f"seed {seed}: {name} pp {par['pp']} vp {par['vp']} dp {par['dp']} ep {par['ep']} zero {par['zero']}"
+    what = (f"seed {seed}: {name} pp {par['pp']} vp {par['vp']} dp {par['dp']} ep {par['ep']} tp {par['tp']}"
+            f"{' sp' if par['sp'] else ''} cp {par['cp']} zero {par['zero']}"
             f"{' pipeline-zero2' if par.get('pipeline_zero2') else ''} grads {par.get('grad_offload')}"
             f" {m['train']['optimizer']} {par.get('muon_gather', '')} mb {m['train']['microbatches']}"
             f" policies {json.dumps(m.get('policies', []))}{' budget ' + m['budget'] if 'budget' in m else ''}")
@@ -101,7 +112,7 @@ for seed in seeds:
         failed += 1
         print(f"FAIL {what}\n  plan exit {r.returncode}: {r.stderr.strip()[:400]}")
         continue
-    n = par["pp"] * par["dp"]
+    n = par["pp"] * par["dp"] * par["tp"] * par["cp"]
     measured = f"{tmp}/measured.json"
     try:
         r = run(["mpirun", "--oversubscribe", "-np", str(n), memplan, "run", plan, "--allocator", "eager", "-q",
@@ -110,7 +121,7 @@ for seed in seeds:
         failed += 1
         print(f"FAIL {what}\n  mpirun -np {n} timed out")
         continue
-    if r.returncode == 2 and "cannot" in r.stderr and "execute" in r.stderr:
+    if r.returncode == 2 and ("cannot" in r.stderr or "not executed" in r.stderr) and "execute" in r.stderr:
         refused += 1  # what the runtime refuses, with its reason (docs/runtime.md, Limits)
         continue
     if r.returncode != 0:
