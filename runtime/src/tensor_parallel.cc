@@ -83,26 +83,33 @@ std::vector<float> Executor::TpWhole(const ParamState& ps, const std::vector<flo
   return full;
 }
 
-// --- Collectives of the tensor-parallel group, staged through the host -----
+// --- Collectives of a group (tensor- or context-parallel), through the host ---
 // Every rank gathers every rank's block and sums them in rank order: the
 // same bits on every rank and in every run.
 
-std::vector<float> Executor::TpGather(Rank& r, const float* data, int64_t n) {
-  std::vector<float> mine(static_cast<size_t>(n)), all(static_cast<size_t>(n * model_.parallel.tp));
+// Every rank's n floats of `comm`'s group on the host, in rank order.
+std::vector<float> Executor::GatherOver(Rank& r, Communicator& comm, const char* event, const float* data, int64_t n) {
+  std::vector<float> mine(static_cast<size_t>(n)), all(static_cast<size_t>(n * comm.size()));
   backend_->ToHost(*r.dev, mine.data(), data, n * 4);
-  tp_comm_->AllGatherBlocks(mine.data(), all.data(), n * 4);
-  ++r.events["tp_collectives"];
+  comm.AllGatherBlocks(mine.data(), all.data(), n * 4);
+  ++r.events[event];
   return all;
 }
 
-void Executor::TpAllReduce(Rank& r, float* data, int64_t n) {
-  const int64_t t = model_.parallel.tp;
-  std::vector<float> all = TpGather(r, data, n), sum(static_cast<size_t>(n), 0.f);
-  for (int64_t k = 0; k < t; ++k) {
+// Their sum in place.
+void Executor::SumOver(Rank& r, Communicator& comm, const char* event, float* data, int64_t n) {
+  std::vector<float> all = GatherOver(r, comm, event, data, n), sum(static_cast<size_t>(n), 0.f);
+  for (int k = 0; k < comm.size(); ++k) {
     for (int64_t i = 0; i < n; ++i) sum[static_cast<size_t>(i)] += all[static_cast<size_t>(k * n + i)];
   }
   backend_->FromHost(*r.dev, data, sum.data(), n * 4);
 }
+
+std::vector<float> Executor::TpGather(Rank& r, const float* data, int64_t n) {
+  return GatherOver(r, *tp_comm_, "tp_collectives", data, n);
+}
+
+void Executor::TpAllReduce(Rank& r, float* data, int64_t n) { SumOver(r, *tp_comm_, "tp_collectives", data, n); }
 
 void Executor::TpAllGather(Rank& r, const float* mine, int64_t n, float* whole) {
   std::vector<float> all = TpGather(r, mine, n);
@@ -161,22 +168,11 @@ void Executor::ReduceTpPartial(Rank& r, ParamState& ps) {
 }
 
 // --- Context parallelism's collectives -----------------------------------------
-// As the tensor-parallel ones: gathered on every rank, summed in rank order.
 
 std::vector<float> Executor::CpGather(Rank& r, const float* data, int64_t n) {
-  std::vector<float> mine(static_cast<size_t>(n)), all(static_cast<size_t>(n * model_.parallel.cp));
-  backend_->ToHost(*r.dev, mine.data(), data, n * 4);
-  cp_comm_->AllGatherBlocks(mine.data(), all.data(), n * 4);
-  ++r.events["cp_collectives"];
-  return all;
+  return GatherOver(r, *cp_comm_, "cp_collectives", data, n);
 }
 
-void Executor::CpAllReduce(Rank& r, float* data, int64_t n) {
-  std::vector<float> all = CpGather(r, data, n), sum(static_cast<size_t>(n), 0.f);
-  for (int64_t k = 0; k < model_.parallel.cp; ++k) {
-    for (int64_t i = 0; i < n; ++i) sum[static_cast<size_t>(i)] += all[static_cast<size_t>(k * n + i)];
-  }
-  backend_->FromHost(*r.dev, data, sum.data(), n * 4);
-}
+void Executor::CpAllReduce(Rank& r, float* data, int64_t n) { SumOver(r, *cp_comm_, "cp_collectives", data, n); }
 
 }  // namespace memplan::runtime::exec
