@@ -310,6 +310,17 @@ Expected<RunResult> Executor::Run() {
       group->device = nccl->get();
     }
   }
+  // cuda: the tensor- and context-parallel collectives on the device
+  // buffers too (one GPU per rank, as for data parallelism: NCCL refuses two
+  // ranks of one communicator on one device).
+  if (cuda_ != nullptr) {
+    for (auto [group, nccl] : {std::pair{tp_comm_.get(), &tp_nccl_}, std::pair{cp_comm_.get(), &cp_nccl_}}) {
+      if (group->size() == 1) continue;
+      auto made = cuda_->make_nccl(*group);
+      if (!made.ok()) FailAlone(made.error());
+      *nccl = std::move(*made);
+    }
+  }
   // From here a rank that fails fails alone: it says why and ends them all.
   try {
     auto result = RunHere();

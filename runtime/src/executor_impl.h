@@ -295,7 +295,7 @@ class Executor {
   std::vector<float> TpGather(Rank& r, const float* data, int64_t n);
   void TpAllReduce(Rank& r, float* data, int64_t n);
   void TpAllGather(Rank& r, const float* mine, int64_t n, float* whole);
-  void TpReduceScatter(Rank& r, const float* whole, int64_t n, float* mine);
+  void TpReduceScatter(Rank& r, float* whole, int64_t n, float* mine);  // `whole` is scratch (NCCL sums in place)
   // Parameters whose gradient each rank holds a part of (FindTpPartials),
   // summed over the group before the data-parallel reduction.
   void FindTpPartials();
@@ -578,9 +578,12 @@ class Executor {
   int64_t dp_rank_ = 0;
   std::unique_ptr<Communicator> dp_comm_, ep_comm_, edp_comm_;  // data-parallel, EP, expert data-parallel
   std::unique_ptr<DeviceCommunicator> dense_nccl_, expert_nccl_;  // cuda: the groups' gradients on the device
+  // cuda: the tensor- and context-parallel groups' sums, gathers and
+  // reduce-scatters of device buffers (tensor_parallel.cc).
+  std::unique_ptr<DeviceCommunicator> tp_nccl_, cp_nccl_;
   // Waits for the NCCL work enqueued on the rank's ops stream (none: nothing).
   void SynchronizeNccl(Rank& r) {
-    for (auto* nccl : {dense_nccl_.get(), expert_nccl_.get()}) {
+    for (auto* nccl : {dense_nccl_.get(), expert_nccl_.get(), tp_nccl_.get(), cp_nccl_.get()}) {
       if (nccl) nccl->Synchronize(OpsStream(r));
     }
   }

@@ -97,7 +97,7 @@ class ExecOpContext final : public OpContext {
   }
   void TpReduceScatter(const Buffer& whole, int64_t n, const Buffer& mine) override {
     MEMPLAN_CHECK(n * 4 <= mine.bytes, "a tensor-parallel reduce-scatter outgrew its output");
-    e_.TpReduceScatter(r_, whole.as<float>(), n, mine.as<float>());
+    e_.TpReduceScatter(r_, whole.as<float>(), n, mine.as<float>());  // sums in place on cuda: `whole` is scratch
   }
   Buffer TpBuffer(int slot) override {
     const Buffer& all = r_.static_buffers.at("tp_comm");

@@ -109,15 +109,39 @@ std::vector<float> Executor::TpGather(Rank& r, const float* data, int64_t n) {
   return GatherOver(r, *tp_comm_, "tp_collectives", data, n);
 }
 
-void Executor::TpAllReduce(Rank& r, float* data, int64_t n) { SumOver(r, *tp_comm_, "tp_collectives", data, n); }
+// On cuda the sums, gathers and reduce-scatters run on the device buffers
+// through NCCL, on the ops' stream (NCCL's sums are not in rank order;
+// every rank still gets the same bits).
+void Executor::TpAllReduce(Rank& r, float* data, int64_t n) {
+  if (tp_nccl_) {
+    tp_nccl_->AllReduceSum(data, n, OpsStream(r));
+    ++r.events["tp_collectives"];
+    return;
+  }
+  SumOver(r, *tp_comm_, "tp_collectives", data, n);
+}
 
 void Executor::TpAllGather(Rank& r, const float* mine, int64_t n, float* whole) {
+  if (tp_nccl_) {
+    // Each rank's block at its place, then every block to every rank.
+    r.ops->Copy(whole + tp_rank_ * n, mine, n * 4);
+    tp_nccl_->GatherRanges(whole, n * model_.parallel.tp, 4, OpsStream(r));
+    ++r.events["tp_collectives"];
+    return;
+  }
   std::vector<float> all = TpGather(r, mine, n);
   backend_->FromHost(*r.dev, whole, all.data(), n * model_.parallel.tp * 4);
 }
 
-void Executor::TpReduceScatter(Rank& r, const float* whole, int64_t n, float* mine) {
+void Executor::TpReduceScatter(Rank& r, float* whole, int64_t n, float* mine) {
   const int64_t t = model_.parallel.tp;
+  if (tp_nccl_) {
+    // This rank's block of the sum lands in place in its copy.
+    tp_nccl_->ReduceRanges(whole, n * t, OpsStream(r));
+    r.ops->Copy(mine, whole + tp_rank_ * n, n * 4);
+    ++r.events["tp_collectives"];
+    return;
+  }
   std::vector<float> all = TpGather(r, whole, n * t), sum(static_cast<size_t>(n), 0.f);
   for (int64_t k = 0; k < t; ++k) {
     const float* block = all.data() + (k * t + tp_rank_) * n;
@@ -173,6 +197,13 @@ std::vector<float> Executor::CpGather(Rank& r, const float* data, int64_t n) {
   return GatherOver(r, *cp_comm_, "cp_collectives", data, n);
 }
 
-void Executor::CpAllReduce(Rank& r, float* data, int64_t n) { SumOver(r, *cp_comm_, "cp_collectives", data, n); }
+void Executor::CpAllReduce(Rank& r, float* data, int64_t n) {
+  if (cp_nccl_) {
+    cp_nccl_->AllReduceSum(data, n, OpsStream(r));
+    ++r.events["cp_collectives"];
+    return;
+  }
+  SumOver(r, *cp_comm_, "cp_collectives", data, n);
+}
 
 }  // namespace memplan::runtime::exec
