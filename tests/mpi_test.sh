@@ -632,7 +632,12 @@ else
 fi
 grid moe-tp2-cp2-ep2 "$root/examples/models/tiny-moe.json" \
   "m['parallel'].update(tp=2, sp=True, cp=2, ep=2); m['arch']['moe']['capacity_factor'] = 2.0; m['train']['act_dtype'] = m['train']['param_dtype'] = 'fp32'" 8
-refused gpt-cp2 "$root/examples/models/tiny-gpt.json" "m['parallel'].update(cp=2)" 4 "/model/arch/attention"
+# Standard attention (the saved probabilities: this rank's queries against
+# the whole sequence's keys, masked at the queries' whole-sequence
+# positions) with dropout, LayerNorm and a tied head, under tp 2 + sp x cp 2.
+grid gpt-tp2-cp2 "$root/examples/models/tiny-gpt.json" "m['parallel'].update(tp=2, sp=True, cp=2)" 8
+refused k3-cp2-chunk "$root/examples/models/tiny-k3-fp32.json" \
+  "m['parallel'].update(cp=2); m['arch']['linear_attention']['chunk'] = 32" 4 "/model/arch/linear_attention/chunk"
 fi
 
 echo "mpi_$section: $pass passed, $fail failed"

@@ -190,8 +190,9 @@ class CudaOps final : public Ops {
     MEMPLAN_CUDA_CHECK(cuda::LaunchAccumulate(ctx_, y, x, n));
   }
 
-  void SoftmaxFwd(const float* x, int64_t rows, int64_t cols, float scale, int64_t causal_seq, float* y) override {
-    MEMPLAN_CUDA_CHECK(cuda::LaunchSoftmaxFwd(ctx_, x, rows, cols, scale, causal_seq, y));
+  void SoftmaxFwd(const float* x, int64_t rows, int64_t cols, float scale, int64_t causal_seq, float* y, int64_t cp,
+                  int64_t cp_rank) override {
+    MEMPLAN_CUDA_CHECK(cuda::LaunchSoftmaxFwd(ctx_, x, rows, cols, scale, causal_seq, y, cp, cp_rank));
   }
   void SoftmaxBwd(const float* y, const float* dy, int64_t rows, int64_t cols, float scale, float* dx) override {
     MEMPLAN_CUDA_CHECK(cuda::LaunchSoftmaxBwd(ctx_, y, dy, rows, cols, scale, dx));

@@ -351,12 +351,14 @@ __global__ void __launch_bounds__(kThreads)
 
 template <int W>
 __global__ void __launch_bounds__(kThreads) SoftmaxFwdKernel(const float* x, int64_t rows, int64_t cols, float scale,
-                                                             int64_t causal_seq, float* y) {
+                                                             int64_t causal_seq, float* y, int64_t cp,
+                                                             int64_t cp_rank) {
   __shared__ float red[kWarps];
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const float* xr = x + row * cols;
     float* yr = y + row * cols;
-    const int64_t visible = causal_seq > 0 ? MinI64(cols, row % causal_seq + 1) : cols;
+    const int64_t visible =
+        causal_seq > 0 ? MinI64(cols, CpPositionDevice(row % causal_seq, causal_seq, cp, cp_rank) + 1) : cols;
     float m = -INFINITY;
     ForEachInRow<W>(cols, [&](int64_t c) {
       float v[W];
@@ -735,11 +737,12 @@ cudaError_t LaunchAxpby(const LaunchContext& ctx, const float* x, const float* y
 }
 
 cudaError_t LaunchSoftmaxFwd(const LaunchContext& ctx, const float* x, int64_t rows, int64_t cols, float scale,
-                             int64_t causal_seq, float* y) {
+                             int64_t causal_seq, float* y, int64_t cp, int64_t cp_rank) {
   if (rows <= 0 || cols <= 0) return cudaSuccess;
   return LaunchByWidth(cols % 4 == 0 && AllAligned16(x, y), [&](auto width) {
     constexpr int kW = decltype(width)::value;
-    SoftmaxFwdKernel<kW><<<RowGrid(ctx, rows), kThreads, 0, ctx.stream>>>(x, rows, cols, scale, causal_seq, y);
+    SoftmaxFwdKernel<kW><<<RowGrid(ctx, rows), kThreads, 0, ctx.stream>>>(x, rows, cols, scale, causal_seq, y, cp,
+                                                                           cp_rank);
   });
 }
 

@@ -67,7 +67,7 @@ cudaError_t LaunchScaleMatrices(const LaunchContext& ctx, int64_t m, int64_t n, 
 // Softmax: one block per row; scale * x is rounded before the max is
 // subtracted, as in the reference.
 cudaError_t LaunchSoftmaxFwd(const LaunchContext& ctx, const float* x, int64_t rows, int64_t cols, float scale,
-                             int64_t causal_seq, float* y);
+                             int64_t causal_seq, float* y, int64_t cp = 1, int64_t cp_rank = 0);
 cudaError_t LaunchSoftmaxBwd(const LaunchContext& ctx, const float* y, const float* dy, int64_t rows, int64_t cols,
                              float scale, float* dx);
 cudaError_t LaunchSigmoidFwd(const LaunchContext& ctx, const float* x, int64_t n, float* y);

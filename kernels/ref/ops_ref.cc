@@ -362,11 +362,13 @@ void RefMath<T>::Axpby(const T* x, const T* y, int64_t n, T a, T b, T* out) {
 // --- Softmax, sigmoid ---------------------------------------------------------
 
 template <typename T>
-void RefMath<T>::SoftmaxFwd(const T* x, int64_t rows, int64_t cols, T scale, int64_t causal_seq, T* y) {
+void RefMath<T>::SoftmaxFwd(const T* x, int64_t rows, int64_t cols, T scale, int64_t causal_seq, T* y, int64_t cp,
+                            int64_t cp_rank) {
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * cols;
     T* yr = y + r * cols;
-    const int64_t visible = causal_seq > 0 ? std::min(cols, r % causal_seq + 1) : cols;
+    const int64_t visible =
+        causal_seq > 0 ? std::min(cols, CpPosition(r % causal_seq, causal_seq, cp, cp_rank) + 1) : cols;
     for (int64_t j = 0; j < visible; ++j) yr[j] = scale * xr[j];
     T mx;
     if (visible > 0) SoftmaxRow(yr, visible, yr, &mx);
@@ -882,8 +884,9 @@ class RefOps final : public Ops {
     M::Axpby(x, y, n, a, b, out);
   }
 
-  void SoftmaxFwd(const float* x, int64_t rows, int64_t cols, float scale, int64_t causal_seq, float* y) override {
-    M::SoftmaxFwd(x, rows, cols, scale, causal_seq, y);
+  void SoftmaxFwd(const float* x, int64_t rows, int64_t cols, float scale, int64_t causal_seq, float* y, int64_t cp,
+                  int64_t cp_rank) override {
+    M::SoftmaxFwd(x, rows, cols, scale, causal_seq, y, cp, cp_rank);
   }
   void SoftmaxBwd(const float* y, const float* dy, int64_t rows, int64_t cols, float scale, float* dx) override {
     M::SoftmaxBwd(y, dy, rows, cols, scale, dx);

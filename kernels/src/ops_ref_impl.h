@@ -78,7 +78,8 @@ struct RefMath {
   // SoftmaxRow on them in place (the router's and cross-entropy's softmax).
   // SoftmaxBwd's dot is summed in column order. Both may run in place
   // (y == x, dx == dy), which RouterFwd/RouterBwd use.
-  static void SoftmaxFwd(const T* x, int64_t rows, int64_t cols, T scale, int64_t causal_seq, T* y);
+  static void SoftmaxFwd(const T* x, int64_t rows, int64_t cols, T scale, int64_t causal_seq, T* y, int64_t cp = 1,
+                         int64_t cp_rank = 0);
   static void SoftmaxBwd(const T* y, const T* dy, int64_t rows, int64_t cols, T scale, T* dx);
   static void SigmoidFwd(const T* x, int64_t n, T* y);
   static void SigmoidBwd(const T* y, const T* dy, int64_t n, T* dx);

@@ -36,24 +36,41 @@ const planner::Arch& A(OpContext& c) { return c.model().arch; }
 
 // --- Embedding, copies, elementwise -------------------------------------------------
 
-// Under tensor parallelism each rank draws its part of the whole tensor's
-// masks: the sequence-parallel rows [rank * rows, + rows) of the residual
-// stream, or attention's heads [rank * heads, + heads) of each sequence.
+// Under tensor and context parallelism each rank draws its part of the
+// whole tensor's masks: each local row's mask is the whole tensor's row it
+// holds (attention's probabilities [b, heads, s, skv]: this rank's heads and
+// query positions; the residual stream [tokens, hidden]: its
+// sequence-parallel rows of its context-parallel positions), drawn run by
+// run of consecutive whole-tensor rows.
 void DropoutFwd(OpContext& c) {
   const uint64_t offset = Fnv1a(c.op().outputs[1]) ^ (static_cast<uint64_t>(c.microbatch()) << 48);
   const planner::TensorSpec& x = c.InSpec(0);
-  const int64_t n = Elements(x.shape), r = c.tp_rank();
-  if (c.tp_size() > 1 && x.sharding == "tp") {
-    const int64_t b = x.shape[0], per = n / b;  // [b, heads, s, s]: this rank's heads, per sequence
-    for (int64_t i = 0; i < b; ++i) {
-      c.k().DropoutFwd(c.In(0).as<float>() + i * per, per, kDropoutP, c.seed(), offset, c.Out(0).as<float>() + i * per,
-                       c.Out(1).as<uint8_t>() + i * per, (i * c.tp_size() + r) * per);
-    }
+  const int64_t n = Elements(x.shape);
+  if (c.tp_size() == 1 && c.cp_size() == 1) {
+    c.k().DropoutFwd(c.In(0).as<float>(), n, kDropoutP, c.seed(), offset, c.Out(0).as<float>(),
+                     c.Out(1).as<uint8_t>());
     return;
   }
-  const int64_t first = c.tp_size() > 1 && x.sharding == "sp" ? r * n : 0;
-  c.k().DropoutFwd(c.In(0).as<float>(), n, kDropoutP, c.seed(), offset, c.Out(0).as<float>(), c.Out(1).as<uint8_t>(),
-                   first);
+  const int64_t tp = c.tp_size(), tr = c.tp_rank(), cp = c.cp_size(), cr = c.cp_rank();
+  const int64_t seq = c.model().train.seq_len, s = seq / cp;
+  const bool heads = x.sharding == "tp" && x.shape.size() == 4;
+  const int64_t cols = x.shape.back(), rows = n / cols;
+  auto whole_row = [&](int64_t i) {
+    if (heads) {
+      const int64_t hl = x.shape[1], p = i % s, h = i / s % hl, bb = i / (s * hl);
+      return (bb * hl * tp + tr * hl + h) * seq + kernels::CpPosition(p, s, cp, cr);
+    }
+    const int64_t local = x.sharding == "sp" ? tr * rows + i : i;  // its context-parallel rank's rows
+    return local / s * seq + kernels::CpPosition(local % s, s, cp, cr);
+  };
+  for (int64_t i = 0; i < rows;) {
+    const int64_t g = whole_row(i);
+    int64_t len = 1;
+    while (i + len < rows && whole_row(i + len) == g + len) ++len;
+    c.k().DropoutFwd(c.In(0).as<float>() + i * cols, len * cols, kDropoutP, c.seed(), offset,
+                     c.Out(0).as<float>() + i * cols, c.Out(1).as<uint8_t>() + i * cols, g * cols);
+    i += len;
+  }
 }
 void DropoutBwd(OpContext& c) {
   c.k().DropoutBwd(c.DOut(0).as<float>(), c.Out(1).as<uint8_t>(), Elements(c.InSpec(0).shape), kDropoutP,
@@ -95,9 +112,11 @@ void SwigluBwd(OpContext& c) {
 void SoftmaxFwd(OpContext& c) {
   const planner::TensorSpec& x = c.InSpec(0);
   Dims2 d = RowsCols(x);
-  const bool attention = x.shape.size() == 4;  // causal scores [b, heads, s, s]
-  c.k().SoftmaxFwd(c.In(0).as<float>(), d.rows, d.cols, 1.f, attention ? c.model().train.seq_len : 0,
-                   c.Out(0).as<float>());
+  // Causal scores [b, heads, s, skv]: under context parallelism this rank's
+  // query rows of the whole sequence's keys.
+  const bool attention = x.shape.size() == 4;
+  c.k().SoftmaxFwd(c.In(0).as<float>(), d.rows, d.cols, 1.f, attention ? x.shape[2] : 0, c.Out(0).as<float>(),
+                   c.cp_size(), c.cp_rank());
 }
 void SoftmaxBwd(OpContext& c) {
   Dims2 d = RowsCols(c.OutSpec(0));
@@ -166,64 +185,89 @@ void SplitRopeBwd(OpContext& c) {
 }
 
 // Standard attention's two batched GEMMs: scores = scale q k^T per kv group
-// ([b, hq, s, s]), and pv: probs [b, hq, s, s] x v [b, hkv, s, dh] -> [b*s, hq*dh].
+// ([b, hq, s, skv]), and pv: probs [b, hq, s, skv] x v [b, hkv, skv, dh] ->
+// [b*s, hq*dh]. s: this rank's queries per sequence; skv: the keys (the
+// whole sequence: under context parallelism every rank's keys and values,
+// gathered by CpWhole, docs/runtime.md "Context parallelism").
 struct AttnDims {
-  int64_t b, s, hq, hkv, dh, grp;
+  int64_t b, s, skv, hq, hkv, dh, grp;
 };
 AttnDims AttnDimsOf(OpContext& c) {
   const auto& a = A(c);
-  return {c.model().train.micro_batch, c.model().train.seq_len, a.heads / c.tp_size(), a.kv_heads / c.tp_size(),
+  const int64_t seq = c.model().train.seq_len;
+  return {c.model().train.micro_batch, seq / c.cp_size(), seq, a.heads / c.tp_size(), a.kv_heads / c.tp_size(),
           a.head_dim, a.heads / a.kv_heads};
 }
 bool IsScores(OpContext& c) { return c.op().name.ends_with(".scores"); }
 
+// The keys (scores) or values (pv) of the whole sequence, [b, hkv, skv, dh].
+const float* WholeKeys(OpContext& c, const AttnDims& d) {
+  if (c.cp_size() == 1) return c.In(1).as<float>();
+  return CpWhole(c, c.In(1), d.b * d.hkv, d.s, d.dh, 0);
+}
+// Where their gradient goes: the input gradient, or under context
+// parallelism a whole-sequence buffer summed over the group (CpKeepMine).
+float* WholeKeysGrad(OpContext& c, const AttnDims& d) {
+  if (c.cp_size() == 1) return c.InputGrad(1).as<float>();
+  return CpWholeSlot(c, d.b * d.hkv, d.s, d.dh, 1);
+}
+void FinishKeysGrad(OpContext& c, const AttnDims& d, float* whole) {
+  if (c.cp_size() > 1) CpKeepMine(c, whole, d.b * d.hkv, d.s, d.dh, c.InputGrad(1));
+}
+
 void BatchedGemmFwd(OpContext& c) {
-  auto [b, s, hq, hkv, dh, grp] = AttnDimsOf(c);
+  const AttnDims d = AttnDimsOf(c);
+  auto [b, s, skv, hq, hkv, dh, grp] = d;
+  const float* kv = WholeKeys(c, d);
   if (IsScores(c)) {
     const float scale = 1.f / std::sqrt(static_cast<float>(dh));
-    c.k().GemmStridedBatched(false, true, grp * s, s, dh, scale, c.In(0).as<float>(), dh, grp * s * dh,
-                             c.In(1).as<float>(), dh, s * dh, 0.f, c.Out(0).as<float>(), s, grp * s * s, b * hkv,
-                             nullptr);
+    c.k().GemmStridedBatched(false, true, grp * s, skv, dh, scale, c.In(0).as<float>(), dh, grp * s * dh, kv, dh,
+                             skv * dh, 0.f, c.Out(0).as<float>(), skv, grp * s * skv, b * hkv, nullptr);
     return;
   }
   for (int64_t bb = 0; bb < b; ++bb) {
     for (int64_t gq = 0; gq < hkv; ++gq) {
-      const float* pr = c.In(0).as<float>() + (bb * hq + gq * grp) * s * s;
-      const float* v = c.In(1).as<float>() + (bb * hkv + gq) * s * dh;
+      const float* pr = c.In(0).as<float>() + (bb * hq + gq * grp) * s * skv;
+      const float* v = kv + (bb * hkv + gq) * skv * dh;
       float* o = c.Out(0).as<float>() + bb * s * hq * dh + gq * grp * dh;
-      c.k().GemmStridedBatched(false, false, s, dh, s, 1.f, pr, s, s * s, v, dh, 0, 0.f, o, hq * dh, dh, grp, nullptr);
+      c.k().GemmStridedBatched(false, false, s, dh, skv, 1.f, pr, skv, s * skv, v, dh, 0, 0.f, o, hq * dh, dh, grp,
+                               nullptr);
     }
   }
 }
 void BatchedGemmBwd(OpContext& c) {
-  auto [b, s, hq, hkv, dh, grp] = AttnDimsOf(c);
+  const AttnDims d = AttnDimsOf(c);
+  auto [b, s, skv, hq, hkv, dh, grp] = d;
+  const float* kv = WholeKeys(c, d);
+  float* dkv = WholeKeysGrad(c, d);
   if (IsScores(c)) {
     const float scale = 1.f / std::sqrt(static_cast<float>(dh));
-    Buffer ds = c.DOut(0), q = c.In(0), kk = c.In(1);
-    Buffer dq = c.InputGrad(0), dk = c.InputGrad(1);
+    Buffer ds = c.DOut(0), q = c.In(0);
+    Buffer dq = c.InputGrad(0);
     // dq = scale dS k; dk = scale sum over the group's heads dS^T q.
-    c.k().GemmStridedBatched(false, false, grp * s, dh, s, scale, ds.as<float>(), s, grp * s * s, kk.as<float>(), dh,
-                             s * dh, 0.f, dq.as<float>(), dh, grp * s * dh, b * hkv, nullptr);
-    c.k().GemmStridedBatched(true, false, s, dh, grp * s, scale, ds.as<float>(), s, grp * s * s, q.as<float>(), dh,
-                             grp * s * dh, 0.f, dk.as<float>(), dh, s * dh, b * hkv, nullptr);
+    c.k().GemmStridedBatched(false, false, grp * s, dh, skv, scale, ds.as<float>(), skv, grp * s * skv, kv, dh,
+                             skv * dh, 0.f, dq.as<float>(), dh, grp * s * dh, b * hkv, nullptr);
+    c.k().GemmStridedBatched(true, false, skv, dh, grp * s, scale, ds.as<float>(), skv, grp * s * skv, q.as<float>(),
+                             dh, grp * s * dh, 0.f, dkv, dh, skv * dh, b * hkv, nullptr);
   } else {
-    Buffer d_o = c.DOut(0), pr = c.In(0), v = c.In(1);
-    Buffer dp = c.InputGrad(0), dv = c.InputGrad(1);
+    Buffer d_o = c.DOut(0), pr = c.In(0);
+    Buffer dp = c.InputGrad(0);
     for (int64_t bb = 0; bb < b; ++bb) {
       for (int64_t gq = 0; gq < hkv; ++gq) {
         const float* dob = d_o.as<float>() + bb * s * hq * dh + gq * grp * dh;
-        const float* vb = v.as<float>() + (bb * hkv + gq) * s * dh;
-        const float* pb = pr.as<float>() + (bb * hq + gq * grp) * s * s;
+        const float* vb = kv + (bb * hkv + gq) * skv * dh;
+        const float* pb = pr.as<float>() + (bb * hq + gq * grp) * s * skv;
         // dP_h = dO_h V^T; dV = sum_h P_h^T dO_h.
-        c.k().GemmStridedBatched(false, true, s, s, dh, 1.f, dob, hq * dh, dh, vb, dh, 0, 0.f,
-                                 dp.as<float>() + (bb * hq + gq * grp) * s * s, s, s * s, grp, nullptr);
+        c.k().GemmStridedBatched(false, true, s, skv, dh, 1.f, dob, hq * dh, dh, vb, dh, 0, 0.f,
+                                 dp.as<float>() + (bb * hq + gq * grp) * s * skv, skv, s * skv, grp, nullptr);
         for (int64_t h = 0; h < grp; ++h) {
-          c.k().GemmStridedBatched(true, false, s, dh, s, 1.f, pb + h * s * s, s, 0, dob + h * dh, hq * dh, 0,
-                                   h == 0 ? 0.f : 1.f, dv.as<float>() + (bb * hkv + gq) * s * dh, dh, 0, 1, nullptr);
+          c.k().GemmStridedBatched(true, false, skv, dh, s, 1.f, pb + h * s * skv, skv, 0, dob + h * dh, hq * dh, 0,
+                                   h == 0 ? 0.f : 1.f, dkv + (bb * hkv + gq) * skv * dh, dh, 0, 1, nullptr);
         }
       }
     }
   }
+  FinishKeysGrad(c, d, dkv);
   c.FinishInputGrad(0);
   c.FinishInputGrad(1);
 }

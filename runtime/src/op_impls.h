@@ -131,6 +131,13 @@ void FlashAttentionBwd(OpContext& c);
 void CpShortConvFwd(OpContext& c, const ParamState& w, int64_t batch, int64_t seq, int64_t channels);
 void CpShortConvBwd(OpContext& c, const ParamState& w, int64_t batch, int64_t seq, int64_t channels);
 void CpKdaFwd(OpContext& c, const kernels::KdaShape& local);
+// Context parallelism's whole-sequence tensors in the plan's cp_comm buffer
+// (a [groups, s, w] tensor per rank, [groups, s * cp, w] whole): slot k of
+// them; every rank's `mine` gathered into slot k; and a whole-sequence
+// gradient summed over the group with this rank's chunks written to `mine`.
+float* CpWholeSlot(OpContext& c, int64_t groups, int64_t s, int64_t w, int slot);
+const float* CpWhole(OpContext& c, const Buffer& mine, int64_t groups, int64_t s, int64_t w, int slot);
+void CpKeepMine(OpContext& c, float* whole, int64_t groups, int64_t s, int64_t w, const Buffer& mine);
 void CpKdaBwd(OpContext& c, const kernels::KdaShape& local);
 
 using OpFn = void (*)(OpContext&);

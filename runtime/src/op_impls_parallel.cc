@@ -296,6 +296,24 @@ void CpFlashAttentionBwd(OpContext& c) {
 
 }  // namespace
 
+float* CpWholeSlot(OpContext& c, int64_t groups, int64_t s, int64_t w, int slot) {
+  const int64_t n = groups * s * c.cp_size() * w;
+  const Buffer buf = c.CpBuffer();
+  MEMPLAN_CHECK((slot + 1) * n * 4 <= buf.bytes, "the plan's cp_comm buffer is too small");
+  return buf.as<float>() + slot * n;
+}
+
+const float* CpWhole(OpContext& c, const Buffer& mine, int64_t groups, int64_t s, int64_t w, int slot) {
+  float* whole = CpWholeSlot(c, groups, s, w, slot);
+  CpGatherWhole(c, mine, groups, s, w, whole);
+  return whole;
+}
+
+void CpKeepMine(OpContext& c, float* whole, int64_t groups, int64_t s, int64_t w, const Buffer& mine) {
+  c.CpAllReduce(Buffer{reinterpret_cast<std::byte*>(whole), -1, 0}, groups * s * c.cp_size() * w);
+  CpCopy(c, groups, s, w, whole, mine.as<float>(), false, c.cp_rank());
+}
+
 // KDA's short convolution and chunked delta rule under context
 // parallelism, in the same gathered form: every rank's inputs gathered into
 // the whole sequence, the op run over it, this rank's rows kept; in

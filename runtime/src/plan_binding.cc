@@ -28,11 +28,6 @@ Expected<std::monostate> Executor::Setup() {
                     "parts of the sequence (seq_len / (2 cp) = " + std::to_string(half) + " is not a multiple of " +
                     std::to_string(a.linear_attention->chunk) + ")");
     }
-    if (a.attention != planner::Attention::kFlash) {
-      why.push_back("/model/arch/attention: context parallelism executes flash attention only (the runtime's "
-                    "standard attention saves the whole sequence's scores)");
-    }
-    if (a.dropout) why.push_back("/model/arch/dropout: dropout masks under cp > 1 are not executed yet");
   }
   // Data, expert and tensor parallelism run one process per rank: their
   // reductions and exchanges are real.

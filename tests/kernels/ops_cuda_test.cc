@@ -862,27 +862,32 @@ TEST_CASE("Softmax and sigmoid forward and backward") {
   struct Case {
     int64_t rows, cols, causal_seq;
     bool misalign;
+    int64_t cp = 1, cp_rank = 0;  // context parallelism: the rows are rank cp_rank's chunks
   };
   uint32_t seed = 1000;
   for (const Case cs : {Case{64, 1024, 0, false}, Case{130, 130, 130, false}, Case{37, 7, 0, false},
                         Case{6, 50257, 0, false}, Case{33, 64, 11, false}, Case{40, 256, 20, true},
-                        Case{3, 1, 1, false}}) {
+                        Case{3, 1, 1, false}, Case{64, 64, 16, false, 2, 1}, Case{48, 96, 24, false, 2, 0}}) {
     const std::string what = "softmax " + Shape(cs.rows, cs.cols) + " causal_seq=" + std::to_string(cs.causal_seq) +
-                              (cs.misalign ? " misaligned" : "");
+                              (cs.misalign ? " misaligned" : "") +
+                              (cs.cp > 1 ? " cp rank " + std::to_string(cs.cp_rank) : "");
     const size_t n = static_cast<size_t>(cs.rows * cs.cols);
     const auto x = Normal(n, ++seed, 3.f);
     const auto dy = Random(n, ++seed);
     const float scale = 0.125f;
     DevF d_x(x, cs.misalign), d_dy(dy, cs.misalign), d_y(n, cs.misalign), d_dx(n, cs.misalign);
     std::vector<float> y(n), dx(n);
-    env.cuda->SoftmaxFwd(d_x.get(), cs.rows, cs.cols, scale, cs.causal_seq, d_y.get());
-    env.ref->SoftmaxFwd(x.data(), cs.rows, cs.cols, scale, cs.causal_seq, y.data());
+    env.cuda->SoftmaxFwd(d_x.get(), cs.rows, cs.cols, scale, cs.causal_seq, d_y.get(), cs.cp, cs.cp_rank);
+    env.ref->SoftmaxFwd(x.data(), cs.rows, cs.cols, scale, cs.causal_seq, y.data(), cs.cp, cs.cp_rank);
     const auto got = d_y.ToHost();
     ExpectNear(got, y, kElementwiseTol, what + " y");
     size_t masked_nonzero = 0;
     for (int64_t r = 0; r < cs.rows; ++r) {
       for (int64_t j = 0; j < cs.cols; ++j) {
-        if (cs.causal_seq > 0 && j > r % cs.causal_seq && got[r * cs.cols + j] != 0.f) ++masked_nonzero;
+        if (cs.causal_seq > 0 && j > mk::CpPosition(r % cs.causal_seq, cs.causal_seq, cs.cp, cs.cp_rank) &&
+            got[r * cs.cols + j] != 0.f) {
+          ++masked_nonzero;
+        }
       }
     }
     CHECK_MESSAGE(masked_nonzero == 0, what << ": masked entries not exactly 0");

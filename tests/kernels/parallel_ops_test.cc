@@ -148,5 +148,33 @@ TEST_CASE("Context-parallel RoPE: each rank's two chunks rotated at their whole-
   CHECK(checked == b * heads * seq * hd);
 }
 
+TEST_CASE("Context-parallel causal softmax: each rank's rows mask at their whole-sequence positions") {
+  auto ops = mk::MakeRefOps();
+  const int64_t cp = 2, seq = 16, s = seq / cp, heads = 3;
+  const VecF x = Rand(heads * seq * seq, 31, -3.f, 3.f);
+  VecF whole(x.size());
+  ops->SoftmaxFwd(x.data(), heads * seq, seq, 0.5f, seq, whole.data());
+  int checked = 0;
+  for (int64_t r = 0; r < cp; ++r) {
+    VecF mine(static_cast<size_t>(heads * s * seq)), y(mine.size());
+    for (int64_t h = 0; h < heads; ++h) {
+      for (int64_t p = 0; p < s; ++p) {
+        std::copy_n(x.begin() + (h * seq + mk::CpPosition(p, s, cp, r)) * seq, seq, mine.begin() + (h * s + p) * seq);
+      }
+    }
+    ops->SoftmaxFwd(mine.data(), heads * s, seq, 0.5f, s, y.data(), cp, r);
+    for (int64_t h = 0; h < heads; ++h) {
+      for (int64_t p = 0; p < s; ++p) {
+        for (int64_t j = 0; j < seq; ++j) {
+          CHECK(y[static_cast<size_t>((h * s + p) * seq + j)] ==
+                whole[static_cast<size_t>((h * seq + mk::CpPosition(p, s, cp, r)) * seq + j)]);
+          ++checked;
+        }
+      }
+    }
+  }
+  CHECK(checked == heads * seq * seq);
+}
+
 }  // namespace
 }  // namespace memplan::test::kernels

@@ -209,8 +209,10 @@ class Ops {
   // y_j = e_j / sum_j e_j. When causal_seq > 0, row r is query position
   // i = r % causal_seq and columns j > i are masked: left out of the max and
   // the sum, and y_j = 0 exactly (scores [b, heads, s, s] use causal_seq = s).
-  virtual void SoftmaxFwd(const float* x, int64_t rows, int64_t cols, float scale, int64_t causal_seq,
-                          float* y) = 0;
+  // Context parallelism: the rows are rank cp_rank's chunks (CpPosition) and
+  // i their position in the whole sequence (cols = the whole sequence).
+  virtual void SoftmaxFwd(const float* x, int64_t rows, int64_t cols, float scale, int64_t causal_seq, float* y,
+                          int64_t cp = 1, int64_t cp_rank = 0) = 0;
   // dx = scale * (y * (dy - dot)), dot = sum_j dy_j * y_j per row
   // (overwrite). Masked entries have y = 0, so their dx is 0.
   virtual void SoftmaxBwd(const float* y, const float* dy, int64_t rows, int64_t cols, float scale, float* dx) = 0;
