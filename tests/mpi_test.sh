@@ -210,6 +210,12 @@ data_parallel k3-muon-zero3 "$root/examples/models/tiny-k3-fp32.json" 3
 # Experts under ZeRO-3: routed experts sharded over the replicas that hold
 # the same experts (dp / ep = 2), gathered with their unit (tiny-moe, dp 4 x ep 2).
 data_parallel moe-ep2-zero3 "$root/examples/models/tiny-moe.json" 3 "m['arch']['moe']['capacity_factor'] = 2.0" 4 2
+# ZeRO-3 at dp 1 with Muon in one process: nothing to gather, no muon_gather
+# buffer in the plan (was an internal error).
+model "$root/examples/models/tiny-k3-fp32.json" "$tmp/k3-z3-dp1.json" "m.pop('budget', None); m['parallel'].update(zero=3)"
+"$memplan" plan "$tmp/k3-z3-dp1.json" -o "$tmp/k3-z3-dp1.plan.json" -q 2>"$tmp/err" && "$memplan" run "$tmp/k3-z3-dp1.plan.json" -q 2>"$tmp/err" \
+  -o "$tmp/k3-z3-dp1.m.json" && "$memplan" check "$tmp/k3-z3-dp1.plan.json" "$tmp/k3-z3-dp1.m.json" --tolerance 0 >"$tmp/out" \
+  && ok || bad "ZeRO-3 at dp 1 with Muon: $(cat "$tmp/err")"
 python3 - "$tmp/llama-zero3.dp.m.json" "$tmp/llama-zero3.dp.plan.json" <<'PY' && ok || bad "ZeRO-3 did not gather and reduce-scatter by unit"
 import json, sys
 m, plan = (json.load(open(f)) for f in sys.argv[1:])
@@ -612,6 +618,11 @@ grid moe-tp2-ep2 "$root/examples/models/tiny-moe.json" \
 # bf16: a rounding can fall the other way when the ranks sum in another
 # order, so the bound is looser (measured: loss 4e-6, gradients 3e-3).
 grid moe-bf16-tp2 "$root/examples/models/tiny-moe.json" "m['parallel'].update(tp=2, sp=True)" 4 1e-2
+# Muon with ZeRO-1 and P2P gathers: each split matrix gathered over tp for
+# Newton-Schulz by its owner replica (tiny-k3-fp32: KDA, MLA, latent MoE with
+# ep 2 on the expert grid).
+grid k3-tp2-dp2-muon-p2p "$root/examples/models/tiny-k3-fp32.json" \
+  "m['parallel'].update(tp=2, sp=True, dp=2, zero=1, ep=2, muon_gather='p2p'); m['arch']['moe']['capacity_factor'] = 2.0" 8
 refused moe-tp2-no-sp "$root/examples/models/tiny-moe.json" "m['parallel'].update(tp=2)" 4 "/model/parallel/sp"
 refused llama-tp2-np2 "$root/examples/models/tiny-llama.json" "m['parallel'].update(tp=2)" 2 "x tp 2): run mpirun -np 4"
 fi

@@ -103,22 +103,26 @@ void Executor::MuonStep(Rank& r, ParamState& ps, const kernels::AdamConfig& cfg)
 //     which assembles it in the buffer's first half, orthogonalizes it into
 //     the second half and sends each replica its part back.
 // Either way each replica's weight range gets the same update as in one
-// process; GatherWeights then all-gathers the weights.
+// process; GatherWeights then all-gathers the weights. Under tensor
+// parallelism a split parameter is one matrix of its slice's elements,
+// gathered over the tensor-parallel group for Newton-Schulz (as MuonStep).
 void Executor::MuonStepsSharded(Rank& r, const kernels::AdamConfig& cfg) {
   kernels::Ops& k = *r.ops;
   if (std::none_of(r.params.begin(), r.params.end(), [](const ParamState& ps) { return ps.muon; })) return;
+  // Only partitioned parameters are gathered: with no replica to gather
+  // from (ZeRO-3 at dp 1) the plan has no buffer and needs none.
   auto planned = r.static_buffers.find("muon_gather");
-  MEMPLAN_CHECK(planned != r.static_buffers.end(), "Muon with ZeRO-1 and no gather buffer in the plan");
-  const Buffer& gather = planned->second;
+  const Buffer gather = planned != r.static_buffers.end() ? planned->second : Buffer{};
   float* x = r.static_buffers.at("muon_ns_scratch").as<float>();
   const bool p2p = model_.parallel.muon_gather_p2p;
-  for (const auto& chunk : p_.layout.chunks[static_cast<size_t>(pp_rank_)]) {
+  for (const auto& chunk : p_.layout.chunks[static_cast<size_t>(r.index)]) {
     struct Matrix {
       ParamState* ps;
       int64_t index;  // within the parameter
       int64_t rows, cols;
       int64_t at = 0;  // allgather: offset in the buffer; p2p: in each half
       int owner = 0;  // in the parameter's group (GroupOf)
+      int64_t n = 0;  // its elements here (rows * cols, or a tensor-parallel slice's)
     };
     std::vector<Matrix> mats;
     std::vector<ParamState*> params;
@@ -129,7 +133,11 @@ void Executor::MuonStepsSharded(Rank& r, const kernels::AdamConfig& cfg) {
         ParamState& ps = r.params[it->second];
         params.push_back(&ps);
         auto [rows, cols] = planner::MuonMatrixShape(*ps.spec);
-        for (int64_t i = 0; i < ps.elements / (rows * cols); ++i) mats.push_back({&ps, i, rows, cols});
+        const int64_t n = TpSplit(ps) ? ps.elements : rows * cols;
+        for (int64_t i = 0; i < ps.elements / n; ++i) {
+          mats.push_back({&ps, i, rows, cols});
+          mats.back().n = n;
+        }
       }
     }
     // Nesterov on this replica's range, X's range in place of the gradient's.
@@ -139,11 +147,24 @@ void Executor::MuonStepsSharded(Rank& r, const kernels::AdamConfig& cfg) {
       k.Axpby(g, ps->m.as<float>(), Owned(*ps), 1.f, kMuonMomentum, g);
     }
     backend_->Finish(*r.dev);
+    // Newton-Schulz on matrix `mt`'s elements at x: its tensor-parallel
+    // slice gathered into the whole matrix first, and cut again after.
+    auto orthogonalize = [&](const Matrix& mt) {
+      if (!TpSplit(*mt.ps)) return Orthogonalize(r, mt.rows, mt.cols);
+      std::vector<float> part(static_cast<size_t>(mt.n));
+      backend_->ToHost(*r.dev, part.data(), x, mt.n * 4);
+      std::vector<float> whole = TpWhole(*mt.ps, part);
+      backend_->FromHost(*r.dev, x, whole.data(), mt.rows * mt.cols * 4);
+      Orthogonalize(r, mt.rows, mt.cols);
+      backend_->ToHost(*r.dev, whole.data(), x, mt.rows * mt.cols * 4);
+      part = TpSlice(*mt.ps, whole);
+      backend_->FromHost(*r.dev, x, part.data(), mt.n * 4);
+    };
     // The update of matrix `mt` (rows x cols at `u`, device) on this
     // replica's range of its weight.
     auto apply = [&](const Matrix& mt, const float* u) {
       ParamState& ps = *mt.ps;
-      const int64_t n = mt.rows * mt.cols, lo = RangeStart(ps);
+      const int64_t n = mt.n, lo = RangeStart(ps);
       const int64_t from = std::max(lo, mt.index * n), to = std::min(lo + Owned(ps), (mt.index + 1) * n);
       if (from >= to) return;
       float* w = !ps.master.empty() ? ps.master.as<float>() + (from - lo)
@@ -158,9 +179,9 @@ void Executor::MuonStepsSharded(Rank& r, const kernels::AdamConfig& cfg) {
     // buffer, docs/accounting.md §6b).
     std::erase_if(mats, [&](const Matrix& mt) {
       if (GroupOf(*mt.ps).size > 1) return false;
-      const int64_t n = mt.rows * mt.cols;
+      const int64_t n = mt.n;
       k.Copy(reinterpret_cast<std::byte*>(x), reinterpret_cast<const std::byte*>(OwnGrad(*mt.ps, mt.index * n)), n * 4);
-      Orthogonalize(r, mt.rows, mt.cols);
+      orthogonalize(mt);
       apply(mt, x);
       return true;
     });
@@ -177,10 +198,10 @@ void Executor::MuonStepsSharded(Rank& r, const kernels::AdamConfig& cfg) {
         at += n;
       }
       for (const Matrix& mt : mats) {
-        const int64_t n = mt.rows * mt.cols;
+        const int64_t n = mt.n;
         k.Copy(reinterpret_cast<std::byte*>(x), reinterpret_cast<const std::byte*>(gather.as<float>() + where[mt.ps] + mt.index * n),
                n * 4);
-        Orthogonalize(r, mt.rows, mt.cols);
+        orthogonalize(mt);
         apply(mt, x);
       }
       ++r.events["muon_allgathers"];
@@ -194,7 +215,7 @@ void Executor::MuonStepsSharded(Rank& r, const kernels::AdamConfig& cfg) {
         if ((mt.ps->spec->kind == planner::ParamKind::kExpert) == (group == 1)) order.push_back(&mt);
       }
       std::stable_sort(order.begin(), order.end(),
-                       [](const Matrix* a, const Matrix* b) { return a->rows * a->cols > b->rows * b->cols; });
+                       [](const Matrix* a, const Matrix* b) { return a->n > b->n; });
       for (size_t j = 0; j < order.size(); ++j) {
         order[j]->owner = static_cast<int>(j % static_cast<size_t>(GroupOf(*order[j]->ps).size));
       }
@@ -204,14 +225,14 @@ void Executor::MuonStepsSharded(Rank& r, const kernels::AdamConfig& cfg) {
     for (Matrix& mt : mats) {
       if (!mine(mt)) continue;
       mt.at = owned_elements;
-      owned_elements += mt.rows * mt.cols;
+      owned_elements += mt.n;
     }
     MEMPLAN_CHECK(2 * owned_elements * 4 <= gather.bytes, "Muon's gather exceeds the plan's buffer");
     float* assembled = gather.as<float>();
     float* result = assembled + owned_elements;
     // This replica's part [from, to) of matrix `mt`, in the parameter's elements.
     auto part = [&](const Matrix& mt, int64_t replica) {
-      const int64_t n = mt.rows * mt.cols, kk = Shard(*mt.ps);
+      const int64_t n = mt.n, kk = Shard(*mt.ps);
       const int64_t lo = kk * replica, hi = std::min(mt.ps->elements, lo + kk);
       return std::pair<int64_t, int64_t>{std::max(lo, mt.index * n), std::min(hi, (mt.index + 1) * n)};
     };
@@ -224,7 +245,7 @@ void Executor::MuonStepsSharded(Rank& r, const kernels::AdamConfig& cfg) {
       if (from < to) backend_->ToHost(*r.stat, bytes.data(), OwnGrad(*mt.ps, from), (to - from) * 4);
       if (mine(mt)) {
         if (from < to) {
-          backend_->FromHost(*r.stat, assembled + mt.at + (from - mt.index * mt.rows * mt.cols), bytes.data(),
+          backend_->FromHost(*r.stat, assembled + mt.at + (from - mt.index * mt.n), bytes.data(),
                              (to - from) * 4);
         }
       } else {
@@ -236,7 +257,7 @@ void Executor::MuonStepsSharded(Rank& r, const kernels::AdamConfig& cfg) {
       const Matrix& mt = mats[j];
       if (!mine(mt)) continue;
       const DpGroup& group = GroupOf(*mt.ps);
-      const int64_t n = mt.rows * mt.cols;
+      const int64_t n = mt.n;
       for (int64_t q = 0; q < group.size; ++q) {
         if (q == group.rank) continue;
         auto [from, to] = part(mt, q);
@@ -245,7 +266,7 @@ void Executor::MuonStepsSharded(Rank& r, const kernels::AdamConfig& cfg) {
         if (from < to) backend_->FromHost(*r.stat, assembled + mt.at + (from - mt.index * n), bytes.data(), (to - from) * 4);
       }
       k.Copy(reinterpret_cast<std::byte*>(x), reinterpret_cast<const std::byte*>(assembled + mt.at), n * 4);
-      Orthogonalize(r, mt.rows, mt.cols);
+      orthogonalize(mt);
       k.Copy(reinterpret_cast<std::byte*>(result + mt.at), reinterpret_cast<const std::byte*>(x), n * 4);
       backend_->Finish(*r.dev);
       for (int64_t q = 0; q < group.size; ++q) {
@@ -266,7 +287,7 @@ void Executor::MuonStepsSharded(Rank& r, const kernels::AdamConfig& cfg) {
       std::vector<std::byte> bytes = group.comm->Recv(mt.owner, static_cast<int>(mats.size() + j));
       if (from >= to) continue;
       // Into the X scratch at the part's place in the matrix, then applied.
-      const int64_t n = mt.rows * mt.cols;
+      const int64_t n = mt.n;
       backend_->FromHost(*r.stat, x + (from - mt.index * n), bytes.data(), (to - from) * 4);
       apply(mt, x);
     }

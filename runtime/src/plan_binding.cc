@@ -59,11 +59,6 @@ Expected<std::monostate> Executor::Setup() {
       why.push_back("/model/parallel/sp: MoE under tp > 1 needs sequence parallelism (each tensor-parallel rank "
                     "routes its own tokens, as Megatron requires)");
     }
-    if (model_.train.optimizer == planner::Optimizer::kMuon && (par.zero >= 1 || par.pipeline_zero2) &&
-        (par.dp > 1 || par.zero >= 3)) {
-      why.push_back("/model/train/optimizer: Muon under tp > 1 with a sharded optimizer (ZeRO-1 and up across "
-                    "replicas) is not executed yet; with ZeRO-0 it is");
-    }
   }
   if (model_.arch.position_embeddings > 0) {
     why.push_back("/model/arch/position_embeddings: learned positions are planned (their table, gradient and "
