@@ -27,8 +27,10 @@
 // The model code never names a policy: op handlers ask for tensors by name
 // and the storage bound by the plan decides where their bytes are.
 //
-// Limits (refused with ErrorCode::kBadInput and a reason): tp, ep or cp >
-// 1; dp > 1 without a communicator, or with ZeRO-2's reduce bucket; fp16 and 16-bit gradients; bf16 on the cuda backend; MLA without
+// Limits (refused with ErrorCode::kBadInput and a reason): dp, ep, tp or
+// cp > 1 without a communicator; the few tensor/context-parallel
+// combinations docs/runtime.md lists; ZeRO-2's reduce bucket too small for a
+// layer; fp16 and 16-bit gradients; bf16 on the cuda backend; MLA without
 // flash attention; Block AttnRes without checkpointing (docs/runtime.md,
 // "Limits"). A plan that is malformed, whose storages are illegal, or whose
 // bytes differ from this planner's is refused too.
