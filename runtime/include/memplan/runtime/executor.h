@@ -12,7 +12,7 @@
 //     1F1B). Activations and their gradients cross ranks through a mailbox
 //     outside the pools, as a network link would carry them. With a
 //     communicator (RunOptions::comm: launched by mpirun) this process runs
-//     one rank of the pp x dp grid and the messages go through it.
+//     one rank of the tp x cp x dp x pp grid and the messages go through it.
 //   - Interprets the layer graph op by op (`kernels::Ops`: CPU references on
 //     the host backend, CUDA kernels and cuBLAS on the cuda backend). Every
 //     buffer a step uses is allocated and freed at the steps of the plan's
