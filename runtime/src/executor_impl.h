@@ -291,7 +291,7 @@ class Executor {
   // rank's n floats into `whole` (n * tp) in rank order, and this rank's
   // block of n of the sum of every rank's `whole`.
   std::vector<float> GatherOver(Rank& r, Communicator& comm, const char* event, const float* data, int64_t n);
-  void SumOver(Rank& r, Communicator& comm, const char* event, float* data, int64_t n);
+  void SumOver(Rank& r, Communicator& comm, DeviceCommunicator* nccl, const char* event, float* data, int64_t n);
   std::vector<float> TpGather(Rank& r, const float* data, int64_t n);
   void TpAllReduce(Rank& r, float* data, int64_t n);
   void TpAllGather(Rank& r, const float* mine, int64_t n, float* whole);

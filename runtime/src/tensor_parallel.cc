@@ -96,8 +96,15 @@ std::vector<float> Executor::GatherOver(Rank& r, Communicator& comm, const char*
   return all;
 }
 
-// Their sum in place.
-void Executor::SumOver(Rank& r, Communicator& comm, const char* event, float* data, int64_t n) {
+// Their sum in place: on cuda through NCCL on the ops' stream (NCCL's sums
+// are not in rank order; every rank still gets the same bits).
+void Executor::SumOver(Rank& r, Communicator& comm, DeviceCommunicator* nccl, const char* event, float* data,
+                       int64_t n) {
+  if (nccl != nullptr) {
+    nccl->AllReduceSum(data, n, OpsStream(r));
+    ++r.events[event];
+    return;
+  }
   std::vector<float> all = GatherOver(r, comm, event, data, n), sum(static_cast<size_t>(n), 0.f);
   for (int k = 0; k < comm.size(); ++k) {
     for (int64_t i = 0; i < n; ++i) sum[static_cast<size_t>(i)] += all[static_cast<size_t>(k * n + i)];
@@ -110,15 +117,9 @@ std::vector<float> Executor::TpGather(Rank& r, const float* data, int64_t n) {
 }
 
 // On cuda the sums, gathers and reduce-scatters run on the device buffers
-// through NCCL, on the ops' stream (NCCL's sums are not in rank order;
-// every rank still gets the same bits).
+// through NCCL, on the ops' stream.
 void Executor::TpAllReduce(Rank& r, float* data, int64_t n) {
-  if (tp_nccl_) {
-    tp_nccl_->AllReduceSum(data, n, OpsStream(r));
-    ++r.events["tp_collectives"];
-    return;
-  }
-  SumOver(r, *tp_comm_, "tp_collectives", data, n);
+  SumOver(r, *tp_comm_, tp_nccl_.get(), "tp_collectives", data, n);
 }
 
 void Executor::TpAllGather(Rank& r, const float* mine, int64_t n, float* whole) {
@@ -198,12 +199,7 @@ std::vector<float> Executor::CpGather(Rank& r, const float* data, int64_t n) {
 }
 
 void Executor::CpAllReduce(Rank& r, float* data, int64_t n) {
-  if (cp_nccl_) {
-    cp_nccl_->AllReduceSum(data, n, OpsStream(r));
-    ++r.events["cp_collectives"];
-    return;
-  }
-  SumOver(r, *cp_comm_, "cp_collectives", data, n);
+  SumOver(r, *cp_comm_, cp_nccl_.get(), "cp_collectives", data, n);
 }
 
 }  // namespace memplan::runtime::exec
