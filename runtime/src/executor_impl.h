@@ -336,6 +336,15 @@ class Executor {
   // The replicas a dense parameter's gradient is reduced over: dp x cp,
   // this process's place among them.
   int64_t Replicas() const { return model_.parallel.dp * model_.parallel.cp; }
+  // A rank's place in the grid on its measured records (MeasuredRank,
+  // MeasuredStepRank).
+  template <typename Record>
+  void SetGridPlace(Record& rec, const Rank& r) const {
+    rec.pp_rank = r.index;
+    rec.dp_rank = dp_rank_;
+    rec.tp_rank = tp_rank_;
+    rec.cp_rank = cp_rank_;
+  }
   int64_t DenseRank() const { return dp_rank_ * model_.parallel.cp + cp_rank_; }
   int64_t EpRank() const { return ExpertGridIndex() % model_.parallel.ep; }
   // ZeRO-1: the elements of a parameter this replica's optimizer owns,

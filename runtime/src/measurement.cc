@@ -93,10 +93,7 @@ Expected<RunResult> Executor::Finish() {
   if (options_.steps > 1) m.steps = step_records_;
   for (auto& r : ranks_) {
     traces::MeasuredRank mr;
-    mr.pp_rank = r->index;
-    mr.dp_rank = dp_rank_;
-    mr.tp_rank = tp_rank_;
-    mr.cp_rank = cp_rank_;
+    SetGridPlace(mr, *r);
     mr.ep_rank = EpRank();
     mr.static_bytes = r->static_bytes;
     // The largest step's (RecordStep): one step's when there is one.

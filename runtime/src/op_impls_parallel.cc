@@ -3,6 +3,7 @@
 // parallelism (docs/runtime.md, "Tensor parallelism"), flash attention
 // under context parallelism ("Context parallelism"). With tp = cp = 1 each
 // is the whole op.
+#include <array>
 #include <cmath>
 #include <utility>
 
@@ -286,11 +287,9 @@ void CpFlashAttentionBwd(OpContext& c) {
   MEMPLAN_CHECK(c.Workspace().bytes >= workspace::FlashAttentionBwdBytes(w.b, w.heads, w.s),
                 "flash attention's workspace is not planned for the whole sequence");
   c.k().FlashAttentionBwd(w, a.q, a.k, a.v, a.o, a.lse, a.d_o, a.dq, a.dk, a.dv, c.Workspace().ptr);
-  c.CpAllReduce(Buffer{reinterpret_cast<std::byte*>(a.dk), -1, 0}, w.b * w.kv_heads * w.s * w.dqk);
-  c.CpAllReduce(Buffer{reinterpret_cast<std::byte*>(a.dv), -1, 0}, w.b * w.kv_heads * w.s * w.dv);
   CpCopy(c, l.b * l.heads, l.s, l.dqk, a.dq, c.InputGrad(0).as<float>(), false, c.cp_rank());
-  CpCopy(c, l.b * l.kv_heads, l.s, l.dqk, a.dk, c.InputGrad(1).as<float>(), false, c.cp_rank());
-  CpCopy(c, l.b * l.kv_heads, l.s, l.dv, a.dv, c.InputGrad(2).as<float>(), false, c.cp_rank());
+  CpKeepMine(c, a.dk, l.b * l.kv_heads, l.s, l.dqk, c.InputGrad(1));
+  CpKeepMine(c, a.dv, l.b * l.kv_heads, l.s, l.dv, c.InputGrad(2));
   for (size_t i = 0; i < 3; ++i) c.FinishInputGrad(i);
 }
 
@@ -338,8 +337,7 @@ void CpShortConvBwd(OpContext& c, const ParamState& w, int64_t batch, int64_t se
   CpCopy(c, batch, seq, channels, c.DOut(0).as<float>(), dy, true, c.cp_rank());
   c.k().ShortConvBwd(x, w.weight.as<float>(), dy, batch, seq * c.cp_size(), channels, w.shape[0], dx,
                      w.grad.as<float>());
-  c.CpAllReduce(Buffer{reinterpret_cast<std::byte*>(dx), -1, 0}, n);
-  CpCopy(c, batch, seq, channels, dx, c.InputGrad(0).as<float>(), false, c.cp_rank());
+  CpKeepMine(c, dx, batch, seq, channels, c.InputGrad(0));
   c.FinishInputGrad(0);
 }
 
@@ -354,6 +352,10 @@ struct CpKda {
   float *o, *states, *d_o;
   float* grad[5];
 };
+// Each input's width per token: q, k, v, g [heads * d], beta [heads].
+std::array<int64_t, 5> KdaWidths(const kernels::KdaShape& sh) {
+  return {sh.heads * sh.dk, sh.heads * sh.dk, sh.heads * sh.dv, sh.heads * sh.dk, sh.heads};
+}
 CpKda CarveCpKda(OpContext& c, const kernels::KdaShape& local) {
   CpKda a;
   a.whole = local;
@@ -361,19 +363,20 @@ CpKda CarveCpKda(OpContext& c, const kernels::KdaShape& local) {
   const auto& w = a.whole;
   const Buffer buf = c.CpBuffer();
   float* at = buf.as<float>();
-  const int64_t t = w.batch * w.seq, width[5] = {w.heads * w.dk, w.heads * w.dk, w.heads * w.dv, w.heads * w.dk, w.heads};
-  for (int i = 0; i < 5; ++i) a.in[i] = std::exchange(at, at + t * width[i]);
+  const int64_t t = w.batch * w.seq;
+  const auto width = KdaWidths(w);
+  for (int i = 0; i < 5; ++i) a.in[i] = std::exchange(at, at + t * width[static_cast<size_t>(i)]);
   a.o = std::exchange(at, at + t * w.heads * w.dv);
   a.states = std::exchange(at, at + w.batch * w.heads * w.Chunks() * w.dk * w.dv);
   a.d_o = std::exchange(at, at + t * w.heads * w.dv);
-  for (int i = 0; i < 5; ++i) a.grad[i] = std::exchange(at, at + t * width[i]);
+  for (int i = 0; i < 5; ++i) a.grad[i] = std::exchange(at, at + t * width[static_cast<size_t>(i)]);
   MEMPLAN_CHECK(reinterpret_cast<std::byte*>(at) <= buf.ptr + buf.bytes, "the plan's cp_comm buffer is too small");
   return a;
 }
 
 void CpKdaInputs(OpContext& c, CpKda& a, const kernels::KdaShape& l) {
-  const int64_t width[5] = {l.heads * l.dk, l.heads * l.dk, l.heads * l.dv, l.heads * l.dk, l.heads};
-  for (int i = 0; i < 5; ++i) CpGatherWhole(c, c.In(static_cast<size_t>(i)), l.batch, l.seq, width[i], a.in[i]);
+  const auto width = KdaWidths(l);
+  for (size_t i = 0; i < 5; ++i) CpGatherWhole(c, c.In(i), l.batch, l.seq, width[i], a.in[i]);
 }
 
 }  // namespace
@@ -402,10 +405,9 @@ void CpKdaBwd(OpContext& c, const kernels::KdaShape& l) {
   c.k().KdaBwd(a.in[0], a.in[1], a.in[2], a.in[3], a.in[4], a_log.weight.as<float>(), dt_bias.weight.as<float>(),
                a.states, a.d_o, a.whole, a.grad[0], a.grad[1], a.grad[2], a.grad[3], a.grad[4], a_log.grad.as<float>(),
                dt_bias.grad.as<float>(), c.Workspace().as<float>());
-  const int64_t width[5] = {l.heads * l.dk, l.heads * l.dk, l.heads * l.dv, l.heads * l.dk, l.heads};
+  const auto width = KdaWidths(l);
   for (size_t i = 0; i < 5; ++i) {
-    c.CpAllReduce(Buffer{reinterpret_cast<std::byte*>(a.grad[i]), -1, 0}, t * width[i]);
-    CpCopy(c, l.batch, l.seq, width[i], a.grad[i], c.InputGrad(i).as<float>(), false, c.cp_rank());
+    CpKeepMine(c, a.grad[i], l.batch, l.seq, width[i], c.InputGrad(i));
     c.FinishInputGrad(i);
   }
 }

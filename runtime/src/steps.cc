@@ -101,10 +101,7 @@ void Executor::RecordStep(double grad_norm, double step_s) {
   s.step_s = step_s;
   for (auto& r : ranks_) {
     traces::MeasuredStepRank sr;
-    sr.pp_rank = r->index;
-    sr.dp_rank = dp_rank_;
-    sr.tp_rank = tp_rank_;
-    sr.cp_rank = cp_rank_;
+    SetGridPlace(sr, *r);
     sr.allocated_peak = r->static_bytes + r->dev->allocated_peak();
     sr.peak = r->static_bytes + r->dev->high_water();
     r->run_allocated_peak = std::max(r->run_allocated_peak, sr.allocated_peak);

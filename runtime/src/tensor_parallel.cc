@@ -4,6 +4,7 @@
 // gradients each rank only holds a part of; the context-parallel group's
 // collectives (executor_impl.h).
 #include "executor_impl.h"
+#include "op_impls.h"
 
 namespace memplan::runtime::exec {
 
@@ -170,10 +171,11 @@ void Executor::FindTpPartials() {
         const std::string& s = g.FindTensor(in)->sharding;
         differs = differs || s == "tp" || s == "sp" || s == "tp_seq";
       }
-      if (op.op == planner::OpKind::kLinear && !op.inputs.empty() && !op.outputs.empty() &&
-          Elements(g.FindTensor(op.inputs[0])->shape) / g.FindTensor(op.inputs[0])->shape.back() <
-              Elements(g.FindTensor(op.outputs[0])->shape) / g.FindTensor(op.outputs[0])->shape.back()) {
-        differs = false;  // gathers its input
+      // A linear with fewer input rows than output rows gathers its input
+      // (op_impls_parallel.cc, TpLinearOf).
+      if (op.op == planner::OpKind::kLinear &&
+          RowsCols(*g.FindTensor(op.inputs[0])).rows < RowsCols(*g.FindTensor(op.outputs[0])).rows) {
+        differs = false;
       }
       if (!differs) continue;
       for (const auto& p : op.params) {
