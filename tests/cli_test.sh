@@ -266,7 +266,7 @@ python3 - "$tmp/gpt3-plan.json" "$root/examples/models/gpt3-175b.json" "$memplan
 import json, subprocess, sys, tempfile
 imported = json.load(open(sys.argv[1]))
 with tempfile.NamedTemporaryFile(suffix=".json") as f:
-    subprocess.run([sys.argv[3], "plan", sys.argv[2], "-q", "-o", f.name], check=True)
+    subprocess.run([sys.argv[3], "plan", sys.argv[2], "--target", "megatron", "-q", "-o", f.name], check=True)
     bundled = json.load(open(f.name))
 for key in ("totals", "ranks", "overhead", "tensors"):
     assert imported[key] == bundled[key], key
@@ -292,7 +292,7 @@ expect_exit 2 "import hf onto its input" "$memplan" import hf "$tmp/llama.json" 
 expect_exit 0 "plan llama3-70b at 30 GiB" "$memplan" plan "$root/examples/models/llama3-70b.json" --budget 30GiB -q \
   -o "$tmp/l70.plan.json"
 expect_exit 0 "export megatron" "$memplan" export megatron "$tmp/l70.plan.json" -o "$tmp/l70.args"
-grep -q "exported_peak(GiB)" "$tmp/out" && grep -q "^round trip: memplan import megatron ARGS --gpus 512" "$tmp/out" \
+grep -q "megatron_reserved(GiB)" "$tmp/out" && grep -q "^round trip: memplan import megatron ARGS --gpus 512" "$tmp/out" \
   && grep -q -- "--num-layers 80" "$tmp/l70.args" && ok || bad "export megatron output: $(cat "$tmp/out")"
 expect_exit 0 "import the export back" "$memplan" import megatron "$tmp/l70.args" --gpus 512 --as-written -o "$tmp/l70.back.json"
 expect_exit 0 "plan the import" "$memplan" plan "$tmp/l70.back.json" --budget 30GiB -q -o "$tmp/l70.back.plan.json"
@@ -300,8 +300,8 @@ expect_exit 0 "plan the import" "$memplan" plan "$tmp/l70.back.json" --budget 30
 python3 - "$tmp/cmp" "$tmp/l70.back.plan.json" <<'PY' && ok || bad "the imported export plans other peaks than the export's re-plan"
 import json, re, sys
 rows = [l.split() for l in open(sys.argv[1]) if re.match(r"^ +\d+ ", l)]
-exported = [float(r[2]) for r in rows]
-back = [round(r["peak"] / 2**30, 2) for r in json.load(open(sys.argv[2]))["ranks"]]
+exported = [float(r[3]) for r in rows]
+back = [round(r["reserved"] / 2**30, 2) for r in json.load(open(sys.argv[2]))["ranks"]]
 assert exported and exported == back, (exported, back)
 PY
 # Golden outputs (docs/export.md: each flag as Megatron-LM's and TorchTitan's

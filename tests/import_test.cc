@@ -6,13 +6,16 @@
 
 #include <cmath>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <sstream>
 
 #include "memplan/planner/accounting.h"
 #include "memplan/planner/framework.h"
 #include "memplan/planner/import.h"
+#include "memplan/planner/megatron_args.h"
 #include "memplan/planner/model.h"
+#include "memplan/planner/target.h"
 #include "memplan/planner/templates.h"
 #include "json_test_util.h"
 #include "test_util.h"
@@ -236,8 +239,11 @@ std::string MegatronError(const std::string& text, int64_t gpus = 8) {
   return doc.error().message;
 }
 
+// The import is the bundled example as Megatron runs it (target megatron:
+// memplan's own mechanisms off, planner/target.h).
 void SameModel(Model imported, const std::string& example) {
-  const Model bundled = memplan::test::MustLoad(example);
+  Model bundled = memplan::test::MustLoad(example);
+  ApplyTarget(&bundled, TargetKind::kMegatron);
   imported.name = bundled.name;
   imported.description = bundled.description;
   CHECK(NormalizedModelJson(imported) == NormalizedModelJson(bundled));
@@ -303,10 +309,15 @@ TEST_CASE("import megatron: arguments it cannot translate are refused by name") 
   CHECK(MegatronError(s + "--num-layer 4") ==
         "args.txt: --num-layer: not understood: an argument that may change memory is never dropped silently "
         "(docs/import.md lists the arguments read and those known to change nothing)");
-  CHECK(MegatronError(s + "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
-            .rfind("args.txt: --recompute-granularity: full recomputation is not imported yet", 0) == 0);
-  CHECK(MegatronError(s + "--recompute-granularity selective --recompute-modules attention")
-            .rfind("args.txt: --recompute-modules: unknown module attention", 0) == 0);
+  // Megatron's own refusals, in its words (megatron_args.h).
+  CHECK(MegatronError(s + "--recompute-granularity full --recompute-num-layers 1") ==
+        "args.txt: Megatron refuses these arguments: --recompute-method: Using recompute_granularity: full so "
+        "recompute_method must be \"block\" or \"uniform\"");
+  CHECK(MegatronError(s + "--recompute-granularity selective --recompute-modules attention") ==
+        "args.txt: Megatron refuses these arguments: --recompute-modules: Invalid choices for recompute_modules: "
+        "attention");
+  CHECK(MegatronError(s + "--recompute-granularity selective --recompute-method block")
+            .find("recompute method is not yet supported for selective recomputing granularity") != std::string::npos);
   CHECK(MegatronError(s + "--offload-modules expert_fc1").find("takes effect with --fine-grained-activation-offloading") !=
         std::string::npos);
   CHECK(MegatronError(s + "--cpu-offloading").rfind("args.txt: --cpu-offloading: changes memory and is not imported yet", 0) == 0);
@@ -315,20 +326,39 @@ TEST_CASE("import megatron: arguments it cannot translate are refused by name") 
         std::string::npos);
   CHECK(MegatronError(s + "--num-experts 8 --moe-layer-freq ([0]*").find("--moe-layer-freq") != std::string::npos);
   CHECK(MegatronError(s + "--tensor-model-parallel-size 2", 3) == "--gpus: 3 is not divisible by tp * pp * cp = 2");
-  CHECK(MegatronError(s, 32).find("--global-batch-size: 16 is not divisible by micro batch * dp = 1 * 32") !=
-        std::string::npos);
+  CHECK(MegatronError(s, 32).find("--global-batch-size: global batch size (16) is not divisible by micro batch size "
+                                  "(1) times data parallel size (32)") != std::string::npos);
   CHECK(MegatronError(s + "--num-layers 99999999999").find("--num-layers: expected an integer") != std::string::npos);
-  CHECK(MegatronError(s + "--tensor-model-parallel-size 3", 24).find("/parallel/tp") != std::string::npos);
+  CHECK(MegatronError(s + "--tensor-model-parallel-size 3", 24).find("num_attention_heads (8) must be a multiple of "
+                                                                   "tensor_model_parallel_size (3)") != std::string::npos);
+  // The issue's layouts: 126 layers at pp 32 x vp 2, 56 at pp 16 x vp 2.
+  CHECK(MegatronError(s + "--num-layers 126 --pipeline-model-parallel-size 32 --num-virtual-stages-per-pipeline-rank 2",
+                      32)
+            .find("Number of layers should be divisible by the pipeline-model-parallel size (126 layers, pp 32)") !=
+        std::string::npos);
+  CHECK(MegatronError(s + "--num-layers 56 --pipeline-model-parallel-size 16 --num-virtual-stages-per-pipeline-rank 2", 16)
+            .find("(56 layers, pp 16)") != std::string::npos);
+  // 96 layers at pp 16 x vp 4: 6 per rank do not split into 4 virtual stages.
+  CHECK(MegatronError(s + "--num-layers 96 --pipeline-model-parallel-size 16 --num-virtual-stages-per-pipeline-rank 4", 16)
+            .find("the 6 layers per pipeline rank are not divisible by the 4 virtual stages") != std::string::npos);
+  // argparse: a token no argument takes, a flag given a value.
+  CHECK(MegatronError(s + "--lr-decay-style cosine @@@") ==
+        "args.txt: unrecognized arguments: @@@ (not a value of the argument before it; Megatron's parser exits here)");
+  CHECK(MegatronError(s + "--bf16=yes") == "args.txt: --bf16: ignored explicit argument 'yes' (a flag takes no value)");
+  CHECK(MegatronError(s + "--swiglu 1").rfind("args.txt: unrecognized arguments: 1", 0) == 0);
+  CHECK(MegatronError(s + "--seq-length").find("--seq-length: expected one value") != std::string::npos);
 }
 
 namespace {
 
-// Every rank's peak and step of two plans, which must be the same plan.
+// Every rank's peak, reserved bytes and step of two plans, which must be
+// the same plan.
 void SamePlan(const Plan& a, const Plan& b) {
   REQUIRE(a.ranks.size() == b.ranks.size());
   for (size_t r = 0; r < a.ranks.size(); ++r) {
     CAPTURE(r);
     CHECK(a.ranks[r].peak == b.ranks[r].peak);
+    CHECK(a.ranks[r].reserved == b.ranks[r].reserved);
     CHECK(a.ranks[r].fits == b.ranks[r].fits);
   }
   CHECK(a.overhead.step_s == doctest::Approx(b.overhead.step_s).epsilon(1e-12));
@@ -336,10 +366,117 @@ void SamePlan(const Plan& a, const Plan& b) {
 
 }  // namespace
 
-TEST_CASE("export megatron: the argument list imports to the model the export re-planned (round trip)") {
-  // docs/export.md. Budgets where memplan recomputes and offloads, so the
-  // settings are not empty; the import with --as-written must give the same
-  // plan as the export's own re-plan, rank by rank.
+TEST_CASE("import megatron: as Megatron's parser reads it; layouts and settings") {
+  ImportOptions o;
+  o.gpus = 8;
+  auto parse = [&](const std::string& text) {
+    auto doc = ImportMegatron(text, "args.txt", o);
+    if (!doc) throw std::runtime_error(doc.error().message);
+    return memplan::test::MustParse(Json::parse(doc->dump()));
+  };
+  const std::string s = kSmall;
+  // The last of a repeated argument wins; the model is Megatron's.
+  const Model last = parse(s + "--hidden-size 512 --hidden-size 256");
+  CHECK(last.arch.hidden == 256);
+  CHECK(last.target.kind == TargetKind::kMegatron);
+  CHECK_FALSE(last.target.settings.has_value());  // no setting given: the planner chooses
+  // Full recompute and offload modules are fixed as written.
+  const Model full = parse(s + "--recompute-granularity full --recompute-method block --recompute-num-layers 2 "
+                               "--fine-grained-activation-offloading --offload-modules attn_norm");
+  REQUIRE(full.target.settings.has_value());
+  CHECK(full.target.settings->granularity == "full");
+  CHECK(full.target.settings->method == "block");
+  CHECK(full.target.settings->num_layers == 2);
+  CHECK(full.target.settings->offload_modules == std::vector<std::string>{"attn_norm"});
+  // Selective without modules: Megatron's default, core_attn.
+  const Model selective = parse(s + "--recompute-granularity selective");
+  CHECK(selective.target.settings->recompute_modules == std::vector<std::string>{"core_attn"});
+  // --pipeline-model-parallel-layout: 6 layers over pp 2 x vp 2, stage i on
+  // rank i % 2 (pipeline_parallel_layer_layout.py).
+  o.gpus = 2;
+  const Model laid = parse(s + "--num-layers 6 --pipeline-model-parallel-size 2 "
+                               "--pipeline-model-parallel-layout Et*2|t*2|t|tL");
+  CHECK(laid.parallel.vp == 2);
+  CHECK(laid.parallel.pp_layout == std::vector<int64_t>{3, 3});
+  CHECK(PipelineLayoutString(laid) == "Et*2|t*2|t|tL");
+  CHECK(MegatronError(s + "--num-layers 6 --pipeline-model-parallel-size 2 --pipeline-model-parallel-layout Et|t*2|t*2|tL", 2)
+            .find("not an even split of its 3 layers") != std::string::npos);
+  CHECK(MegatronError(s + "--num-layers 6 --pipeline-model-parallel-size 2 --pipeline-model-parallel-layout Et*2|t*2|t|t", 2)
+            .find("the loss ('L') must be the last layer") != std::string::npos);
+  CHECK(MegatronError(s + "--num-layers 6 --pipeline-model-parallel-size 2 --pipeline-model-parallel-layout Et*2|t*2|tL", 2)
+            .find("must be divisible by pipeline_model_parallel_size (3 stages, pp 2)") != std::string::npos);
+  CHECK(MegatronError(s + "--num-layers 6 --pipeline-model-parallel-size 2 --pipeline-model-parallel-layout Et*2|tx|t|tL", 2)
+            .find("Invalid layer character: 'x'") != std::string::npos);
+}
+
+TEST_CASE("megatron rules: each rule refuses what Megatron refuses, and accepts its neighbour") {
+  // One valid job, then one field changed per row: the rule's words must
+  // appear, and the unchanged job must pass (megatron_args.h).
+  MegatronArgs ok;
+  ok.world_size = 64, ok.num_layers = 32, ok.hidden = 4096, ok.heads = 32, ok.seq_len = 4096;
+  ok.micro_batch = 1, ok.global_batch = 64, ok.tp = 4, ok.pp = 4, ok.sequence_parallel = true;
+  ok.group_query_attention = true, ok.query_groups = 8, ok.experts = 8, ok.ep = 4, ok.expert_tp = 1;
+  ok.grouped_gemm = true;
+  REQUIRE_FALSE(ValidateMegatronArgs(ok).has_value());
+  struct Row {
+    const char* words;
+    std::function<void(MegatronArgs&)> edit;
+  };
+  const std::vector<Row> rows = {
+      {"is not divisible by total_model_size", [](MegatronArgs& a) { a.world_size = 60; }},
+      {"Number of layers should be divisible", [](MegatronArgs& a) { a.num_layers = 30; }},
+      {"not divisible by the 3 virtual stages", [](MegatronArgs& a) { a.virtual_stages_per_rank = 3; }},
+      {"must be divisible number of layers per virtual pipeline stage", [](MegatronArgs& a) { a.layers_per_virtual_stage = 3; }},
+      {"No more than one of the following", [](MegatronArgs& a) { a.layers_per_virtual_stage = 2, a.virtual_stages_per_rank = 4; }},
+      {"must be divisible by the middle pipeline model parallel size", [](MegatronArgs& a) { a.first_stage_layers = 7; }},
+      {"must be divisible by virtual pipeline parallel degree", [](MegatronArgs& a) {
+         a.first_stage_layers = 5, a.last_stage_layers = 5, a.virtual_stages_per_rank = 2; }},
+      {"pipeline-model-parallel size should be greater than 1", [](MegatronArgs& a) {
+         a.pp = 1, a.world_size = 16, a.global_batch = 64, a.virtual_stages_per_rank = 2; }},
+      {"num_attention_heads (32) must be a multiple of tensor_model_parallel_size (64)", [](MegatronArgs& a) {
+         a.tp = 64, a.world_size = 256; }},
+      {"num_query_groups (3) must be a multiple or divisor", [](MegatronArgs& a) { a.query_groups = 3; }},
+      {"mutually exclusive with multi latent attention", [](MegatronArgs& a) { a.multi_latent_attention = true; }},
+      {"seq-length should be a multiple of 2 * context-parallel-size", [](MegatronArgs& a) {
+         a.cp = 2, a.world_size = 128, a.seq_len = 4094; }},
+      {"max_position_embeddings (2048) must be greater than or equal to seq_length", [](MegatronArgs& a) {
+         a.learned_positions = true, a.max_position_embeddings = 2048; }},
+      {"Number of experts should be a multiple of expert model parallel_size", [](MegatronArgs& a) { a.ep = 3; }},
+      {"MoE and tensor parallelism are enabled without also enabling sequence parallelism", [](MegatronArgs& a) {
+         a.sequence_parallel = false; }},
+      {"global batch size (65) is not divisible", [](MegatronArgs& a) { a.global_batch = 65; }},
+      {"--bf16 and --fp16 cannot both be given", [](MegatronArgs& a) { a.bf16 = a.fp16 = true; }},
+      {"only supported with distributed optimizer", [](MegatronArgs& a) { a.overlap_param_gather = true; }},
+      {"recompute_method must be", [](MegatronArgs& a) { a.recompute_granularity = "full", a.recompute_num_layers = 1; }},
+      {"recompute_num_layers must be None", [](MegatronArgs& a) {
+         a.recompute_granularity = "selective", a.recompute_num_layers = 1; }},
+      {"moe_act in recompute_modules is only supported with moe_grouped_gemm", [](MegatronArgs& a) {
+         a.recompute_granularity = "selective", a.recompute_modules = {"moe_act"}, a.grouped_gemm = false; }},
+      {"mla_up_proj in recompute_modules", [](MegatronArgs& a) {
+         a.recompute_granularity = "selective", a.recompute_modules = {"mla_up_proj"}; }},
+      {"attn_proj cannot be set to offload_modules alone", [](MegatronArgs& a) {
+         a.fine_grained_offloading = true, a.offload_modules = {"attn_proj"}; }},
+      {"Cannot offload expert_fc1 while recomputing the entire MoE layer", [](MegatronArgs& a) {
+         a.recompute_granularity = "selective", a.recompute_modules = {"moe"}, a.fine_grained_offloading = true,
+         a.offload_modules = {"expert_fc1"}; }},
+  };
+  int checked = 0;
+  for (const auto& row : rows) {
+    CAPTURE(row.words);
+    MegatronArgs a = ok;
+    row.edit(a);
+    auto why = ValidateMegatronArgs(a);
+    REQUIRE(why.has_value());
+    CHECK(why->find(row.words) != std::string::npos);
+    ++checked;
+  }
+  CHECK(checked == static_cast<int>(rows.size()));
+}
+
+TEST_CASE("export megatron: the argument list imports to the model the export planned (round trip)") {
+  // docs/export.md, docs/targets.md. Budgets where Megatron needs settings;
+  // the import with --as-written must give the same plan, rank by rank
+  // (peak, reserved, step), and every flag of the settings is written.
   int checked = 0;
   for (auto [example, budget] : std::vector<std::pair<std::string, int64_t>>{
            {"examples/models/deepseek-v3.json", int64_t{40} << 30},
@@ -352,9 +489,11 @@ TEST_CASE("export megatron: the argument list imports to the model the export re
     REQUIRE(plan.ok());
     auto e = ExportMegatron(*plan);
     REQUIRE(e.ok());
-    auto coarse = BuildPlan(e->coarse);
-    REQUIRE(coarse.ok());
-    SamePlan(*coarse, e->coarse_plan);  // the plan the export kept is its settings' plan
+    CHECK(e->coarse.target.kind == TargetKind::kMegatron);
+    REQUIRE(e->coarse.target.settings.has_value());
+    auto again = BuildPlan(e->coarse);
+    REQUIRE(again.ok());
+    SamePlan(*again, e->coarse_plan);  // the plan's model fixes its settings
     ImportOptions o;
     o.gpus = m.parallel.Processes();
     o.hardware = m.hardware.preset;
@@ -363,21 +502,23 @@ TEST_CASE("export megatron: the argument list imports to the model the export re
     REQUIRE(doc.ok());
     Model back = memplan::test::MustParse(Json::parse(doc->dump()));
     back.budget = e->coarse.budget;
+    CHECK(back.target.settings == e->coarse.target.settings);
     auto replanned = BuildPlan(back);
     REQUIRE(replanned.ok());
-    SamePlan(*coarse, *replanned);
-    // What the settings say is what the re-plan stored.
-    for (const auto& mod : e->recompute) CHECK(e->text.find(mod) != std::string::npos);
-    for (const auto& mod : e->offload) CHECK(e->text.find(mod) != std::string::npos);
+    SamePlan(e->coarse_plan, *replanned);
+    const std::string flags = SettingsFlags(*e->coarse.target.settings);
+    std::istringstream words(flags);
+    for (std::string w; words >> w;) {
+      if (w != "none") CHECK(e->text.find(w) != std::string::npos);
+    }
     ++checked;
   }
   CHECK(checked == 3);
 }
 
-TEST_CASE("export megatron: settings that fit where the plan fits, and what they cannot say") {
-  // DeepSeek-V3 at 40 GiB: the majority's modules alone do not fit; the
-  // export adds modules until every rank fits, and lists FP8 and remote
-  // offload (which Megatron cannot express).
+TEST_CASE("export megatron: Megatron's plan fits with its headroom, and says what it cannot say") {
+  // DeepSeek-V3 at 40 GiB: memplan's plan fits with FP8 and remote offload,
+  // which Megatron cannot express; Megatron's settings fit with the headroom.
   Model m = memplan::test::MustLoad("examples/models/deepseek-v3.json");
   m.budget = int64_t{40} << 30;
   auto plan = BuildPlan(m);
@@ -385,13 +526,18 @@ TEST_CASE("export megatron: settings that fit where the plan fits, and what they
   for (const auto& r : plan->ranks) REQUIRE(r.fits);
   auto e = ExportMegatron(*plan);
   REQUIRE(e.ok());
-  CHECK_FALSE(e->added.empty());
-  auto coarse = BuildPlan(e->coarse);
-  REQUIRE(coarse.ok());
-  for (const auto& r : coarse->ranks) CHECK(r.fits);
-  bool fp8 = false;
-  for (const auto& line : e->not_expressed) fp8 |= line.rfind("FP8 storage of", 0) == 0;
+  for (const auto& r : e->coarse_plan.ranks) {
+    CHECK(r.fits);
+    CHECK(r.margin >= e->coarse_plan.headroom);
+    CHECK(r.reserved >= r.allocated);
+  }
+  bool fp8 = false, rewrite = false;
+  for (const auto& line : e->not_expressed) {
+    fp8 |= line.rfind("FP8 storage of", 0) == 0;
+    rewrite |= line.find("MoE gradient rewrite") != std::string::npos;
+  }
   CHECK(fp8);
+  CHECK(rewrite);
   // Megatron's policies: recompute wins over offload, everything else kept.
   auto p = MegatronPolicies(false, {"moe_act"}, {"moe_act", "attn_norm"}, true, "t");
   REQUIRE(p.ok());
@@ -402,6 +548,13 @@ TEST_CASE("export megatron: settings that fit where the plan fits, and what they
   CHECK(by["layer*.attn_norm.x"] == Policy::kOffloadHost);
   CHECK(p->back().match == "*");
   CHECK_FALSE(MegatronPolicies(false, {"everything"}, {}, true, "t").ok());
+  // A model Megatron cannot run is refused with the reason.
+  Model kda = memplan::test::MustLoad("examples/models/tiny-k3.json");
+  auto kplan = BuildPlan(kda);
+  REQUIRE(kplan.ok());
+  auto refused = ExportMegatron(*kplan);
+  REQUIRE_FALSE(refused.ok());
+  CHECK(refused.error().message.find("Megatron cannot run this model") != std::string::npos);
 }
 
 TEST_CASE("export torchtitan: activation checkpointing that fits") {

@@ -19,6 +19,19 @@ Expected<Command> ParseCommandLine(const std::vector<std::string>& args) {
   plan->add_option("model", plan_model, "model file (memplan.model/1)")->required();
   plan->add_option("-o,--output", plan_out, "write PLAN.json (memplan.plan/1)");
   plan->add_option("--budget", c.budget, "device budget, e.g. 120GiB (overrides the model's)");
+  // The runtime the answer is for, the margin kept, the allocator's mode.
+  auto target_options = [&](CLI::App* sub) {
+    sub->add_option("--target", c.target,
+                     "memplan (memplan's own runtime; the model's default) or megatron (Megatron-LM: its saved tensors, "
+                     "buffers, settings, argument rules and PyTorch's caching allocator; docs/targets.md)")
+        ->check(CLI::IsMember({"memplan", "megatron"}));
+    sub->add_option("--headroom", c.headroom,
+                    "bytes kept free under the budget, a size (2GiB) or a share of device memory (3%); default: the "
+                    "target's (megatron: max(2 GiB, 2.5 %) on GPU presets, memplan: 0)");
+    sub->add_flag("--expandable-segments", c.expandable_segments,
+                  "target megatron: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True");
+  };
+  target_options(plan);
   plan->add_option("--solver", c.solver, "heuristic (default) or exact (MILP through CBC; small models)")
       ->check(CLI::IsMember({"heuristic", "exact"}));
   plan->add_flag("--sweep", c.sweep, "also print the budget / added step time trade-off curve");
@@ -42,6 +55,7 @@ Expected<Command> ParseCommandLine(const std::vector<std::string>& args) {
   search->add_option("model", search_model, "model file (memplan.model/1)")->required();
   search->add_option("--gpus", c.gpus, "GPUs in the job (tp x pp x cp x dp)")->required()->check(CLI::Range(1, 1 << 20));
   search->add_option("--budget", c.budget, "device budget, e.g. 120GiB (default: the model's)");
+  target_options(search);
   search->add_option("--global-batch", c.global_batch,
                      "sequences per step (default: the model's micro_batch x microbatches x dp)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
@@ -107,6 +121,10 @@ Expected<Command> ParseCommandLine(const std::vector<std::string>& args) {
     sub->add_option("-o,--output", export_out, "write the settings to a file (default: stdout)");
     sub->add_flag("-q,--quiet", c.quiet, "no comparison table");
   }
+  exp_megatron->add_option("--headroom", c.headroom,
+                           "bytes kept free under the budget when choosing Megatron's settings (see plan --headroom)");
+  exp_megatron->add_flag("--expandable-segments", c.expandable_segments,
+                         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True");
 
   std::string expand_model, expand_out;
   auto* expand = app.add_subcommand("expand", "Print the model with every layer's graph expanded");

@@ -26,6 +26,12 @@ struct Command {
 
   // plan
   std::string budget;  // --budget, validated by RunCommand (a size)
+  // plan, search, export: --target memplan|megatron ("" keeps the model's),
+  // --headroom SIZE or PCT of device memory, and the caching allocator's
+  // --expandable-segments (target megatron).
+  std::string target;
+  std::string headroom;
+  bool expandable_segments = false;
   std::string solver = "heuristic";
   int threads = 0;  // --threads (0: the default, common/parallel.h)
   bool sweep = false;

@@ -10,6 +10,7 @@
 #include "memplan/common/json_util.h"
 #include "memplan/common/output.h"
 #include "memplan/common/status.h"
+#include "memplan/planner/model.h"
 
 namespace memplan::cli {
 
@@ -37,6 +38,11 @@ Expected<bool> StageJson(OutputFiles& out, const std::string& path, const J& doc
   }
   return out.Stage(path, doc.dump(indent) + "\n");
 }
+
+// --target, --headroom and --expandable-segments applied to `model`
+// (plan, search, export): the target's mechanisms (planner/target.h); the
+// headroom a size or a percentage of the device's memory.
+Expected<bool> ApplyTargetOptions(const Command& c, planner::Model* model);
 
 // `memplan search` (search_command.cc).
 int RunSearch(const Command& c);

@@ -27,6 +27,7 @@
 #include "memplan/common/units.h"
 #include "memplan/planner/model.h"
 #include "memplan/planner/plan.h"
+#include "memplan/planner/target.h"
 #include "memplan/runtime/calibrate.h"
 #include "memplan/runtime/comm.h"
 #include "memplan/runtime/executor.h"
@@ -69,13 +70,48 @@ Expected<bool> CheckOutputs(std::vector<std::string> files, const std::string& i
   return OutputFiles::CheckAll(files, directories);
 }
 
-namespace {
+Expected<bool> ApplyTargetOptions(const Command& c, planner::Model* model) {
+  if (!c.target.empty()) planner::ApplyTarget(model, *planner::TargetFromName(c.target));
+  if (c.expandable_segments) {
+    if (model->target.kind == planner::TargetKind::kMemplan) {
+      return Error{ErrorCode::kBadInput, "--expandable-segments: PyTorch's allocator setting; memplan's own runtime "
+                                         "allocates from an exact arena (use --target megatron)"};
+    }
+    model->target.expandable_segments = true;
+  }
+  if (!c.headroom.empty()) {
+    int64_t bytes = 0;
+    if (c.headroom.back() == '%') {
+      double pct = -1;
+      size_t used = 0;
+      try {
+        pct = std::stod(c.headroom.substr(0, c.headroom.size() - 1), &used);
+      } catch (const std::exception&) {
+        used = 0;
+      }
+      if (used + 1 != c.headroom.size() || !(pct >= 0 && pct < 100)) {
+        return Error{ErrorCode::kBadInput, "--headroom: expected a size (2GiB) or a percentage in [0, 100) (3%), got " +
+                                               c.headroom.substr(0, 40)};
+      }
+      bytes = static_cast<int64_t>(pct / 100 * static_cast<double>(model->hardware.device_memory));
+    } else {
+      auto b = ParseBytes(c.headroom);
+      if (!b) return Error{ErrorCode::kBadInput, "--headroom: " + b.error().message};
+      bytes = *b;
+    }
+    model->headroom = bytes;
+    model->headroom_given = true;
+  }
+  return true;
+}
 
+namespace {
 
 int RunPlan(const Command& c) {
   if (auto ok = CheckOutputs({c.output}, c.input); !ok) return Fail(ok.error());
   auto model = planner::LoadModel(c.input);
   if (!model) return Fail(Located(model.error(), c.input));
+  if (auto ok = ApplyTargetOptions(c, &*model); !ok) return Fail(ok.error());
   planner::PlanOptions options;
   if (!c.budget.empty()) {
     auto bytes = ParseBytes(c.budget);

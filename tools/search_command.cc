@@ -50,6 +50,7 @@ int RunSearch(const Command& c) {
   if (auto ok = CheckOutputs({c.output, c.best_model}, c.input); !ok) return Fail(ok.error());
   auto model = planner::LoadModel(c.input);
   if (!model) return Fail(Located(model.error(), c.input));
+  if (auto ok = ApplyTargetOptions(c, &*model); !ok) return Fail(ok.error());
   planner::SearchOptions options;
   options.gpus = c.gpus;
   options.top = c.top;

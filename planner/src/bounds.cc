@@ -337,4 +337,27 @@ Evaluation Evaluate(const PlanningProblem& p, const Assignment& a, bool verify, 
   return e;
 }
 
+std::vector<AllocatorReplay> ReplayCachingAllocator(const PlanningProblem& p, const Evaluation& e,
+                                                    const CachingAllocatorConfig& config,
+                                                    const std::vector<int64_t>& capacity) {
+  const size_t pp = p.timelines.size();
+  std::vector<std::vector<size_t>> mine(pp);
+  for (size_t k = 0; k < e.intervals.size(); ++k) mine[static_cast<size_t>(e.intervals[k].rank)].push_back(k);
+  std::vector<AllocatorReplay> out(pp);
+  ParallelFor(pp, [&](size_t r) {
+    CachingAllocatorConfig c = config;
+    if (r < capacity.size()) c.capacity_bytes = capacity[r];
+    CachingAllocatorModel heap(c);
+    ProgramWalker walk(p, static_cast<int32_t>(r), e.intervals, mine[r]);
+    while (walk.Next()) {
+      for (ProgramBuffer& b : walk.allocations()) b.tag = b.bytes > 0 ? heap.Allocate(b.bytes) : -1;
+      for (const ProgramBuffer& b : walk.Frees()) {
+        if (b.tag >= 0) heap.Free(b.tag);
+      }
+    }
+    out[r] = {heap.peak_allocated_bytes(), heap.peak_reserved_bytes(), heap.segments()};
+  });
+  return out;
+}
+
 }  // namespace memplan::planner

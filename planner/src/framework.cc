@@ -11,6 +11,8 @@
 #include <sstream>
 
 #include "memplan/common/table.h"
+#include "memplan/planner/megatron_args.h"
+#include "memplan/planner/target.h"
 
 namespace memplan::planner {
 namespace {
@@ -55,6 +57,7 @@ const std::vector<FrameworkModule>& MegatronRecomputeModules() {
 const std::vector<FrameworkModule>& MegatronOffloadModules() {
   static const std::vector<FrameworkModule> m = {
       {"attn_norm", {"attn_norm.x"}},
+      {"qkv_linear", {"attn.qkv_in"}},
       {"core_attn", {"attn.q", "attn.k", "attn.v", "attn.lse", "attn.softmax_out", "attn.attn_dropout_mask", "attn.probs"}},
       {"attn_proj", {"attn.out", "attn.proj_in"}},
       {"mlp_norm", {"ffn_norm.x"}},
@@ -103,7 +106,7 @@ Expected<std::vector<PolicyAnnotation>> MegatronPolicies(bool mla, const std::ve
   for (const auto& n : offload) {
     if (!Find(MegatronOffloadModules(), n)) {
       return Error{ErrorCode::kBadInput, where + ": --offload-modules: unknown module " + n +
-                                             " (expected attn_norm, core_attn, attn_proj, mlp_norm, expert_fc1, "
+                                             " (expected attn_norm, qkv_linear, core_attn, attn_proj, mlp_norm, expert_fc1, "
                                              "moe_act)"};
     }
   }
@@ -116,43 +119,6 @@ Expected<std::vector<PolicyAnnotation>> MegatronPolicies(bool mla, const std::ve
 }
 
 namespace {
-
-// The plan's decisions by suffix: bytes recomputed, offloaded (host or
-// another rank), and in all.
-struct Tally {
-  int64_t all = 0, recompute = 0, offload = 0;
-};
-
-std::map<std::string, Tally> TallyBySuffix(const Plan& plan) {
-  std::map<std::string, Tally> out;
-  for (const auto& t : plan.tensors) {
-    Tally& s = out[Suffix(t.name)];
-    s.all += t.bytes;
-    if (Has(t.effective, Policy::kRecompute)) s.recompute += t.bytes;
-    if (Has(t.effective, Policy::kOffloadHost) || Has(t.effective, Policy::kOffloadRemote)) s.offload += t.bytes;
-  }
-  return out;
-}
-
-// Modules of `table` whose tensors the plan stores so for at least half of
-// their bytes (`pick` reads the share from a tally).
-template <typename Pick>
-std::vector<std::string> Majority(const std::vector<FrameworkModule>& table, const std::map<std::string, Tally>& by,
-                                  bool mla, Pick pick) {
-  std::vector<std::string> out;
-  for (const auto& m : table) {
-    if (m.name == "mla_up_proj" && !mla) continue;
-    int64_t all = 0, chosen = 0;
-    for (auto t : m.tensors) {
-      auto it = by.find(std::string(t));
-      if (it == by.end()) continue;
-      all += it->second.all;
-      chosen += pick(it->second);
-    }
-    if (all > 0 && 2 * chosen >= all) out.emplace_back(m.name);
-  }
-  return out;
-}
 
 // What neither framework says: FP8 storage of single tensors, offload into
 // another rank, and per-tensor choices the module settings override.
@@ -187,6 +153,34 @@ std::vector<std::string> NotExpressed(const Plan& plan, const Model& coarse) {
   return out;
 }
 
+// The same against a plan of the settings: each tensor's storage there.
+std::vector<std::string> NotExpressed(const Plan& plan, const Plan& coarse) {
+  std::vector<std::string> out;
+  std::map<std::string, std::vector<Policy>> by;
+  for (const auto& t : coarse.tensors) by[t.name] = t.effective;
+  int64_t fp8 = 0, fp8_n = 0, remote = 0, remote_n = 0, differ = 0, differ_bytes = 0;
+  for (const auto& t : plan.tensors) {
+    if (Has(t.effective, Policy::kFp8)) fp8 += t.bytes, ++fp8_n;
+    if (Has(t.effective, Policy::kOffloadRemote)) remote += t.bytes, ++remote_n;
+    auto it = by.find(t.name);
+    if (it == by.end() || it->second != t.effective) differ += 1, differ_bytes += t.bytes;
+  }
+  const double g = 1.0 / (1 << 30);
+  if (fp8_n) {
+    out.push_back("FP8 storage of " + std::to_string(fp8_n) + " saved tensors (" + FormatFixed(fp8 * g, 2) +
+                  " GiB per microbatch): no per-tensor setting; kept or as their module says");
+  }
+  if (remote_n) {
+    out.push_back("offload into another pipeline rank's memory of " + std::to_string(remote_n) + " tensors (" +
+                  FormatFixed(remote * g, 2) + " GiB per microbatch): to host where their module is offloaded, else kept");
+  }
+  if (differ) {
+    out.push_back(std::to_string(differ) + " of " + std::to_string(plan.tensors.size()) + " saved tensors (" +
+                  FormatFixed(differ_bytes * g, 2) + " GiB per microbatch) are stored otherwise than memplan's plan stores them");
+  }
+  return out;
+}
+
 // The coarse model: the plan's, with its final layout fixed and the
 // storage given by the settings (every other tensor kept).
 Model Coarse(const Plan& plan, std::vector<PolicyAnnotation> policies) {
@@ -200,97 +194,15 @@ Model Coarse(const Plan& plan, std::vector<PolicyAnnotation> policies) {
 
 }  // namespace
 
-Expected<ExportedSettings> ExportMegatron(const Plan& plan) {
-  const Model& m = plan.model;
+namespace {
+
+// The argument list for `args` of model `m` (docs/export.md): every flag
+// that changes memory or the model, in Megatron's spelling. What the flags
+// cannot say goes to `not_expressed`.
+std::string MegatronArgsText(const Model& m, const MegatronArgs& args, std::vector<std::string>* not_expressed) {
   const Arch& a = m.arch;
   const Parallel& p = m.parallel;
-  ExportedSettings e;
-  e.framework = "megatron";
-  const auto by = TallyBySuffix(plan);
   const bool mla = a.mla.has_value();
-  e.recompute = Majority(MegatronRecomputeModules(), by, mla, [](const Tally& t) { return t.recompute; });
-  e.offload = Majority(MegatronOffloadModules(), by, mla, [](const Tally& t) { return t.offload; });
-  auto coarse = [&](const std::vector<std::string>& r, const std::vector<std::string>& o) -> Expected<Model> {
-    auto policies = MegatronPolicies(mla, r, o, true, "export");
-    if (!policies) return policies.error();
-    return Coarse(plan, *policies);
-  };
-  // Where the majority's settings do not fit, add the module (recomputed
-  // or offloaded) that brings the worst rank closest to its budget, until
-  // they fit or no module helps (docs/export.md).
-  auto excess = [](const Plan& q) {
-    int64_t worst = std::numeric_limits<int64_t>::min();
-    for (const auto& r : q.ranks) worst = std::max(worst, r.peak + r.statics.runtime - r.budget);
-    return worst;
-  };
-  auto base = coarse(e.recompute, e.offload);
-  if (!base) return base.error();
-  auto current = BuildPlan(*base);
-  if (!current) return current.error();
-  for (int round = 0; round < 16 && excess(*current) > 0; ++round) {
-    std::optional<Plan> best;
-    std::vector<std::string> best_r, best_o;
-    auto consider = [&](std::vector<std::string> r, std::vector<std::string> o) -> Expected<bool> {
-      auto m = coarse(r, o);
-      if (!m) return m.error();
-      auto q = BuildPlan(*m);
-      if (!q) return q.error();
-      // A candidate that fits beats one that does not, then the faster;
-      // among those that do not fit, the most bytes per second added.
-      auto better = [&](const Plan& a, const Plan& b) {
-        const bool fa = excess(a) <= 0, fb = excess(b) <= 0;
-        if (fa != fb) return fa;
-        if (fa) return a.overhead.step_s < b.overhead.step_s;
-        auto rate = [&](const Plan& x) {
-          const double saved = static_cast<double>(excess(*current) - excess(x));
-          return saved / (std::max(0.0, x.overhead.step_s - current->overhead.step_s) + 1e-3);
-        };
-        return rate(a) > rate(b);
-      };
-      if (!best || better(*q, *best)) {
-        best = std::move(*q);
-        best_r = std::move(r);
-        best_o = std::move(o);
-      }
-      return true;
-    };
-    for (const auto& mod : MegatronRecomputeModules()) {
-      if ((mod.name == "mla_up_proj" && !mla) ||
-          std::find(e.recompute.begin(), e.recompute.end(), mod.name) != e.recompute.end()) continue;
-      auto r = e.recompute;
-      r.emplace_back(mod.name);
-      if (auto ok = consider(r, e.offload); !ok) return ok.error();
-    }
-    for (const auto& mod : MegatronOffloadModules()) {
-      if (std::find(e.offload.begin(), e.offload.end(), mod.name) != e.offload.end()) continue;
-      auto o = e.offload;
-      o.emplace_back(mod.name);
-      if (auto ok = consider(e.recompute, o); !ok) return ok.error();
-    }
-    if (!best || excess(*best) >= excess(*current)) break;
-    e.added.push_back(best_r.size() > e.recompute.size() ? "recompute " + best_r.back() : "offload " + best_o.back());
-    e.recompute = std::move(best_r);
-    e.offload = std::move(best_o);
-    current = std::move(*best);
-  }
-  // Megatron's order for the lists: the table's.
-  auto order = [](const std::vector<FrameworkModule>& table, std::vector<std::string>& v) {
-    std::vector<std::string> out;
-    for (const auto& m : table) {
-      if (std::find(v.begin(), v.end(), m.name) != v.end()) out.emplace_back(m.name);
-    }
-    v = std::move(out);
-  };
-  order(MegatronRecomputeModules(), e.recompute);
-  order(MegatronOffloadModules(), e.offload);
-  // The settings' policies do not depend on the lists' order: `current` is
-  // their plan.
-  auto final_model = coarse(e.recompute, e.offload);
-  if (!final_model) return final_model.error();
-  e.coarse = std::move(*final_model);
-  e.coarse_plan = std::move(*current);
-  e.not_expressed = NotExpressed(plan, e.coarse);
-
   std::vector<std::string> lines;
   auto arg = [&](const std::string& name, const std::string& value = "") {
     lines.push_back(value.empty() ? name : name + " " + value);
@@ -299,9 +211,9 @@ Expected<ExportedSettings> ExportMegatron(const Plan& plan) {
   arg("--num-layers", num(a.layers));
   arg("--hidden-size", num(a.hidden));
   arg("--num-attention-heads", num(a.heads));
-  if (a.kv_heads != a.heads) {
+  if (args.group_query_attention) {
     arg("--group-query-attention");
-    arg("--num-query-groups", num(a.kv_heads));
+    arg("--num-query-groups", num(args.query_groups));
   }
   if (!mla && a.head_dim != a.hidden / a.heads) arg("--kv-channels", num(a.head_dim));
   const int64_t ffn = a.ffn_hidden > 0 ? a.ffn_hidden : a.moe ? a.moe->expert_ffn_hidden : 4 * a.hidden;
@@ -352,72 +264,95 @@ Expected<ExportedSettings> ExportMegatron(const Plan& plan) {
     }
     arg("--moe-grouped-gemm");
     arg("--moe-token-dispatcher-type", "alltoall");
-    if (moe.latent_dim) e.not_expressed.push_back("the experts' latent projection (arch.moe.latent_dim): Megatron has none");
     if (!moe.capacity_factor && moe.imbalance != MoeConfig::kDefaultMoeImbalance) {
-      e.not_expressed.push_back("the assumed routing skew (arch.moe.imbalance " + FormatFixed(moe.imbalance, 2) +
-                                "): a planning assumption, not a setting; the import restores the default");
+      not_expressed->push_back("the assumed routing skew (arch.moe.imbalance " + FormatFixed(moe.imbalance, 2) +
+                               "): a planning assumption, not a setting; the import restores the default");
     }
   }
   if (a.mtp_layers > 0) arg("--mtp-num-layers", num(a.mtp_layers));
-  if (a.attn_res) e.not_expressed.push_back("Block AttnRes (arch.attn_res): Megatron has no attention residuals");
-  if (a.linear_attention) e.not_expressed.push_back("KDA layers (arch.linear_attention): Megatron has no KDA");
   arg("--seq-length", num(m.train.seq_len));
-  arg("--micro-batch-size", num(m.train.micro_batch));
-  arg("--global-batch-size", num(m.train.micro_batch * m.train.microbatches * p.dp));
-  if (m.train.param_dtype == DType::kBF16) arg("--bf16");
-  if (m.train.param_dtype == DType::kFP16) arg("--fp16");
-  if (m.train.grad_dtype != DType::kFP32) {
-    e.not_expressed.push_back("16-bit gradient accumulation (train.grad_dtype): Megatron accumulates main gradients in fp32");
-  }
+  arg("--micro-batch-size", num(args.micro_batch));
+  arg("--global-batch-size", num(args.global_batch));
+  if (args.bf16) arg("--bf16");
+  if (args.fp16) arg("--fp16");
   arg("--optimizer", m.train.optimizer == Optimizer::kMuon ? "muon" : "adam");
   arg("--tensor-model-parallel-size", num(p.tp));
-  if (p.sp) arg("--sequence-parallel");
+  if (args.sequence_parallel) arg("--sequence-parallel");
   arg("--pipeline-model-parallel-size", num(p.pp));
-  if (p.vp > 1) arg("--num-virtual-stages-per-pipeline-rank", num(p.vp));
+  if (args.virtual_stages_per_rank) arg("--num-virtual-stages-per-pipeline-rank", num(*args.virtual_stages_per_rank));
+  if (args.first_stage_layers) arg("--decoder-first-pipeline-num-layers", num(*args.first_stage_layers));
+  if (args.last_stage_layers) arg("--decoder-last-pipeline-num-layers", num(*args.last_stage_layers));
+  if (!args.pipeline_layout.empty()) arg("--pipeline-model-parallel-layout", "\"" + args.pipeline_layout + "\"");
   arg("--context-parallel-size", num(p.cp));
   if (a.moe) {
     arg("--expert-model-parallel-size", num(p.ep));
-    arg("--expert-tensor-parallel-size", "1");
+    arg("--expert-tensor-parallel-size", num(args.expert_tp));
   }
-  if (p.zero >= 1) arg("--use-distributed-optimizer");
-  if (p.zero >= 3) {
-    e.not_expressed.push_back("ZeRO-3 (parallel.zero 3): Megatron's FSDP (--use-torch-fsdp2, Megatron-FSDP) is not "
-                              "written; the arguments say the distributed optimizer (ZeRO-1)");
-  } else if (p.zero >= 2 || p.pipeline_zero2 || p.grad_offload_host) {
-    e.not_expressed.push_back("ZeRO-2, pipeline ZeRO-2 and host gradients (parallel.zero, pipeline_zero2, "
-                              "grad_offload): Megatron's distributed optimizer is ZeRO-1");
-  }
-  // The layout: even, first/last, or not said.
-  const std::vector<int64_t>& layout = e.coarse.parallel.pp_layout;
-  if (p.pp > 1 && std::adjacent_find(layout.begin(), layout.end(), std::not_equal_to<>()) != layout.end()) {
-    const int64_t mid = layout[layout.size() / 2];
-    bool first_last = p.vp == 1;
-    for (size_t i = 1; i + 1 < layout.size(); ++i) first_last &= layout[i] == mid;
-    if (first_last) {
-      if (layout.front() != mid) arg("--decoder-first-pipeline-num-layers", num(layout.front()));
-      if (layout.back() != mid || layout.front() == mid) arg("--decoder-last-pipeline-num-layers", num(layout.back()));
-    } else {
-      std::vector<std::string> per;
-      for (int64_t n : layout) per.push_back(num(n));
-      e.not_expressed.push_back("the pipeline layout " + Join(per, ",") +
-                                " layers per rank (--pipeline-model-parallel-layout can say it; not written yet)");
-    }
-  }
-  if (!e.recompute.empty()) {
+  if (args.distributed_optimizer) arg("--use-distributed-optimizer");
+  if (args.overlap_grad_reduce) arg("--overlap-grad-reduce");
+  if (args.overlap_param_gather) arg("--overlap-param-gather");
+  if (args.recompute_granularity == "selective") {
     arg("--recompute-granularity", "selective");
-    arg("--recompute-modules", Join(e.recompute, " "));
+    arg("--recompute-modules", Join(args.recompute_modules, " "));
+  } else if (args.recompute_granularity == "full") {
+    arg("--recompute-granularity", "full");
+    arg("--recompute-method", args.recompute_method);
+    arg("--recompute-num-layers", num(*args.recompute_num_layers));
   }
-  if (!e.offload.empty()) {
+  if (args.fine_grained_offloading) {
     arg("--fine-grained-activation-offloading");
-    arg("--offload-modules", Join(e.offload, " "));
-  }
-  if (m.options.moe_grad_rewrite && a.moe) {
-    e.not_expressed.push_back("memplan's MoE gradient rewrite and dispatch recompute (options): Megatron has neither; "
-                              "the re-plan and the import keep them");
+    arg("--offload-modules", Join(args.offload_modules, " "));
   }
   std::string text = "# memplan export megatron: " + m.name + " (" + num(p.Processes()) + " GPUs)\n";
   for (size_t i = 0; i < lines.size(); ++i) text += lines[i] + (i + 1 < lines.size() ? " \\\n" : "\n");
-  e.text = std::move(text);
+  return text;
+}
+
+}  // namespace
+
+Expected<ExportedSettings> ExportMegatron(const Plan& plan) {
+  ExportedSettings e;
+  e.framework = "megatron";
+  // The plan for Megatron: this one if it is one, else its model planned
+  // under target megatron with its pipeline layout fixed (the settings
+  // chosen as `plan --target megatron` chooses them; docs/targets.md).
+  if (plan.model.target.kind == TargetKind::kMegatron) {
+    e.coarse_plan = plan;
+  } else {
+    Model m = Coarse(plan, {});
+    ApplyTarget(&m, TargetKind::kMegatron);
+    if (auto why = MegatronRefusal(m)) {
+      return Error{ErrorCode::kBadInput, "export megatron: Megatron cannot run this model: " + *why};
+    }
+    auto q = BuildPlan(m);
+    if (!q) return q.error();
+    e.coarse_plan = std::move(*q);
+  }
+  e.coarse = e.coarse_plan.model;
+  const FrameworkSettings settings = e.coarse.target.settings.value_or(FrameworkSettings{});
+  e.recompute = settings.granularity == "full"
+                    ? std::vector<std::string>{"full " + settings.method + " " + std::to_string(settings.num_layers)}
+                    : settings.recompute_modules;
+  e.offload = settings.offload_modules;
+  MegatronArgs args = MegatronArgsOf(e.coarse, settings);
+  // Megatron's overlap of the gradient reduce-scatter and the parameter
+  // all-gather with the distributed optimizer: no memory of their own (the
+  // buckets are views of the contiguous buffers), the step time model's
+  // assumption (docs/planner.md).
+  if (args.distributed_optimizer && args.DataParallel() * args.cp > 1) {
+    args.overlap_grad_reduce = args.overlap_param_gather = true;
+  }
+  if (auto why = ValidateMegatronArgs(args)) {
+    return Error{ErrorCode::kRuntime, "internal error: export megatron would write arguments Megatron refuses: " + *why};
+  }
+  if (plan.model.target.kind != TargetKind::kMegatron) {
+    e.not_expressed = NotExpressed(plan, e.coarse_plan);
+    if (plan.model.options.moe_grad_rewrite || plan.model.options.moe_recompute_dispatch) {
+      e.not_expressed.push_back("memplan's MoE gradient rewrite and dispatch recompute (options): Megatron has "
+                                "neither; its plan saves what Megatron's MoE layer saves");
+    }
+  }
+  e.text = MegatronArgsText(e.coarse, args, &e.not_expressed);
   return e;
 }
 

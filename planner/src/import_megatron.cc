@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "memplan/planner/framework.h"
+#include "memplan/planner/megatron_args.h"
 #include "memplan/planner/import.h"
 #include "memplan/planner/model.h"
 
@@ -17,28 +18,43 @@ namespace {
 
 // Arguments that change no byte the planner counts: data, checkpoints,
 // logging, learning-rate schedule and optimizer hyperparameters, kernel
-// choices with the same saved tensors, initialisation.
-const std::set<std::string, std::less<>>& Ignored() {
+// choices with the same saved tensors, initialisation. Each with its
+// argparse arity in Megatron (megatron/training/arguments.py): flags
+// (store_true/store_false) take no value, lists one or more.
+const std::set<std::string, std::less<>>& IgnoredFlags() {
+  static const std::set<std::string, std::less<>> s = {
+      "--use-mcore-models", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-swiglu-fusion",
+      "--no-bias-dropout-fusion", "--no-rope-fusion", "--disable-bias-linear", "--add-bias-linear", "--add-qkv-bias",
+      "--overlap-grad-reduce", "--overlap-param-gather", "--moe-grouped-gemm", "--moe-permute-fusion", "--qk-layernorm",
+      "--use-checkpoint-args", "--no-load-optim", "--no-load-rng", "--finetune", "--log-throughput",
+      "--log-timers-to-tensorboard", "--manual-gc", "--use-distributed-optimizer-overlap",
+      "--no-gradient-accumulation-fusion", "--cross-entropy-loss-fusion", "--tp-comm-overlap",
+      "--no-create-attention-mask-in-dataloader", "--mock-data", "--eod-mask-loss", "--apply-layernorm-1p",
+      "--use-rope-scaling", "--use-flash-attn"};
+  return s;
+}
+
+const std::set<std::string, std::less<>>& IgnoredValued() {
   static const std::set<std::string, std::less<>> s = {
       "--train-iters", "--train-samples", "--lr", "--min-lr", "--lr-decay-style", "--lr-decay-iters",
       "--lr-warmup-iters", "--lr-warmup-fraction", "--lr-decay-samples", "--lr-warmup-samples", "--weight-decay",
-      "--clip-grad", "--adam-beta1", "--adam-beta2", "--adam-eps", "--init-method-std", "--seed", "--data-path",
-      "--split", "--save", "--load", "--save-interval", "--eval-interval", "--eval-iters", "--log-interval",
+      "--clip-grad", "--adam-beta1", "--adam-beta2", "--adam-eps", "--init-method-std", "--seed", "--split",
+      "--save", "--load", "--save-interval", "--eval-interval", "--eval-iters", "--log-interval",
       "--tensorboard-dir", "--wandb-project", "--wandb-exp-name", "--tokenizer-type", "--tokenizer-model",
-      "--vocab-file", "--merge-file", "--distributed-backend", "--use-mcore-models", "--transformer-impl",
-      "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion",
-      "--no-rope-fusion", "--disable-bias-linear", "--add-bias-linear", "--add-qkv-bias", "--rotary-base",
-      "--rotary-percent", "--rotary-scaling-factor", "--norm-epsilon", "--layernorm-epsilon",
-      "--overlap-grad-reduce", "--overlap-param-gather", "--moe-grouped-gemm", "--moe-aux-loss-coeff",
-      "--moe-router-load-balancing-type", "--moe-z-loss-coeff", 
-      "--moe-router-bias-update-rate", "--moe-router-num-groups",
-      "--moe-router-group-topk", "--moe-router-dtype", "--moe-permute-fusion", "--qk-layernorm",
-      "--rotary-scaling-factor", "--mscale", "--mscale-all-dim", "--use-checkpoint-args", "--exit-duration-in-mins",
-      "--no-load-optim", "--mtp-loss-scaling-factor", "--no-load-rng", "--finetune", "--log-throughput", "--log-timers-to-tensorboard",
-      "--manual-gc", "--manual-gc-interval", "--use-distributed-optimizer-overlap", "--ckpt-format",
-      "--dist-ckpt-strictness", "--no-gradient-accumulation-fusion", "--cross-entropy-loss-fusion",
-      "--tp-comm-overlap", "--num-workers", "--dataloader-type", "--no-create-attention-mask-in-dataloader",
-      "--mock-data", "--eod-mask-loss", "--apply-layernorm-1p"};
+      "--vocab-file", "--merge-file", "--distributed-backend", "--transformer-impl", "--rotary-base",
+      "--rotary-percent", "--rotary-scaling-factor", "--rope-scaling-factor", "--norm-epsilon",
+      "--layernorm-epsilon", "--moe-z-loss-coeff", "--moe-router-num-groups", "--moe-router-group-topk",
+      "--moe-router-dtype", "--mscale", "--mscale-all-dim", "--exit-duration-in-mins", "--mtp-loss-scaling-factor",
+      "--manual-gc-interval", "--ckpt-format", "--dist-ckpt-strictness", "--num-workers", "--dataloader-type",
+      "--ddp-bucket-size"};
+  return s;
+}
+
+// nargs '+' (or '*' for the data paths): every token up to the next flag.
+const std::set<std::string, std::less<>>& IgnoredLists() {
+  static const std::set<std::string, std::less<>> s = {"--data-path", "--train-data-path", "--valid-data-path",
+                                                       "--test-data-path", "--moe-router-load-balancing-type",
+                                                       "--moe-aux-loss-coeff", "--cp-comm-type"};
   return s;
 }
 
@@ -46,7 +62,7 @@ const std::set<std::string, std::less<>>& Ignored() {
 const std::set<std::string, std::less<>>& Flags() {
   static const std::set<std::string, std::less<>> s = {
       "--swiglu", "--group-query-attention", "--untie-embeddings-and-output-weights", "--sequence-parallel",
-      "--use-distributed-optimizer", "--bf16", "--fp16", "--multi-latent-attention", "--use-flash-attn",
+      "--use-distributed-optimizer", "--bf16", "--fp16", "--multi-latent-attention",
       "--accumulate-allreduce-grads-in-fp32", "--fine-grained-activation-offloading", "--moe-router-enable-expert-bias"};
   return s;
 }
@@ -66,7 +82,13 @@ const std::set<std::string, std::less<>>& Valued() {
       "--moe-expert-capacity-factor", "--moe-token-dispatcher-type", "--q-lora-rank", "--kv-lora-rank",
       "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim", "--recompute-granularity", "--recompute-method",
       "--recompute-num-layers", "--mtp-num-layers", "--recompute-modules", "--offload-modules",
-      "--moe-router-topk-scaling-factor", "--moe-router-bias-update-rate"};
+      "--moe-router-topk-scaling-factor", "--moe-router-bias-update-rate", "--pipeline-model-parallel-layout"};
+  return s;
+}
+
+// Valued arguments that take one or more values (nargs '+').
+const std::set<std::string, std::less<>>& Lists() {
+  static const std::set<std::string, std::less<>> s = {"--recompute-modules", "--offload-modules"};
   return s;
 }
 
@@ -76,7 +98,7 @@ const std::set<std::string, std::less<>>& NotYet() {
   static const std::set<std::string, std::less<>> s = {
       "--cpu-offloading",
       "--cpu-offloading-num-layers", "--optimizer-cpu-offload", "--optimizer-offload-fraction",
-      "--pipeline-model-parallel-layout", "--fp8-format", "--fp8", "--account-for-embedding-in-pipeline-split",
+      "--fp8-format", "--fp8", "--account-for-embedding-in-pipeline-split",
       "--account-for-loss-in-pipeline-split"};
   return s;
 }
@@ -111,35 +133,46 @@ class Args {
     for (size_t i = 0; i < t.size(); ++i) {
       if (t[i].size() > 3 && t[i].compare(t[i].size() - 3, 3, ".py") == 0) start = i + 1;
     }
+    // As Megatron's argparse parser (allow_abbrev=False, parse_args):
+    // a flag takes no value, a list one or more, any other argument
+    // exactly one; a token no argument takes is an error; the last of a
+    // repeated argument wins.
     for (size_t i = start; i < t.size(); ++i) {
       std::string name = t[i], value;
-      if (name.rfind("--", 0) != 0) continue;  // the launcher and script before the arguments
+      if (name.rfind("--", 0) != 0) {
+        ThrowError(ErrorCode::kBadInput, file_ + ": unrecognized arguments: " + name.substr(0, 60) +
+                                             " (not a value of the argument before it; Megatron's parser exits here)");
+      }
+      bool inline_value = false;
       if (const size_t eq = name.find('='); eq != std::string::npos) {
         value = name.substr(eq + 1);
         name.resize(eq);
+        inline_value = true;
       }
       if (NotYet().count(name)) {
         Fail(name, "changes memory and is not imported yet; plan without it and add the policy by hand "
                    "(docs/import.md)");
       }
-      if (Flags().count(name)) {
-        flags_.insert(name);
+      if (Flags().count(name) || IgnoredFlags().count(name)) {
+        if (inline_value) Fail(name, "ignored explicit argument '" + value.substr(0, 40) + "' (a flag takes no value)");
+        if (Flags().count(name)) flags_.insert(name);
         continue;
       }
       const bool valued = Valued().count(name) > 0;
-      if (!valued && !Ignored().count(name)) {
+      const bool list = Lists().count(name) > 0 || IgnoredLists().count(name) > 0;
+      if (!valued && !IgnoredValued().count(name) && !IgnoredLists().count(name)) {
         Fail(name, "not understood: an argument that may change memory is never dropped silently "
                    "(docs/import.md lists the arguments read and those known to change nothing)");
       }
-      if (value.empty()) {
-        // Everything up to the next argument (an ignored argument may take
-        // several values, --data-path among them).
-        while (i + 1 < t.size() && t[i + 1].rfind("--", 0) != 0) value += (value.empty() ? "" : " ") + t[++i];
+      if (!inline_value) {
+        // One value, or with a list every token up to the next argument.
+        while (i + 1 < t.size() && t[i + 1].rfind("--", 0) != 0) {
+          value += (value.empty() ? "" : " ") + t[++i];
+          if (!list) break;
+        }
       }
-      if (valued) {
-        if (value.empty()) Fail(name, "expected a value");
-        values_[name] = value;
-      }
+      if (value.empty() && name != "--data-path") Fail(name, "expected " + std::string(list ? "at least one value" : "one value"));
+      if (valued) values_[name] = value;
     }
   }
 
@@ -347,80 +380,125 @@ OrderedJson Build(const Args& args, const ImportOptions& o) {
   }
   if (has_dense) a["ffn_hidden"] = ffn;
   if (const int64_t mtp = args.Int("--mtp-num-layers", 0, 16, 0); mtp > 0) a["mtp_layers"] = mtp;
-  // Full recomputation is not translated; selective recomputation and
-  // fine-grained offloading become policy annotations (framework.h).
-  if (args.Has("--recompute-method") || args.Has("--recompute-num-layers") ||
-      args.String("--recompute-granularity", "selective") != "selective") {
-    args.Fail(args.Has("--recompute-granularity") ? "--recompute-granularity" : "--recompute-method",
-              "full recomputation is not imported yet (selective is); import without it and compare with "
-              "`memplan plan`");
-  }
-
   const int64_t mbs = args.Int("--micro-batch-size", 1, kMaxMicroBatch);
   const int64_t gbs = args.Int("--global-batch-size", 1, kBig);
   if (o.gpus <= 0) ThrowError(ErrorCode::kBadInput, "--gpus: expected the world size (> 0)");
-  if (o.gpus % (tp * pp * cp) != 0) {
-    ThrowError(ErrorCode::kBadInput, "--gpus: " + std::to_string(o.gpus) + " is not divisible by tp * pp * cp = " +
-                                         std::to_string(tp * pp * cp));
-  }
-  const int64_t dp = o.gpus / (tp * pp * cp);
-  if (gbs % (mbs * dp) != 0) {
-    args.Fail("--global-batch-size", std::to_string(gbs) + " is not divisible by micro batch * dp = " +
-                                         std::to_string(mbs) + " * " + std::to_string(dp));
-  }
-  int64_t vp = args.Int("--num-virtual-stages-per-pipeline-rank", 1, kMaxLayers, 1);
+
+  // Megatron's own view of the arguments, held to its rules
+  // (megatron_args.h): what Megatron refuses is refused with its reason.
+  MegatronArgs m;
+  m.world_size = o.gpus;
+  m.num_layers = layers;
+  m.hidden = h;
+  m.heads = heads;
+  m.group_query_attention = args.Flag("--group-query-attention");
+  m.query_groups = m.group_query_attention ? args.Int("--num-query-groups", 1, heads, 1) : 0;
+  m.multi_latent_attention = args.Flag("--multi-latent-attention");
+  m.mtp_layers = args.Int("--mtp-num-layers", 0, 16, 0);
+  m.seq_len = seq;
+  m.learned_positions = positions == "learned_absolute";
+  m.max_position_embeddings = m.learned_positions ? args.Int("--max-position-embeddings", 1, kMaxSeqLen) : 0;
+  m.micro_batch = mbs;
+  m.global_batch = gbs;
+  m.tp = tp, m.pp = pp, m.cp = cp, m.ep = ep;
+  m.expert_tp = args.Has("--num-experts") ? 1 : 0;
+  // arguments.py: sequence parallelism without tensor parallelism is
+  // switched off with a warning.
+  m.sequence_parallel = args.Flag("--sequence-parallel") && tp > 1;
   if (args.Has("--num-layers-per-virtual-pipeline-stage")) {
-    const int64_t per = args.Int("--num-layers-per-virtual-pipeline-stage", 1, kMaxLayers);
-    if (layers % (pp * per) != 0) {
-      args.Fail("--num-layers-per-virtual-pipeline-stage", "--num-layers (" + std::to_string(layers) +
-                                                               ") is not divisible by pp * this");
-    }
-    vp = layers / (pp * per);
+    m.layers_per_virtual_stage = args.Int("--num-layers-per-virtual-pipeline-stage", 1, kMaxLayers);
   }
-  OrderedJson parallel = {{"tp", tp}, {"sp", args.Flag("--sequence-parallel")}, {"pp", pp}, {"vp", vp},
-                          {"dp", dp}, {"ep", ep}, {"cp", cp},
-                          {"zero", args.Flag("--use-distributed-optimizer") ? 1 : 0}};
-  if (args.Has("--decoder-first-pipeline-num-layers") || args.Has("--decoder-last-pipeline-num-layers")) {
-    // Megatron: the first and last stages take the given layers, the
-    // others share the rest evenly.
-    if (vp > 1) args.Fail("--decoder-first-pipeline-num-layers", "with virtual stages is not imported yet");
-    const int64_t first = args.Int("--decoder-first-pipeline-num-layers", 0, layers, -1);
-    const int64_t last = args.Int("--decoder-last-pipeline-num-layers", 0, layers, -1);
-    const int64_t middle_ranks = pp - (first >= 0) - (last >= 0);
-    const int64_t rest = layers - std::max<int64_t>(first, 0) - std::max<int64_t>(last, 0);
-    if (middle_ranks <= 0 || rest < 0 || rest % middle_ranks != 0) {
-      args.Fail("--decoder-first-pipeline-num-layers", "the remaining " + std::to_string(rest) +
-                                                           " layers do not divide evenly over the other pipeline ranks");
-    }
-    std::vector<int64_t> layout(static_cast<size_t>(pp), rest / middle_ranks);
-    if (first >= 0) layout.front() = first;
-    if (last >= 0) layout.back() = last;
-    parallel["pp_layout"] = layout;
+  if (args.Has("--num-virtual-stages-per-pipeline-rank")) {
+    m.virtual_stages_per_rank = args.Int("--num-virtual-stages-per-pipeline-rank", 1, kMaxLayers);
   }
-  // Selective recomputation (Megatron's default modules: core_attn) and
-  // fine-grained offloading as policy annotations (framework.h).
-  std::vector<std::string> recompute, offload;
+  if (args.Has("--decoder-first-pipeline-num-layers")) {
+    m.first_stage_layers = args.Int("--decoder-first-pipeline-num-layers", 0, layers);
+  }
+  if (args.Has("--decoder-last-pipeline-num-layers")) {
+    m.last_stage_layers = args.Int("--decoder-last-pipeline-num-layers", 0, layers);
+  }
+  m.pipeline_layout = args.String("--pipeline-model-parallel-layout", "");
+  m.experts = args.Has("--num-experts") ? args.Int("--num-experts", 0, kMaxExperts) : 0;
+  m.grouped_gemm = true;  // memplan plans the experts' grouped GEMM (--moe-grouped-gemm is read as such)
+  m.bf16 = args.Flag("--bf16");
+  m.fp16 = args.Flag("--fp16");
+  m.distributed_optimizer = args.Flag("--use-distributed-optimizer");
   auto words = [](const std::string& v) {
     std::vector<std::string> out;
     std::istringstream in(v);
     for (std::string w; in >> w;) out.push_back(w);
     return out;
   };
-  if (args.Has("--recompute-granularity")) recompute = words(args.String("--recompute-modules", "core_attn"));
-  if (args.Has("--recompute-modules") && !args.Has("--recompute-granularity")) {
+  m.recompute_granularity = args.Choice("--recompute-granularity", {"", "full", "selective"}, "");
+  m.recompute_method = args.Choice("--recompute-method", {"", "uniform", "block"}, "");
+  if (args.Has("--recompute-num-layers")) m.recompute_num_layers = args.Int("--recompute-num-layers", 1, kMaxLayers);
+  m.recompute_modules = words(args.String("--recompute-modules", ""));
+  if (m.recompute_granularity != "selective" && !m.recompute_modules.empty()) {
     args.Fail("--recompute-modules", "takes effect with --recompute-granularity selective, which is absent");
   }
-  if (args.Flag("--fine-grained-activation-offloading")) {
-    if (!args.Has("--offload-modules")) args.Fail("--offload-modules", "missing: which modules to offload");
-    offload = words(args.String("--offload-modules", ""));
-  } else if (args.Has("--offload-modules")) {
-    args.Fail("--offload-modules", "takes effect with --fine-grained-activation-offloading, which is absent");
+  m.fine_grained_offloading = args.Flag("--fine-grained-activation-offloading");
+  m.offload_modules = words(args.String("--offload-modules", ""));
+  if (o.gpus % (tp * pp * cp) != 0) {
+    ThrowError(ErrorCode::kBadInput, "--gpus: " + std::to_string(o.gpus) + " is not divisible by tp * pp * cp = " +
+                                         std::to_string(tp * pp * cp));
   }
-  OrderedJson policies = OrderedJson::array();
-  if (!recompute.empty() || !offload.empty() || o.as_written) {
-    auto list = MegatronPolicies(args.Flag("--multi-latent-attention"), recompute, offload, o.as_written, args.file());
-    if (!list) throw ErrorException(list.error());
-    for (const auto& p : *list) policies.push_back({{"match", p.match}, {"policy", std::string(PolicyName(p.policy[0]))}});
+  if (auto why = ValidateMegatronArgs(m)) {
+    ThrowError(ErrorCode::kBadInput, args.file() + ": Megatron refuses these arguments: " + *why);
+  }
+  const int64_t dp = o.gpus / (tp * pp * cp);
+  const int64_t vp = m.VirtualStages();
+  OrderedJson parallel = {{"tp", tp}, {"sp", m.sequence_parallel}, {"pp", pp}, {"vp", vp},
+                          {"dp", dp}, {"ep", ep}, {"cp", cp},
+                          {"zero", m.distributed_optimizer ? 1 : 0}};
+  // The layers per pipeline rank Megatron builds (transformer_block.py,
+  // pipeline_parallel_layer_layout.py): first/last stage counts with the
+  // rest even, or the layout's stages (virtual stage v of rank r is stage
+  // v * pp + r).
+  if (!m.pipeline_layout.empty()) {
+    auto stages = ParsePipelineLayout(m.pipeline_layout);
+    if (!stages) args.Fail("--pipeline-model-parallel-layout", stages.error().message);
+    std::vector<int64_t> layout(static_cast<size_t>(pp), 0);
+    for (size_t i = 0; i < stages->size(); ++i) layout[i % static_cast<size_t>(pp)] += (*stages)[i].decoder_layers;
+    // memplan splits a rank's layers over its chunks as evenly as possible,
+    // the first chunks taking the rest (layout.h): the layout's chunks must
+    // be that split.
+    for (size_t i = 0; i < stages->size(); ++i) {
+      const int64_t r = static_cast<int64_t>(i) % pp, c = static_cast<int64_t>(i) / pp, n = layout[static_cast<size_t>(r)];
+      if ((*stages)[i].decoder_layers != n / vp + (c < n % vp ? 1 : 0)) {
+        args.Fail("--pipeline-model-parallel-layout",
+                  "pipeline rank " + std::to_string(r) + "'s virtual stages are not an even split of its " +
+                      std::to_string(n) + " layers (memplan splits a rank's layers as evenly as possible over its "
+                      "virtual stages, the first taking the rest)");
+      }
+      if ((*stages)[i].mtp_layers > 0 && i + 1 != stages->size()) {
+        args.Fail("--pipeline-model-parallel-layout", "MTP layers ('m') outside the last stage are not planned");
+      }
+    }
+    parallel["pp_layout"] = layout;
+  } else if (m.first_stage_layers || m.last_stage_layers) {
+    const int64_t first = m.first_stage_layers.value_or(-1), last = m.last_stage_layers.value_or(-1);
+    const int64_t middle_ranks = pp - (first >= 0) - (last >= 0);
+    const int64_t rest = layers - std::max<int64_t>(first, 0) - std::max<int64_t>(last, 0);
+    std::vector<int64_t> layout(static_cast<size_t>(pp), middle_ranks > 0 ? rest / middle_ranks : 0);
+    if (first >= 0) layout.front() = first;
+    if (last >= 0) layout.back() = last;
+    parallel["pp_layout"] = layout;
+  }
+  // The storage settings: fixed as written where the arguments give any
+  // (or with --as-written: none given means every tensor kept), else
+  // chosen by the planner (docs/targets.md).
+  OrderedJson target = {{"name", "megatron"}};
+  if (!m.recompute_granularity.empty() || m.fine_grained_offloading || o.as_written) {
+    OrderedJson settings = {{"recompute_granularity", m.recompute_granularity.empty() ? "none" : m.recompute_granularity}};
+    if (m.recompute_granularity == "full") {
+      settings["recompute_method"] = m.recompute_method;
+      settings["recompute_num_layers"] = *m.recompute_num_layers;
+    }
+    if (m.recompute_granularity == "selective") {
+      settings["recompute_modules"] = m.recompute_modules.empty() ? std::vector<std::string>{"core_attn"} : m.recompute_modules;
+    }
+    if (m.fine_grained_offloading) settings["offload_modules"] = m.offload_modules;
+    target["settings"] = settings;
   }
   const std::string precision = args.Flag("--bf16") ? "bf16" : args.Flag("--fp16") ? "fp16" : "fp32";
   const std::string optimizer = args.Choice("--optimizer", {"adam", "muon"}, "adam");
@@ -441,7 +519,7 @@ OrderedJson Build(const Args& args, const ImportOptions& o) {
         {"optimizer", optimizer}}},
       {"parallel", parallel},
       {"hardware", {{"preset", o.hardware}}}};
-  if (!policies.empty()) model["policies"] = policies;
+  model["target"] = target;
   return model;
 }
 

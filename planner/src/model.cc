@@ -449,20 +449,84 @@ Hardware ParseHardwareObject(ObjectReader& r) {
 }
 
 void ParseOptions(const Json* value, const JsonLocation& where, Model& m) {
-  // Each technique is on by default where the architecture has the feature.
+  // Each technique is on by default where the architecture has the feature
+  // and the target has the mechanism: Megatron has none of memplan's MoE
+  // and AttnRes mechanisms (docs/targets.md).
   const Arch& a = m.arch;
+  const bool own = m.target.kind == TargetKind::kMemplan;
   bool moe = a.moe.has_value();
   bool ar = a.attn_res.has_value();
   Json empty = Json::object();
   ObjectReader r(value ? *value : empty, where);
   Options& o = m.options;
-  o.moe_grad_rewrite = r.Bool("moe_grad_rewrite", moe) && moe;
-  o.moe_recompute_dispatch = r.Bool("moe_recompute_dispatch", moe) && moe;
-  o.attn_res_single_copy = r.Bool("attn_res_single_copy", ar) && ar;
-  o.attn_res_checkpoint = r.Bool("attn_res_checkpoint", ar) && ar;
-  o.attn_res_pp_cache = r.Bool("attn_res_pp_cache", ar) && ar;
+  auto memplan_only = [&](std::string_view key, bool feature) {
+    const bool on = r.Bool(key, feature && own) && feature;
+    if (on && !own) {
+      ThrowAt(r.At(key), "expected false under target " + std::string(TargetName(m.target.kind)) +
+                             ": a memplan runtime mechanism the framework does not have");
+    }
+    return on;
+  };
+  o.moe_grad_rewrite = memplan_only("moe_grad_rewrite", moe);
+  o.moe_recompute_dispatch = memplan_only("moe_recompute_dispatch", moe);
+  o.attn_res_single_copy = memplan_only("attn_res_single_copy", ar);
+  o.attn_res_checkpoint = memplan_only("attn_res_checkpoint", ar);
+  o.attn_res_pp_cache = memplan_only("attn_res_pp_cache", ar);
   o.pp_balance = r.Bool("pp_balance", m.parallel.pp > 1) && m.parallel.pp > 1;
   r.Finish();
+}
+
+std::vector<std::string> ReadNames(const Json& value, const JsonLocation& where) {
+  ExpectArray(value, where);
+  std::vector<std::string> out;
+  for (size_t i = 0; i < value.size(); ++i) out.push_back(ExpectString(value[i], where.Child(i)));
+  return out;
+}
+
+// `target`: "memplan" | "megatron", or an object naming it with the
+// caching allocator's settings and, optionally, fixed framework settings.
+void ParseTarget(const Json* value, const JsonLocation& where, Model& m) {
+  if (!value) return;
+  TargetConfig& t = m.target;
+  auto kind_of = [&](const std::string& name, const JsonLocation& at) {
+    auto k = TargetFromName(name);
+    if (!k) ThrowAt(at, "expected \"memplan\" or \"megatron\", got \"" + name + "\"");
+    return *k;
+  };
+  if (value->is_string()) {
+    t.kind = kind_of(value->get<std::string>(), where);
+    return;
+  }
+  ObjectReader r(*value, where);
+  t.kind = kind_of(r.String("name"), r.At("name"));
+  t.expandable_segments = r.Bool("expandable_segments", false);
+  t.max_split_size_mb = r.Int("max_split_size_mb", 0, int64_t{1} << 30, 0);
+  if (const Json* sv = r.Get("settings")) {
+    ObjectReader sr(*sv, r.At("settings"));
+    FrameworkSettings fs;
+    fs.granularity = sr.Enum("recompute_granularity", {"none", "selective", "full"}, "none");
+    if (fs.granularity == "none") fs.granularity.clear();
+    fs.method = sr.Enum("recompute_method", {"none", "uniform", "block"}, "none");
+    if (fs.method == "none") fs.method.clear();
+    fs.num_layers = sr.Int("recompute_num_layers", 0, kMaxLayers, 0);
+    if (const Json* v = sr.Get("recompute_modules")) fs.recompute_modules = ReadNames(*v, sr.At("recompute_modules"));
+    if (const Json* v = sr.Get("offload_modules")) fs.offload_modules = ReadNames(*v, sr.At("offload_modules"));
+    sr.Finish();
+    if (fs.granularity == "full" && (fs.method.empty() || fs.num_layers < 1)) {
+      ThrowAt(r.At("settings"), "expected recompute_method and recompute_num_layers >= 1 with full recompute");
+    }
+    if (fs.granularity == "selective" && fs.recompute_modules.empty()) {
+      ThrowAt(r.At("settings").Child("recompute_modules"), "expected at least one module with selective recompute");
+    }
+    if (fs.granularity != "selective" && !fs.recompute_modules.empty()) {
+      ThrowAt(r.At("settings").Child("recompute_modules"), "expected recompute_granularity selective with modules");
+    }
+    t.settings = std::move(fs);
+  }
+  r.Finish();
+  if (t.kind == TargetKind::kMemplan && (t.settings || t.expandable_segments || t.max_split_size_mb)) {
+    ThrowAt(where, "expected no allocator or framework settings under target memplan (its arena is exact)");
+  }
 }
 
 void ParseGraph(const Json& value, const JsonLocation& where, Model& m) {
@@ -567,6 +631,11 @@ Model ParseModelOrThrow(const Json& doc, const std::string& file) {
       m.policies.push_back(std::move(a));
     }
   }
+  ParseTarget(r.Get("target"), r.At("target"), m);
+  if (auto h = r.OptBytes("headroom")) {
+    m.headroom = *h;
+    m.headroom_given = true;
+  }
   ParseOptions(r.Get("options"), r.At("options"), m);
   if (const Json* g = r.Get("graph")) ParseGraph(*g, r.At("graph"), m);
   r.Finish();
@@ -591,6 +660,41 @@ Json HardwareJson(const Hardware& h) {
                     {"nccl_buffsize", h.runtime.nccl_buffsize},
                     {"nccl_p2p_channels", h.runtime.nccl_p2p_channels}};
   }
+  return j;
+}
+
+std::string_view TargetName(TargetKind kind) {
+  switch (kind) {
+    case TargetKind::kMemplan:
+      return "memplan";
+    case TargetKind::kMegatron:
+      return "megatron";
+  }
+  return "memplan";
+}
+
+std::optional<TargetKind> TargetFromName(std::string_view name) {
+  if (name == "memplan") return TargetKind::kMemplan;
+  if (name == "megatron") return TargetKind::kMegatron;
+  return std::nullopt;
+}
+
+Json SettingsJson(const FrameworkSettings& s) {
+  Json j{{"recompute_granularity", s.granularity.empty() ? "none" : s.granularity},
+         {"recompute_modules", s.recompute_modules},
+         {"offload_modules", s.offload_modules}};
+  if (s.granularity == "full") {
+    j["recompute_method"] = s.method;
+    j["recompute_num_layers"] = s.num_layers;
+  }
+  return j;
+}
+
+Json TargetJson(const TargetConfig& t) {
+  Json j{{"name", TargetName(t.kind)},
+         {"expandable_segments", t.expandable_segments},
+         {"max_split_size_mb", t.max_split_size_mb}};
+  if (t.settings) j["settings"] = SettingsJson(*t.settings);
   return j;
 }
 
@@ -723,6 +827,9 @@ Json NormalizedModelJson(const Model& m) {
     j["parallel"]["fsdp_reshard_after_forward"] = m.parallel.fsdp_reshard_after_forward;
     j["parallel"]["fsdp_prefetch"] = m.parallel.fsdp_prefetch;
   }
+  // Written for other targets only: memplan's plans keep their digests.
+  if (m.target.kind != TargetKind::kMemplan) j["target"] = TargetJson(m.target);
+  if (m.headroom_given) j["headroom"] = m.headroom;
   Json costs = Json::array();
   for (const auto& c : m.costs) {
     Json cj{{"match", c.match}};

@@ -16,7 +16,9 @@
 #include "memplan/planner/bounds.h"
 #include "memplan/planner/layout.h"
 #include "memplan/planner/liveness.h"
+#include "memplan/planner/target.h"
 #include "memplan/planner/templates.h"
+#include "plan_internal.h"
 
 namespace memplan::planner {
 
@@ -189,6 +191,22 @@ std::vector<int64_t> LowerBounds(const PlanningProblem& problem, const Assignmen
   return out;
 }
 
+// What PyTorch's caching allocator reserves for a rank's static memory:
+// the framework allocates each item whole at start-up (Megatron's
+// contiguous parameter and gradient buffers, the optimizer's state as
+// master weights and two moments), each in its own segment.
+int64_t StaticReservedBytes(const StaticBreakdown& st) {
+  auto seg = [](int64_t bytes) {
+    return bytes > 0 ? CachingAllocatorModel::SegmentSize(CachingAllocatorModel::RoundSize(bytes)) : 0;
+  };
+  int64_t out = seg(st.weights) + seg(st.grads);
+  for (int k = 0; k < 3; ++k) out += seg(st.optimizer / 3 + (k < st.optimizer % 3 ? 1 : 0));
+  for (const auto& [name, bytes] : st.buffer_detail) out += seg(bytes);
+  return out;
+}
+
+}  // namespace
+
 Plan BuildPlanOrThrow(const Model& input, const PlanOptions& options) {
   Plan plan;
   plan.model = input;
@@ -197,6 +215,12 @@ Plan BuildPlanOrThrow(const Model& input, const PlanOptions& options) {
     model.budget = *options.budget;
     model.budget_given = true;
   }
+  if (options.headroom) {
+    model.headroom = *options.headroom;
+    model.headroom_given = true;
+  }
+  const Target& target = GetTarget(model.target.kind);
+  plan.headroom = model.headroom_given ? model.headroom : target.DefaultHeadroom(model);
   if (model.budget > model.hardware.device_memory) {
     plan.warnings.push_back("budget " + FormatBytes(model.budget) + " exceeds device memory " +
                             FormatBytes(model.hardware.device_memory) + " (what-if plan)");
@@ -209,20 +233,28 @@ Plan BuildPlanOrThrow(const Model& input, const PlanOptions& options) {
   if (!expanded) throw ErrorException(expanded.error());
   plan.totals = CountParameters(model, *expanded);
   clock.Mark("expand");
-  // Memory outside the framework (the CUDA context, NCCL) comes off the
-  // budget before anything is planned: the plan's own numbers (static,
-  // peak, bounds) are what the framework allocates and CUPTI measures.
+  // Static memory as the target holds it (its buffers, and the memory
+  // outside it: the CUDA context, NCCL).
+  const PipelineLayout cheap_layout = MakePipelineLayout(model);
+  std::vector<StaticBreakdown> cheap_statics;
+  for (int64_t r = 0; r < model.parallel.pp; ++r) {
+    cheap_statics.push_back(AccountRank(model, *expanded, cheap_layout, r));
+    target.StaticBuffers(model, r, &cheap_statics.back());
+  }
+  // Memory outside the framework comes off the budget before anything is
+  // planned: the plan's own numbers (static, peak, bounds) are what the
+  // framework allocates and CUPTI measures. The largest rank's: a
+  // target's groups can differ by rank.
   int64_t runtime = 0;
-  for (const auto& [name, bytes] : RuntimeItems(model)) runtime += bytes;
+  for (const auto& st : cheap_statics) runtime = std::max(runtime, st.runtime);
   const int64_t budget = model.budget - runtime;
   // Refused cheaply first: a rank whose static memory (weights, gradients,
   // optimizer state, buffers) alone exceeds the budget, before the
   // liveness and the schedule (the work that grows with layers x
   // microbatches) are built.
   {
-    const PipelineLayout cheap_layout = MakePipelineLayout(model);
     for (int64_t r = 0; r < model.parallel.pp; ++r) {
-      const StaticBreakdown st = AccountRank(model, *expanded, cheap_layout, r);
+      const StaticBreakdown& st = cheap_statics[static_cast<size_t>(r)];
       if (st.host > model.hardware.host_memory) {
         const int64_t n = model.hardware.gpus_per_node;
         ThrowError(ErrorCode::kInfeasible,
@@ -241,6 +273,7 @@ Plan BuildPlanOrThrow(const Model& input, const PlanOptions& options) {
   }
   PlanningProblem problem = BuildProblem(model, std::move(*expanded),
                                          options.full_simulation ? Simulation::kFull : Simulation::kPeriodic);
+  problem.statics = cheap_statics;
   clock.Mark("liveness");
   const std::vector<LayerGraph>& layers = problem.layers;
   const PipelineLayout& layout = problem.layout;
@@ -268,7 +301,9 @@ Plan BuildPlanOrThrow(const Model& input, const PlanOptions& options) {
 
   std::vector<int64_t> keep_all = LowerBounds(problem, Assignment::KeepAll(problem));
   clock.Mark("keep-all");
-  Solved solved = SolveForBudget(problem, budget, options, clock);
+  // The solver keeps the headroom free where it decides storage.
+  const int64_t solver_budget = budget - (target.PerTensorStorage() ? plan.headroom : 0);
+  Solved solved = SolveForBudget(problem, solver_budget, options, clock);
   if (problem.window && !Periodic(solved.eval)) {
     // The window's period after its cut is not the one before it: it does
     // not stand for the model. Simulate every microbatch.
@@ -278,10 +313,11 @@ Plan BuildPlanOrThrow(const Model& input, const PlanOptions& options) {
       break;
     }
     problem = BuildProblem(model, std::vector<LayerGraph>(problem.layers), Simulation::kFull);
+    problem.statics = cheap_statics;
     plan.simulation.simulated = problem.microbatches;
     plan.simulation.period_microbatches = 0;
     keep_all = LowerBounds(problem, Assignment::KeepAll(problem));
-    solved = SolveForBudget(problem, budget, options, clock);
+    solved = SolveForBudget(problem, solver_budget, options, clock);
     clock.Mark("full simulation");
   }
   const Evaluation& e = solved.eval;
@@ -316,6 +352,20 @@ Plan BuildPlanOrThrow(const Model& input, const PlanOptions& options) {
   }
   plan.overhead = OverheadOf(problem, e);
   plan.verify_errors = e.verify_errors;
+  // Reserved bytes: the target's allocator replayed over each rank's memory
+  // program, up to what is left of the budget after static memory and the
+  // runtime (past it, PyTorch frees its cached segments and retries).
+  std::vector<AllocatorReplay> replay;
+  std::vector<int64_t> static_reserved;
+  if (auto allocator = target.Allocator(model)) {
+    std::vector<int64_t> capacity;
+    for (const auto& st : problem.statics) {
+      static_reserved.push_back(StaticReservedBytes(st));
+      capacity.push_back(std::max<int64_t>(0, model.budget - st.runtime - static_reserved.back()));
+    }
+    replay = ReplayCachingAllocator(problem, e, *allocator, capacity);
+    clock.Mark("allocator");
+  }
   plan.verified = options.verify;
 
   for (int64_t r = 0; r < model.parallel.pp; ++r) {
@@ -339,7 +389,13 @@ Plan BuildPlanOrThrow(const Model& input, const PlanOptions& options) {
     rp.keep_all_lower_bound = keep_all[ri];
     rp.any_plan_lower_bound = b.any_plan_lower_bound;
     rp.budget = model.budget;
-    rp.fits = rp.peak + rp.statics.runtime <= rp.budget;
+    rp.allocated = rp.reserved = rp.peak;
+    if (!replay.empty()) {
+      rp.allocated = rp.statics.total + replay[ri].allocated_peak;
+      rp.reserved = static_reserved[ri] + replay[ri].reserved_peak;
+    }
+    rp.margin = rp.budget - rp.reserved - rp.statics.runtime;
+    rp.fits = rp.margin >= 0;
     rp.host_peak = rp.statics.host + b.host_activations_peak;
     rp.fits = rp.fits && rp.host_peak <= model.hardware.host_memory;
     rp.recompute_s = b.recompute_s;
@@ -421,6 +477,11 @@ Plan BuildPlanOrThrow(const Model& input, const PlanOptions& options) {
                               " of " + FormatBytes(model.hardware.host_memory * n) + " on a node of " +
                               std::to_string(n) + " GPUs");
     }
+    if (rp.fits && rp.margin < plan.headroom) {
+      plan.warnings.push_back("pp rank " + std::to_string(rp.pp_rank) + " leaves " + FormatBytes(rp.margin) +
+                              " at its peak, inside the headroom of " + FormatBytes(plan.headroom) +
+                              " (--headroom; docs/targets.md)");
+    }
     if (rp.fits) continue;
     ++over;
     if (!worst || rp.peak > worst->peak) worst = &rp;
@@ -458,6 +519,8 @@ Plan BuildPlanOrThrow(const Model& input, const PlanOptions& options) {
   return plan;
 }
 
+namespace {
+
 OrderedJson PolicyJson(const std::vector<Policy>& policy) {
   OrderedJson j = OrderedJson::array();
   for (Policy p : policy) j.push_back(PolicyName(p));
@@ -475,6 +538,7 @@ namespace {
 // every rank's host side fits or nothing is left to pin. The pins are
 // annotations in the plan's model, so the plan re-makes itself.
 Plan FitHost(const Model& input, const PlanOptions& options) {
+  if (!GetTarget(input.target.kind).PerTensorStorage()) return PlanFrameworkSettings(input, options);
   Plan plan = BuildPlanOrThrow(input, options);
   const int64_t host = input.hardware.host_memory;
   std::vector<PolicyAnnotation> pins;
@@ -519,7 +583,13 @@ Plan FitHost(const Model& input, const PlanOptions& options) {
 }  // namespace
 
 Expected<Plan> BuildPlan(const Model& model, const PlanOptions& options) {
-  return CatchErrors([&] { return FitHost(model, options); });
+  return CatchErrors([&] {
+    if (auto why = GetTarget(model.target.kind).Refusal(model)) {
+      ThrowError(ErrorCode::kBadInput,
+                 "target " + std::string(TargetName(model.target.kind)) + " refuses the model: " + *why);
+    }
+    return FitHost(model, options);
+  });
 }
 
 OrderedJson PlanToJson(const Plan& plan) {
@@ -531,6 +601,14 @@ OrderedJson PlanToJson(const Plan& plan) {
   j["activation_model"] = "planned";
   j["solver"] = plan.solver == SolverKind::kExact ? "exact" : "heuristic";
   j["budget"] = plan.model.budget;
+  // Written for another target or a given headroom only: memplan's own
+  // plans keep their digests (their reserved is their peak).
+  const bool reserved_shown = plan.model.target.kind != TargetKind::kMemplan || plan.model.headroom_given;
+  if (reserved_shown) {
+    j["target"] = TargetName(plan.model.target.kind);
+    if (plan.model.target.settings) j["target_settings"] = OrderedJson::parse(SettingsJson(*plan.model.target.settings).dump());
+    j["headroom"] = plan.headroom;
+  }
   j["totals"] = {{"params", plan.totals.params},
                  {"params_active", plan.totals.params_active},
                  {"layers", plan.model.arch.layers}};
@@ -565,6 +643,11 @@ OrderedJson PlanToJson(const Plan& plan) {
     rj["lower_bound"] = r.lower_bound;
     rj["keep_all_lower_bound"] = r.keep_all_lower_bound;
     rj["budget"] = r.budget;
+    if (reserved_shown) {
+      rj["allocated"] = r.allocated;
+      rj["reserved"] = r.reserved;
+      rj["margin"] = r.margin;
+    }
     rj["fits"] = r.fits;
     OrderedJson remote = OrderedJson::array();
     for (const auto& [to, bytes] : r.remote_offload) remote.push_back({{"to_pp_rank", to}, {"bytes", bytes}});
@@ -653,6 +736,12 @@ std::string RenderPlanTable(const Plan& plan) {
   const bool runtime = std::any_of(plan.ranks.begin(), plan.ranks.end(), [](const RankPlan& r) { return r.statics.runtime > 0; });
   std::vector<std::string> head = {"pp_rank", "layers", "static" + u, "activ." + u, "peak" + u};
   if (runtime) head.push_back("runtime" + u);
+  // Another target's allocator, or a headroom: allocated, reserved and
+  // what is left at the peak.
+  const bool reserved = plan.model.target.kind != TargetKind::kMemplan || plan.headroom > 0;
+  if (reserved) {
+    for (const char* c : {"allocated", "reserved", "margin"}) head.push_back(c + u);
+  }
   const std::vector<std::string> rest = {"lower_bd" + u, "any_plan" + u, "keep_all" + u, "budget" + u, "fits",
                                          "remote_out" + u, "resident", "host_peak" + u, "added(ms)"};
   head.insert(head.end(), rest.begin(), rest.end());
@@ -663,6 +752,9 @@ std::string RenderPlanTable(const Plan& plan) {
     std::vector<std::string> row = {std::to_string(r.pp_rank), std::to_string(r.layers.size()), cell(r.statics.total),
                                     cell(r.activations_peak), cell(r.peak)};
     if (runtime) row.push_back(cell(r.statics.runtime));
+    if (reserved) {
+      for (int64_t v : {r.allocated, r.reserved, r.margin}) row.push_back(cell(v));
+    }
     for (std::string c : {cell(r.lower_bound), cell(r.any_plan_lower_bound), cell(r.keep_all_lower_bound),
                           cell(r.budget), std::string(r.fits ? "yes" : "NO"), cell(remote),
                           std::to_string(r.resident_offloads.size()), cell(r.host_peak),
@@ -673,12 +765,30 @@ std::string RenderPlanTable(const Plan& plan) {
   }
   std::string out = t.Render();
   if (runtime && !plan.ranks.empty()) {
-    // The items, the same on every rank (accounting.h RuntimeItems).
-    const StaticBreakdown& st = plan.ranks.front().statics;
+    // The items of the rank with the most (a target's groups can differ by
+    // rank: accounting.h RuntimeItems, target.h).
+    const StaticBreakdown* st = &plan.ranks.front().statics;
+    for (const auto& r : plan.ranks) {
+      if (r.statics.runtime > st->runtime) st = &r.statics;
+    }
     std::string items;
-    for (const auto& [name, bytes] : st.runtime_detail) items += (items.empty() ? "" : ", ") + name + " " + FormatBytes(bytes);
-    out += "\noutside the framework, per GPU (fits: peak + runtime <= budget): " + items + " = " +
-           FormatBytes(st.runtime) + " (hardware.runtime; docs/accounting.md)\n";
+    for (const auto& [name, bytes] : st->runtime_detail) items += (items.empty() ? "" : ", ") + name + " " + FormatBytes(bytes);
+    out += std::string("\noutside the framework, per GPU (fits: ") + (reserved ? "reserved" : "peak") +
+           " + runtime <= budget): " + items + " = " + FormatBytes(st->runtime) + " (hardware.runtime; docs/accounting.md)\n";
+  }
+  if (plan.model.target.kind != TargetKind::kMemplan) {
+    const TargetConfig& tc = plan.model.target;
+    out += "target " + std::string(TargetName(tc.kind)) + ": reserved is PyTorch's caching allocator replayed over "
+           "the step (" + (tc.expandable_segments ? "expandable_segments:True" : "expandable_segments:False") +
+           (tc.max_split_size_mb > 0 ? ", max_split_size_mb:" + std::to_string(tc.max_split_size_mb) : "") +
+           "); headroom " + FormatBytes(plan.headroom) + " (docs/targets.md)\n";
+    if (tc.settings) {
+      const std::string flags = SettingsFlags(*tc.settings);
+      out += "settings: " + (flags == "none" ? std::string("none (every saved tensor kept)") : flags) + " (" +
+             std::to_string(plan.settings_tried.size()) + " other settings planned)\n";
+    }
+  } else if (plan.headroom > 0) {
+    out += "headroom " + FormatBytes(plan.headroom) + " kept free under the budget (--headroom)\n";
   }
 
   if (const auto& moe = plan.model.arch.moe) {

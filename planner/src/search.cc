@@ -16,6 +16,7 @@
 #include "memplan/planner/layout.h"
 #include "memplan/planner/liveness.h"
 #include "memplan/planner/plan.h"
+#include "memplan/planner/target.h"
 #include "memplan/planner/templates.h"
 
 namespace memplan::planner {
@@ -290,16 +291,25 @@ Candidate PrepareLayout(const Model& base, const Layout& layout, int64_t budget)
     MarkInvalid(model.error().message, base.file, &c);
     return c;
   }
+  // A layout the target refuses (Megatron's argument rules), with its
+  // reason: the flag is the rejection's key.
+  if (auto why = GetTarget(model->target.kind).Refusal(*model)) {
+    c.verdict = Verdict::kInvalid;
+    c.reason = std::string(TargetName(model->target.kind)) + " " + why->substr(0, why->find(':'));
+    c.detail = *why;
+    return c;
+  }
   try {
     // Static memory alone: weights, gradients, optimizer state and buffers.
     auto layers = ExpandModel(*model);
     if (!layers) throw ErrorException(layers.error());
     const PipelineLayout pl = MakePipelineLayout(*model);
-    int64_t runtime = 0;  // outside the framework: the same on every rank
+    int64_t runtime = 0;  // outside the framework: the largest rank's
     for (int64_t r = 0; r < model->parallel.pp; ++r) {
-      const StaticBreakdown st = AccountRank(*model, *layers, pl, r);
+      StaticBreakdown st = AccountRank(*model, *layers, pl, r);
+      GetTarget(model->target.kind).StaticBuffers(*model, r, &st);
       c.max_static = std::max(c.max_static, st.total);
-      runtime = st.runtime;
+      runtime = std::max(runtime, st.runtime);
     }
     if (c.max_static + runtime > budget) {
       c.verdict = Verdict::kStaticOverBudget;
@@ -335,12 +345,16 @@ void PlanLayout(const Model& base, int64_t budget, Candidate* out) {
       c.detail = plan.error().message;
       return;
     }
+    // Never a layout inside the headroom (--headroom; docs/targets.md).
     bool fits = true;
+    c.min_margin = std::numeric_limits<int64_t>::max();
     for (const auto& r : plan->ranks) {
-      fits = fits && r.fits;
-      c.max_peak = std::max(c.max_peak, r.peak);
+      fits = fits && r.fits && r.margin >= plan->headroom;
+      c.max_peak = std::max(c.max_peak, r.reserved);
       c.max_any_plan = std::max(c.max_any_plan, r.any_plan_lower_bound);
+      c.min_margin = std::min(c.min_margin, r.margin);
     }
+    if (const auto& s = plan->model.target.settings) c.settings = SettingsFlags(*s);
     const Overhead& o = plan->overhead;
     c.step_s = o.step_s;
     c.base_step_s = o.base_step_s;
@@ -350,7 +364,10 @@ void PlanLayout(const Model& base, int64_t budget, Candidate* out) {
     c.comm_s = o.comm_s;
     c.dp_exposed_s = o.dp_exposed_s;
     c.verdict = fits ? Verdict::kFits : Verdict::kDoesNotFit;
-    if (!fits) c.detail = "a rank's plan exceeds the budget (annotations pin its tensors, or placement fragments)";
+    if (!fits) {
+      c.detail = "a rank's plan leaves less than the headroom of " + FormatBytes(plan->headroom) +
+                 " under the budget (annotations pin its tensors, placement fragments, or no setting fits)";
+    }
   } catch (const ErrorException& e) {
     c.verdict = Verdict::kError;
     c.detail = e.error().message;
@@ -499,6 +516,8 @@ Json CandidateToJson(const Candidate& c) {
   if (c.base_bound_s > 0) j["base_bound_s"] = c.base_bound_s;
   if (c.verdict == Verdict::kFits || c.verdict == Verdict::kDoesNotFit) {
     j["max_peak"] = c.max_peak;
+    j["min_margin"] = c.min_margin;
+    if (!c.settings.empty()) j["settings"] = c.settings;
     j["max_any_plan_lower_bound"] = c.max_any_plan;
     j["step_s"] = c.step_s;
     j["base_step_s"] = c.base_step_s;
@@ -540,6 +559,8 @@ Expected<Candidate> CandidateFromJson(const Json& j) {
     c.max_static = j.value("max_static", int64_t{0});
     c.base_bound_s = j.value("base_bound_s", 0.0);
     c.max_peak = j.value("max_peak", int64_t{0});
+    c.min_margin = j.value("min_margin", int64_t{0});
+    c.settings = j.value("settings", "");
     c.max_any_plan = j.value("max_any_plan_lower_bound", int64_t{0});
     c.step_s = j.value("step_s", 0.0);
     c.base_step_s = j.value("base_step_s", 0.0);

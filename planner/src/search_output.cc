@@ -8,6 +8,7 @@
 #include "memplan/common/table.h"
 #include "memplan/common/units.h"
 #include "memplan/planner/search.h"
+#include "memplan/planner/target.h"
 
 namespace memplan::planner {
 namespace {
@@ -63,6 +64,8 @@ Expected<SearchResult> SummarizeSearch(const Model& base, const SearchOptions& o
   }
   SearchResult r;
   r.model = base.name;
+  r.target = base.target.kind;
+  r.headroom = base.headroom_given ? base.headroom : GetTarget(base.target.kind).DefaultHeadroom(base);
   r.digest = ModelDigest(base);
   r.gpus = options.gpus;
   r.budget = SearchBudget(base, options);
@@ -193,24 +196,31 @@ std::string RenderSearchTable(const SearchResult& r) {
   int64_t largest = 0;
   for (size_t i : r.ranked) largest = std::max(largest, cs[i].max_peak);
   const bool mib = largest < (int64_t{1} << 30);
-  const std::string peak_header = mib ? "peak MiB" : "peak GiB";
+  // Under a framework target the peak is what its allocator reserves.
+  const bool framework = r.target != TargetKind::kMemplan;
+  const std::string peak_header = std::string(framework ? "reserved" : "peak") + (mib ? " MiB" : " GiB");
   auto peak = [&](int64_t bytes) {
     return mib ? FormatFixed(static_cast<double>(bytes) / (1 << 20), 2) : FormatGiB(bytes);
   };
   if (!r.ranked.empty()) {
-    Table t({"#", "tp", "pp", "ends", "vp", "cp", "ep", "dp", "mb x n", "zero", peak_header, "step ms", "base ms", "comm ms",
-             "dp ms", "recompute ms", "fp8 ms", "transfers ms"});
+    std::vector<std::string> head = {"#", "tp", "pp", "ends", "vp", "cp", "ep", "dp", "mb x n", "zero", peak_header,
+                                     std::string("margin") + (mib ? " MiB" : " GiB"), "step ms", "base ms", "comm ms",
+                                     "dp ms", "recompute ms", "fp8 ms", "transfers ms"};
+    if (framework) head.push_back("settings");
+    Table t(head);
     const size_t shown = std::min(r.ranked.size(), static_cast<size_t>(std::max(1, r.top)));
     for (size_t k = 0; k < shown; ++k) {
       const Candidate& c = cs[r.ranked[k]];
       const Layout& l = c.layout;
-      t.AddRow({std::to_string(k + 1), std::to_string(l.tp) + (l.sp ? "+sp" : ""), std::to_string(l.pp),
+      std::vector<std::string> row = {std::to_string(k + 1), std::to_string(l.tp) + (l.sp ? "+sp" : ""), std::to_string(l.pp),
                 l.lighter_ends ? "-" + std::to_string(l.lighter_ends) : "0",
                 std::to_string(l.vp), std::to_string(l.cp), std::to_string(l.ep), std::to_string(l.dp),
                 LayoutCells(l),
                 std::to_string(l.zero) + (l.pipeline_zero2 ? "+pz2" : "") + (l.grad_offload_host ? "+host" : ""),
-                peak(c.max_peak), Ms(c.step_s), Ms(c.base_step_s), Ms(c.comm_s), Ms(c.dp_exposed_s),
-                Ms(c.recompute_s), Ms(c.quantize_s), Ms(c.exposed_transfer_s)});
+                peak(c.max_peak), peak(c.min_margin), Ms(c.step_s), Ms(c.base_step_s), Ms(c.comm_s),
+                Ms(c.dp_exposed_s), Ms(c.recompute_s), Ms(c.quantize_s), Ms(c.exposed_transfer_s)};
+      if (framework) row.push_back(c.settings);
+      t.AddRow(std::move(row));
     }
     out += "\n" + t.Render();
     out += "\n" + WhyBestBeatsNext(r) + "\n";

@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "memplan/common/caching_allocator.h"
 #include "memplan/planner/liveness.h"
 
 namespace memplan::planner {
@@ -60,6 +61,22 @@ struct Evaluation {
 // again (their intervals must not have changed).
 Evaluation Evaluate(const PlanningProblem& p, const Assignment& a, bool verify,
                     const Evaluation* reuse = nullptr, const std::vector<bool>* changed = nullptr);
+
+// What PyTorch's caching allocator (common/caching_allocator.h) holds for a
+// rank's activations when the framework allocates and frees them in the
+// order of the rank's memory program (ProgramWalker), from an empty pool:
+// the peak of allocated blocks (rounded) and of reserved segments. Static
+// memory is not included (the target reserves it, target.h). `capacity`,
+// per rank, is what the activations may reserve before the allocator's
+// OOM retry releases cached segments (config's own capacity when empty).
+struct AllocatorReplay {
+  int64_t allocated_peak = 0;
+  int64_t reserved_peak = 0;
+  int64_t segments = 0;
+};
+std::vector<AllocatorReplay> ReplayCachingAllocator(const PlanningProblem& p, const Evaluation& e,
+                                                    const CachingAllocatorConfig& config,
+                                                    const std::vector<int64_t>& capacity = {});
 
 // Static + max of AnyPlanProfiles per rank.
 std::vector<int64_t> AnyPlanLowerBounds(const PlanningProblem& p);

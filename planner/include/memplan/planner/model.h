@@ -245,6 +245,37 @@ struct Options {
   bool pp_balance = false;
 };
 
+// The runtime a plan is for (target.h, docs/targets.md).
+enum class TargetKind { kMemplan, kMegatron };
+std::string_view TargetName(TargetKind kind);
+std::optional<TargetKind> TargetFromName(std::string_view name);
+
+// A framework's storage settings, as Megatron-LM spells them
+// (megatron/core/transformer/transformer_config.py; docs/targets.md):
+// `granularity` "" (none), "selective" (recompute_modules) or "full"
+// (method "block": the first num_layers layers of every virtual pipeline
+// chunk recompute everything from their input). Offload modules go with
+// --fine-grained-activation-offloading.
+struct FrameworkSettings {
+  std::string granularity;
+  std::string method;
+  int64_t num_layers = 0;
+  std::vector<std::string> recompute_modules;
+  std::vector<std::string> offload_modules;
+  bool operator==(const FrameworkSettings&) const = default;
+  bool empty() const { return granularity.empty() && offload_modules.empty(); }
+};
+
+// A model file's `target` (docs/formats.md): which runtime, the caching
+// allocator's settings where it has one (PYTORCH_CUDA_ALLOC_CONF), and the
+// framework settings when they are given rather than chosen by the planner.
+struct TargetConfig {
+  TargetKind kind = TargetKind::kMemplan;
+  bool expandable_segments = false;
+  int64_t max_split_size_mb = 0;  // 0: unlimited (PyTorch's default)
+  std::optional<FrameworkSettings> settings;
+};
+
 struct Model {
   std::string file;  // where it was read from (for messages; not in the digest)
   std::string name;
@@ -258,10 +289,20 @@ struct Model {
   std::vector<CostOverride> costs;
   std::vector<PolicyAnnotation> policies;
   Options options;
+  TargetConfig target;
+  // What plan and search keep free under the budget (docs/targets.md,
+  // "Headroom"); the target's default unless given.
+  int64_t headroom = 0;
+  bool headroom_given = false;
   // Explicit layer graphs from the model file's `graph`, by global layer
   // index; they replace the template expansion of those layers.
   std::vector<LayerGraph> graph;
 };
+
+// A model file's `target` object, and the settings in it (also PLAN.json's
+// `target_settings`).
+Json TargetJson(const TargetConfig& target);
+Json SettingsJson(const FrameworkSettings& settings);
 
 // Hardware presets: h100, h200, b200, host. Sources are in docs/accounting.md.
 Expected<Hardware> HardwarePreset(std::string_view name);

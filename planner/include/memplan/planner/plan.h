@@ -31,6 +31,7 @@ inline constexpr std::string_view kPlanSchema = "memplan.plan/1";
 
 struct PlanOptions {
   std::optional<int64_t> budget;  // overrides the model's budget (bytes)
+  std::optional<int64_t> headroom = std::nullopt;  // overrides the model's headroom (bytes)
   SolverKind solver = SolverKind::kHeuristic;
   bool sweep = false;   // also compute the budget / step-time trade-off curve
   bool verify = false;  // run the plan verifier (always on in tests)
@@ -56,6 +57,16 @@ struct RankPlan {
   int64_t keep_all_lower_bound = 0;  // every activation kept (annotations ignored)
   int64_t any_plan_lower_bound = 0;
   int64_t budget = 0;
+  // What the target's allocator holds at the peak (target.h): memplan's
+  // arena holds exactly `peak` (allocated = reserved = peak); PyTorch's
+  // caching allocator, replayed over the same memory program, rounds
+  // blocks (allocated) and caches segments (reserved). Both include static
+  // memory; neither includes `statics.runtime`.
+  int64_t allocated = 0;
+  int64_t reserved = 0;
+  // budget - reserved - statics.runtime: what is left at the peak.
+  int64_t margin = 0;
+  // fits: margin >= 0 and the host side fits.
   bool fits = false;
   // Host bytes this GPU's process needs at their peak: the training state
   // kept on the host (statics.host) plus offloaded activations.
@@ -122,7 +133,16 @@ struct PlanSimulation {
 };
 
 struct Plan {
-  Model model;  // with options applied (budget override)
+  // With options applied (budget override); under a target without
+  // per-tensor storage, target.settings holds the settings chosen, so
+  // planning plan.model again gives this plan.
+  Model model;
+  // What plan and search keep free under the budget (model.headroom or
+  // the target's default); a rank whose margin is smaller is warned.
+  int64_t headroom = 0;
+  // The settings the planner tried before the chosen ones, in order, with
+  // their worst margin (targets without per-tensor storage).
+  std::vector<std::pair<FrameworkSettings, int64_t>> settings_tried;
   PlanSimulation simulation;
   std::string digest;
   ModelTotals totals;

@@ -99,7 +99,14 @@ struct Candidate {
   Verdict verdict = Verdict::kError;
   std::string reason;  // kInvalid: the JSON pointer the model file refused
   std::string detail;  // the refusal or planner message
-  int64_t max_static = 0, max_any_plan = 0, max_peak = 0;  // bytes, largest rank
+  // Bytes, largest rank. max_peak is what the target's allocator reserves
+  // at the peak (memplan's arena: the placed peak; Megatron: PyTorch's
+  // reserved bytes, plan.h RankPlan::reserved).
+  int64_t max_static = 0, max_any_plan = 0, max_peak = 0;
+  // The smallest margin left by a rank (budget - reserved - runtime), and
+  // under a framework target the storage settings its plan chose.
+  int64_t min_margin = 0;
+  std::string settings;
   double base_bound_s = 0;  // BaseStepSeconds: set once the layout passed the static check
   double step_s = 0, base_step_s = 0, recompute_s = 0, quantize_s = 0, exposed_transfer_s = 0, comm_s = 0,
          dp_exposed_s = 0;
@@ -142,6 +149,8 @@ Expected<Candidate> CandidateFromJson(const Json& j);
 
 struct SearchResult {
   std::string model, digest;
+  TargetKind target = TargetKind::kMemplan;
+  int64_t headroom = 0;  // given (model.headroom) or the target's default
   int64_t gpus = 0, budget = 0, global_batch = 0;
   SearchSpace space;
   std::vector<Candidate> candidates;  // enumeration order

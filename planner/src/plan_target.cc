@@ -1,0 +1,181 @@
+// Planning for a target whose storage is set by module-level settings
+// (Megatron-LM's recompute and offload flags; target.h): the settings are
+// chosen over what the framework can say, each candidate planned whole
+// (docs/targets.md, "Choosing the settings").
+#include <algorithm>
+#include <limits>
+#include <optional>
+#include <set>
+
+#include "memplan/common/units.h"
+#include "memplan/planner/framework.h"
+#include "memplan/planner/layout.h"
+#include "memplan/planner/megatron_args.h"
+#include "memplan/planner/target.h"
+#include "plan_internal.h"
+
+namespace memplan::planner {
+namespace {
+
+bool Has(const std::vector<std::string>& v, std::string_view x) { return std::find(v.begin(), v.end(), x) != v.end(); }
+
+// How far the plan is from fitting with its headroom: the largest
+// (headroom - margin) over the ranks; <= 0 fits. A rank whose host side
+// does not fit counts as short by its host excess.
+int64_t Deficit(const Plan& p) {
+  int64_t worst = std::numeric_limits<int64_t>::min();
+  for (const auto& r : p.ranks) {
+    worst = std::max(worst, p.headroom - r.margin);
+    if (r.host_peak > p.model.hardware.host_memory) worst = std::max(worst, r.host_peak - p.model.hardware.host_memory);
+  }
+  return worst;
+}
+
+// The modules' tensor suffixes the model has (a module naming none changes
+// nothing and is not tried).
+std::set<std::string> Suffixes(const Plan& p) {
+  std::set<std::string> out;
+  for (const auto& t : p.tensors) {
+    if (t.name.rfind("layer", 0) != 0) continue;
+    const size_t dot = t.name.find('.');
+    if (dot != std::string::npos) out.insert(t.name.substr(dot + 1));
+  }
+  return out;
+}
+
+bool Applies(const FrameworkModule& m, const std::set<std::string>& suffixes) {
+  for (auto t : m.tensors) {
+    if (suffixes.count(std::string(t))) return true;
+  }
+  return false;
+}
+
+void InTableOrder(const std::vector<FrameworkModule>& table, std::vector<std::string>& v) {
+  std::vector<std::string> out;
+  for (const auto& m : table) {
+    if (Has(v, m.name)) out.emplace_back(m.name);
+  }
+  v = std::move(out);
+}
+
+}  // namespace
+
+Plan PlanFrameworkSettings(const Model& input, const PlanOptions& options) {
+  std::vector<std::pair<FrameworkSettings, int64_t>> tried;
+  auto plan_with = [&](const FrameworkSettings& s) {
+    Model m = input;
+    m.target.settings = s;
+    auto policies = SettingsPolicies(m, s);
+    if (!policies) throw ErrorException(policies.error());
+    m.policies = *policies;
+    Plan p = BuildPlanOrThrow(m, options);
+    // The plan's model is the input with these settings fixed: planning it
+    // again gives this plan (the annotations are the settings').
+    Model shown = input;
+    shown.target.settings = s;
+    shown.budget = p.model.budget;
+    shown.budget_given = p.model.budget_given;
+    shown.headroom = p.model.headroom;
+    shown.headroom_given = p.model.headroom_given;
+    p.model = std::move(shown);
+    p.digest = ModelDigest(p.model);
+    return p;
+  };
+  if (input.target.settings) return plan_with(*input.target.settings);
+
+  auto valid = [&](const FrameworkSettings& s) {
+    return !ValidateMegatronArgs(MegatronArgsOf(input, s)).has_value();
+  };
+  FrameworkSettings current;
+  Plan best = plan_with(current);
+  const std::set<std::string> suffixes = Suffixes(best);
+  // Selective recompute and fine-grained offload, one module at a time:
+  // the candidate that fits and is fastest, else the one that frees the
+  // most bytes per second it adds (as export did; docs/targets.md).
+  for (int round = 0; round < 24 && Deficit(best) > 0; ++round) {
+    std::vector<FrameworkSettings> candidates;
+    for (const auto& mod : MegatronRecomputeModules()) {
+      if (Has(current.recompute_modules, mod.name) || !Applies(mod, suffixes)) continue;
+      FrameworkSettings s = current;
+      s.granularity = "selective";
+      s.recompute_modules.emplace_back(mod.name);
+      InTableOrder(MegatronRecomputeModules(), s.recompute_modules);
+      if (valid(s)) candidates.push_back(std::move(s));
+    }
+    for (const auto& mod : MegatronOffloadModules()) {
+      if (Has(current.offload_modules, mod.name) || !Applies(mod, suffixes)) continue;
+      FrameworkSettings s = current;
+      s.offload_modules.emplace_back(mod.name);
+      InTableOrder(MegatronOffloadModules(), s.offload_modules);
+      // attn_proj offloads only beside core_attn (transformer_config.py).
+      if (mod.name == "attn_proj" && !Has(s.offload_modules, "core_attn")) continue;
+      if (valid(s)) candidates.push_back(std::move(s));
+    }
+    std::optional<Plan> pick;
+    FrameworkSettings pick_settings;
+    const int64_t base_deficit = Deficit(best);
+    for (const auto& s : candidates) {
+      Plan q = plan_with(s);
+      tried.emplace_back(s, -Deficit(q));
+      auto better = [&](const Plan& a, const Plan& b) {
+        const bool fa = Deficit(a) <= 0, fb = Deficit(b) <= 0;
+        if (fa != fb) return fa;
+        if (fa) return a.overhead.step_s < b.overhead.step_s;
+        auto rate = [&](const Plan& x) {
+          return static_cast<double>(base_deficit - Deficit(x)) /
+                 (std::max(0.0, x.overhead.step_s - best.overhead.step_s) + 1e-3);
+        };
+        return rate(a) > rate(b);
+      };
+      if (!pick || better(q, *pick)) {
+        pick = std::move(q);
+        pick_settings = s;
+      }
+    }
+    if (!pick || Deficit(*pick) >= base_deficit) break;
+    best = std::move(*pick);
+    current = std::move(pick_settings);
+  }
+  if (Deficit(best) > 0) {
+    // Full recompute, method block: the fewest checkpointed layers per
+    // chunk that fit (memory falls as layers are added: bisection).
+    const PipelineLayout layout = MakePipelineLayout(input);
+    int64_t most = 1;
+    for (const auto& rank : layout.chunks) {
+      for (const auto& chunk : rank) most = std::max<int64_t>(most, static_cast<int64_t>(chunk.size()));
+    }
+    auto full = [&](int64_t k) {
+      FrameworkSettings s;
+      s.granularity = "full";
+      s.method = "block";
+      s.num_layers = k;
+      return s;
+    };
+    Plan all = plan_with(full(most));
+    tried.emplace_back(full(most), -Deficit(all));
+    if (Deficit(all) > 0) {
+      if (Deficit(all) < Deficit(best)) best = std::move(all);
+      best.warnings.push_back("no Megatron recompute or offload settings fit the budget with its headroom of " +
+                              FormatBytes(best.headroom) + "; the plan shows the settings that come closest");
+    } else {
+      Plan fit = std::move(all);
+      int64_t lo = 1, hi = most - 1;
+      while (lo <= hi) {
+        const int64_t k = (lo + hi) / 2;
+        Plan q = plan_with(full(k));
+        tried.emplace_back(full(k), -Deficit(q));
+        if (Deficit(q) <= 0) {
+          fit = std::move(q);
+          hi = k - 1;
+        } else {
+          lo = k + 1;
+        }
+      }
+      best = std::move(fit);
+    }
+  }
+  best.settings_tried = std::move(tried);
+  return best;
+}
+
+}  // namespace memplan::planner
