@@ -613,6 +613,43 @@ TEST_CASE("a profile has one entry per device; check maps devices to ranks only 
   REQUIRE_FALSE(runtime_with_flag.ok());
 }
 
+TEST_CASE("a plan for Megatron is checked against a profile of its job: reserved plus NCCL, device by device") {
+  // Two GPUs of one pipeline stage (dp 2): device 0 saw 3 MiB, device 1
+  // 2 MiB; the plan predicts 2.9 MiB reserved + 0.1 MiB of NCCL buffers.
+  std::vector<MemoryRecord> memory = {
+      {100, 0x1000, 1 << 20, MemoryOp::kAllocation, MemoryKind::kDevice, 0, 0, 0},
+      {200, 0x900000, 2 << 20, MemoryOp::kAllocation, MemoryKind::kDevice, 0, 0, 0},
+      {150, 0xA00000, 2 << 20, MemoryOp::kAllocation, MemoryKind::kDevice, 1, 0, 0},
+  };
+  Measured m = ProfileFromRecords(memory, {});
+  REQUIRE(m.ranks.size() == 2);
+  PlanBounds plan{kDigest, {{0, 3 << 20, 2 << 20, (3 << 20) - (100 << 10), 100 << 10}}};
+  plan.target = "megatron";
+  plan.dp = 2;
+  CheckOptions o;
+  o.ranks_from_devices = true;
+  auto r = Check(plan, m, o);
+  REQUIRE(r.ok());
+  REQUIRE(r->ranks.size() == 2);
+  CHECK(r->tolerance == doctest::Approx(kFrameworkTolerance));
+  CHECK(r->ranks[0].pass);
+  CHECK(r->ranks[0].predicted_peak == 3 << 20);
+  CHECK_FALSE(r->ranks[1].pass);  // 1 MiB under the prediction: a third off
+  CHECK(r->ranks[1].verdict.find("off reserved + NCCL") != std::string::npos);
+  CHECK_FALSE(r->pass);
+  // A wider tolerance passes both; a memplan run cannot stand for the job;
+  // three devices are neither the world (2) nor one per stage (1).
+  o.tolerance = 0.5;
+  CHECK(Check(plan, m, o)->pass);
+  auto run = Check(plan, OneRank("host", 1000, 600), {});
+  REQUIRE_FALSE(run.ok());
+  CHECK(run.error().message.find("a plan for megatron is checked against a profile") != std::string::npos);
+  memory.push_back({300, 0xB00000, 4096, MemoryOp::kAllocation, MemoryKind::kDevice, 2, 0, 0});
+  auto three = Check(plan, ProfileFromRecords(memory, {}), o);
+  REQUIRE_FALSE(three.ok());
+  CHECK(three.error().message.find("3 devices profiled") != std::string::npos);
+}
+
 TEST_CASE("a cuda run whose CUPTI did not start fails check, unless it was run with --no-cupti") {
   const PlanBounds plan = Bounds(1'000'000, 500'000);
   Measured m = OneRank("cuda", 1'000'000, 500'000);

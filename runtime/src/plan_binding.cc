@@ -13,6 +13,15 @@ Expected<std::monostate> Executor::Setup() {
   auto model = planner::ReadPlanModel(plan_json_, file);
   if (!model.ok()) return model.error();
   model_ = std::move(*model);
+  // A plan for another runtime (docs/targets.md) is launched with that
+  // framework and measured with `memplan profile`, not executed here.
+  if (model_.target.kind != planner::TargetKind::kMemplan) {
+    return Error{ErrorCode::kBadInput,
+                 file + ": /model/target: a plan for " + std::string(planner::TargetName(model_.target.kind)) +
+                     "; memplan's runtime executes plans for target memplan (launch the job with `memplan export " +
+                     std::string(planner::TargetName(model_.target.kind)) +
+                     "`'s arguments and measure it with `memplan profile -- CMD`, then `memplan check`)"};
+  }
   // Everything that keeps this plan from executing, said at once (one line,
   // each reason with its JSON path or op).
   std::vector<std::string> why;

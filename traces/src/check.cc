@@ -44,6 +44,47 @@ std::string RankList(const std::set<int64_t>& ranks) {
   return "{" + out + "}";
 }
 
+// A framework's job profiled against its plan (docs/targets.md): each
+// device is a global rank in Megatron's order (tp fastest, then cp, dp,
+// pp), or with one device per pipeline stage, stage i. What CUPTI sees is
+// the allocator's segments and NCCL's buffers: the plan's reserved bytes
+// plus its NCCL items, within the tolerance either way.
+Expected<CheckResult> CheckFrameworkProfile(const PlanBounds& plan, const Measured& measured, const CheckOptions& options) {
+  CheckResult result;
+  result.allocator = "pytorch";
+  result.source = measured.source;
+  result.tolerance = options.tolerance.value_or(kFrameworkTolerance);
+  if (!std::isfinite(result.tolerance) || result.tolerance < 0 || result.tolerance > 1) {
+    return Error{ErrorCode::kBadInput,
+                 "--tolerance: expected a fraction in [0, 1], got " + FormatFixed(result.tolerance, 4)};
+  }
+  const size_t stages = plan.ranks.size();
+  const size_t world = stages * static_cast<size_t>(plan.dp * plan.cp * plan.tp);
+  const size_t devices = measured.ranks.size();
+  if (devices != world && devices != stages) {
+    return Error{ErrorCode::kBadInput, options.measured_file + ": /ranks: " + std::to_string(devices) +
+                                           " devices profiled, but " + options.plan_file + " has " +
+                                           std::to_string(stages) + " pipeline stages of " +
+                                           std::to_string(world / stages) + " GPUs (" + std::to_string(world) +
+                                           " in all): profile every GPU of the job, or one per stage"};
+  }
+  result.pass = true;
+  for (size_t d = 0; d < devices; ++d) {
+    const PlanRankBounds& p = plan.ranks[devices == world ? d / (world / stages) : d];
+    const MeasuredRank& m = measured.ranks[d];
+    const int64_t predicted = p.reserved + p.nccl;
+    RankCheck c{p.pp_rank, std::nullopt, predicted, m.peak, p.lower_bound, m.allocated_peak, std::nullopt, true, "",
+                std::nullopt, std::nullopt, std::nullopt};
+    c.device = m.pp_rank;
+    const Deviation dev = Deviate(m.peak, predicted, result.tolerance);
+    c.pass = dev.within;
+    c.verdict = c.pass ? "pass" : "FAIL: measured " + Signed(dev.diff) + " B off reserved + NCCL";
+    result.pass = result.pass && c.pass;
+    result.ranks.push_back(std::move(c));
+  }
+  return result;
+}
+
 }  // namespace
 
 Expected<PlanBounds> ParsePlanBounds(const Json& json, const std::string& file) {
@@ -64,6 +105,13 @@ Expected<PlanBounds> ParsePlanBounds(const Json& json, const std::string& file) 
       if (!seen.insert(b.pp_rank).second) {
         ThrowAt(rr.At("pp_rank"), "pp_rank " + std::to_string(b.pp_rank) + " appears twice");
       }
+      if (ranks[i].contains("reserved")) b.reserved = rr.Int("reserved", 0, kMaxBytes);
+      if (ranks[i].contains("static") && ranks[i]["static"].is_object() && ranks[i]["static"].contains("runtime_detail") &&
+          ranks[i]["static"]["runtime_detail"].is_object()) {
+        for (const auto& [name, bytes] : ranks[i]["static"]["runtime_detail"].items()) {
+          if (name.rfind("nccl_", 0) == 0 && bytes.is_number_integer()) b.nccl += bytes.get<int64_t>();
+        }
+      }
       plan.ranks.push_back(b);
       if (i == 0 && ranks[i].contains("static") && ranks[i]["static"].is_object()) {
         const Json& st = ranks[i]["static"];
@@ -78,6 +126,7 @@ Expected<PlanBounds> ParsePlanBounds(const Json& json, const std::string& file) 
         plan.emulated_s = (*o)["emulated_s"].get<double>();
       }
     }
+    if (json.contains("target") && json["target"].is_string()) plan.target = json["target"].get<std::string>();
     // The data-parallel grid; the schema below checks the model whole.
     if (const Json* m = json.contains("model") ? &json["model"] : nullptr; m && m->is_object() && m->contains("parallel")) {
       const Json& par = (*m)["parallel"];
@@ -115,6 +164,13 @@ Expected<CheckResult> Check(const PlanBounds& plan, const Measured& measured, co
                                                    "compare it with --ranks-from devices"
                          : "--ranks-from devices: " + options.measured_file +
                                " is a memplan run measurement (source runtime): its entries are ranks already"};
+  }
+  if (plan.target != "memplan") {
+    if (!profile) {
+      return Error{ErrorCode::kBadInput, options.plan_file + ": /target: a plan for " + plan.target + " is checked "
+                                             "against a profile of the job (memplan profile -- CMD), not a memplan run"};
+    }
+    return CheckFrameworkProfile(plan, measured, options);
   }
   if (profile) {
     // Devices in order stand for the plan's ranks in order.

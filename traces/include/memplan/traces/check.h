@@ -38,11 +38,20 @@ namespace memplan::traces {
 
 inline constexpr double kHostTolerance = 0.0;  // allocator "arena"
 inline constexpr double kCudaTolerance = 0.02;  // allocator "pool"
+// A framework's job profiled (a plan for target megatron): its reserved
+// bytes are a prediction of PyTorch's allocator and NCCL's buffers
+// (docs/targets.md, "What only a GPU can tell").
+inline constexpr double kFrameworkTolerance = 0.05;
 
 struct PlanRankBounds {
   int64_t pp_rank = 0;
   int64_t peak = 0;         // predicted allocator high-water mark, bytes
   int64_t lower_bound = 0;  // max over steps of live bytes, bytes
+  // Plans for a framework target: PyTorch's reserved bytes at the peak and
+  // the device bytes NCCL allocates beside them (its communicators'
+  // buffers; the CUDA context is not a device allocation).
+  int64_t reserved = 0;
+  int64_t nccl = 0;
 };
 
 struct PlanBounds {
@@ -56,6 +65,10 @@ struct PlanBounds {
   // static.runtime_detail.cuda_context of the first rank: the plan's CUDA
   // context (0: a host plan or an older one).
   int64_t cuda_context = 0;
+  // The plan's /target ("memplan" when absent): a framework's plan is
+  // checked against a profile of its job, device by device in its rank
+  // order (tp fastest, then cp, dp, pp).
+  std::string target = "memplan";
 };
 
 // Reads the bounds from a PLAN.json document; other keys are ignored.
