@@ -43,6 +43,7 @@ std::string RejectionKey(const Candidate& c) {
 
 // What a person reads for a rejection key.
 std::string RejectionText(const std::string& key) {
+  if (key.rfind("invalid megatron ", 0) == 0) return "Megatron refuses " + key.substr(17);
   if (key.rfind("invalid ", 0) == 0) return "the model file refuses " + key.substr(8);
   if (key == "static_over_budget") return "static memory alone over the budget";
   if (key == "any_plan_over_budget") return "any-plan lower bound over the budget";
