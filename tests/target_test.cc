@@ -8,6 +8,7 @@
 
 #include "memplan/planner/framework.h"
 #include "memplan/planner/megatron_args.h"
+#include "memplan/planner/megatron_theory.h"
 #include "memplan/planner/plan.h"
 #include "memplan/planner/search.h"
 #include "memplan/planner/target.h"
@@ -211,6 +212,37 @@ TEST_CASE("search --target megatron: layouts Megatron refuses are rejected with 
   CHECK(refused > 0);
   for (size_t i : r->ranked) CHECK(r->candidates[i].layout.tp == 1);
   CHECK(RenderSearchTable(*r).find("Megatron refuses --sequence-parallel") != std::string::npos);
+}
+
+TEST_CASE("Megatron's own estimate: the first stage's parameters are memplan's, term for term") {
+  // report_theoretical_memory (megatron_theory.h) puts a share of the final
+  // norm on every stage (ns h / pp) and leaves out learned position
+  // embeddings; memplan's rank 0 holds neither the final norm nor less than
+  // the whole position table. Those are the only differences
+  // (docs/targets.md, "Against Megatron's own estimate").
+  int checked = 0;
+  for (const char* example : {"examples/models/llama3-70b.json", "examples/models/gpt3-175b.json"}) {
+    CAPTURE(example);
+    Model m = ForMegatron(example);
+    FrameworkSettings selective;
+    selective.granularity = "selective";
+    selective.recompute_modules = {"core_attn"};
+    m.target.settings = selective;
+    const Plan p = MustPlan(m);
+    const MegatronArgs args = MegatronArgsOf(m, selective);
+    const MegatronTheory t = MegatronTheoreticalMemory(m, args);
+    const double ns = m.arch.norm == Norm::kRmsNorm ? 1 : 2;
+    const double megatron = t.tp_split_params + t.replicated_params + t.expert_params;
+    const double positions = static_cast<double>(m.arch.position_embeddings * m.arch.hidden);
+    const double explained = positions - ns * static_cast<double>(m.arch.hidden) / static_cast<double>(m.parallel.pp);
+    CHECK(static_cast<double>(p.ranks.front().statics.params) - megatron == doctest::Approx(explained).epsilon(1e-9));
+    // Selective recompute of core attention with SP: 18 + 4F/h bytes per
+    // token of a layer (Korthikanti's 34 for F = 4h) for GPT-3's layers,
+    // as memplan stores them.
+    if (m.arch.ffn_act == FfnAct::kGelu) CHECK(t.per_layer_coefficient == doctest::Approx(34));
+    ++checked;
+  }
+  CHECK(checked == 2);
 }
 
 }  // namespace memplan::planner
