@@ -4,9 +4,11 @@
 // (docs/targets.md, "Choosing the settings").
 #include <algorithm>
 #include <limits>
+#include <map>
 #include <optional>
 #include <set>
 
+#include "memplan/common/parallel.h"
 #include "memplan/common/units.h"
 #include "memplan/planner/framework.h"
 #include "memplan/planner/layout.h"
@@ -16,6 +18,9 @@
 
 namespace memplan::planner {
 namespace {
+
+// Candidates planned per round of the module-by-module choice.
+constexpr size_t kPlannedPerRound = 4;
 
 bool Has(const std::vector<std::string>& v, std::string_view x) { return std::find(v.begin(), v.end(), x) != v.end(); }
 
@@ -89,10 +94,35 @@ Plan PlanFrameworkSettings(const Model& input, const PlanOptions& options) {
   FrameworkSettings current;
   Plan best = plan_with(current);
   const std::set<std::string> suffixes = Suffixes(best);
+  // Where even every module recomputed or offloaded does not fit, only
+  // full recompute can: no module-by-module rounds.
+  bool selective_can_fit = Deficit(best) <= 0;
+  std::optional<Plan> maximal;
+  FrameworkSettings maximal_settings;
+  if (!selective_can_fit) {
+    FrameworkSettings most;
+    most.granularity = "selective";
+    for (const auto& mod : MegatronRecomputeModules()) {
+      if (Applies(mod, suffixes)) most.recompute_modules.emplace_back(mod.name);
+    }
+    for (const auto& mod : MegatronOffloadModules()) {
+      if (!Applies(mod, suffixes)) continue;
+      FrameworkSettings s = most;
+      s.offload_modules.emplace_back(mod.name);
+      if (valid(s)) most = std::move(s);
+    }
+    if (!valid(most)) most.offload_modules.clear();
+    if (valid(most)) {
+      Plan q = plan_with(most);
+      tried.emplace_back(most, -Deficit(q));
+      selective_can_fit = Deficit(q) <= 0;
+      if (selective_can_fit) maximal = std::move(q), maximal_settings = std::move(most);
+    }
+  }
   // Selective recompute and fine-grained offload, one module at a time:
-  // the candidate that fits and is fastest, else the one that frees the
-  // most bytes per second it adds (as export did; docs/targets.md).
-  for (int round = 0; round < 24 && Deficit(best) > 0; ++round) {
+  // the candidate that fits and is fastest, else the one that brings the
+  // furthest rank closest to fitting (then the faster; docs/targets.md).
+  for (int round = 0; round < 24 && selective_can_fit && Deficit(best) > 0; ++round) {
     std::vector<FrameworkSettings> candidates;
     for (const auto& mod : MegatronRecomputeModules()) {
       if (Has(current.recompute_modules, mod.name) || !Applies(mod, suffixes)) continue;
@@ -111,21 +141,58 @@ Plan PlanFrameworkSettings(const Model& input, const PlanOptions& options) {
       if (mod.name == "attn_proj" && !Has(s.offload_modules, "core_attn")) continue;
       if (valid(s)) candidates.push_back(std::move(s));
     }
+    // Only the few candidates that drop the most kept bytes on the rank
+    // furthest from fitting are planned (a whole plan each).
+    {
+      int64_t worst_rank = 0, worst = std::numeric_limits<int64_t>::min();
+      for (const auto& r : best.ranks) {
+        if (best.headroom - r.margin > worst) worst = best.headroom - r.margin, worst_rank = r.pp_rank;
+      }
+      std::map<std::string, int64_t> kept;  // suffix -> kept bytes per microbatch on that rank
+      for (const auto& t : best.tensors) {
+        if (t.pp_rank != worst_rank || t.effective != std::vector<Policy>{Policy::kKeep}) continue;
+        const size_t dot = t.name.find('.');
+        if (dot != std::string::npos) kept[t.name.substr(dot + 1)] += t.bytes;
+      }
+      auto freed = [&](const FrameworkSettings& s) {
+        int64_t bytes = 0;
+        std::set<std::string> seen;
+        for (const auto& [table, names] : {std::pair{&MegatronRecomputeModules(), &s.recompute_modules},
+                                           std::pair{&MegatronOffloadModules(), &s.offload_modules}}) {
+          for (const auto& mod : *table) {
+            if (!Has(*names, mod.name)) continue;
+            for (auto t : mod.tensors) {
+              if (seen.insert(std::string(t)).second) {
+                auto it = kept.find(std::string(t));
+                if (it != kept.end()) bytes += it->second;
+              }
+            }
+          }
+        }
+        return bytes;
+      };
+      std::stable_sort(candidates.begin(), candidates.end(),
+                       [&](const FrameworkSettings& a, const FrameworkSettings& b) { return freed(a) > freed(b); });
+      const int64_t before = freed(current);
+      std::erase_if(candidates, [&](const FrameworkSettings& s) { return freed(s) <= before; });
+      if (candidates.size() > kPlannedPerRound) candidates.resize(kPlannedPerRound);
+    }
     std::optional<Plan> pick;
     FrameworkSettings pick_settings;
     const int64_t base_deficit = Deficit(best);
-    for (const auto& s : candidates) {
-      Plan q = plan_with(s);
+    // The round's candidates planned side by side (each plan then runs on
+    // one thread: common/parallel.h), compared in their order.
+    std::vector<std::optional<Plan>> planned(candidates.size());
+    ParallelFor(candidates.size(), [&](size_t i) { planned[i] = plan_with(candidates[i]); });
+    for (size_t i = 0; i < candidates.size(); ++i) {
+      const FrameworkSettings& s = candidates[i];
+      Plan q = std::move(*planned[i]);
       tried.emplace_back(s, -Deficit(q));
       auto better = [&](const Plan& a, const Plan& b) {
         const bool fa = Deficit(a) <= 0, fb = Deficit(b) <= 0;
         if (fa != fb) return fa;
-        if (fa) return a.overhead.step_s < b.overhead.step_s;
-        auto rate = [&](const Plan& x) {
-          return static_cast<double>(base_deficit - Deficit(x)) /
-                 (std::max(0.0, x.overhead.step_s - best.overhead.step_s) + 1e-3);
-        };
-        return rate(a) > rate(b);
+        if (fa || Deficit(a) == Deficit(b)) return a.overhead.step_s < b.overhead.step_s;
+        return Deficit(a) < Deficit(b);
       };
       if (!pick || better(q, *pick)) {
         pick = std::move(q);
@@ -135,6 +202,38 @@ Plan PlanFrameworkSettings(const Model& input, const PlanOptions& options) {
     if (!pick || Deficit(*pick) >= base_deficit) break;
     best = std::move(*pick);
     current = std::move(pick_settings);
+  }
+  if (Deficit(best) > 0 && maximal) {
+    // The rounds stalled, but every module together fits: start there.
+    best = std::move(*maximal);
+    current = std::move(maximal_settings);
+  }
+  // Then drop what the fit does not need: each module's removal planned
+  // side by side, the fastest that still fits kept, while one helps.
+  for (int round = 0; round < 8 && Deficit(best) <= 0 && !current.empty(); ++round) {
+    std::vector<FrameworkSettings> fewer;
+    for (size_t i = 0; i < current.recompute_modules.size(); ++i) {
+      FrameworkSettings s = current;
+      s.recompute_modules.erase(s.recompute_modules.begin() + static_cast<std::ptrdiff_t>(i));
+      if (s.recompute_modules.empty()) s.granularity.clear();
+      if (valid(s)) fewer.push_back(std::move(s));
+    }
+    for (size_t i = 0; i < current.offload_modules.size(); ++i) {
+      FrameworkSettings s = current;
+      s.offload_modules.erase(s.offload_modules.begin() + static_cast<std::ptrdiff_t>(i));
+      if (valid(s)) fewer.push_back(std::move(s));
+    }
+    std::vector<std::optional<Plan>> planned(fewer.size());
+    ParallelFor(fewer.size(), [&](size_t i) { planned[i] = plan_with(fewer[i]); });
+    std::optional<size_t> pick;
+    for (size_t i = 0; i < fewer.size(); ++i) {
+      tried.emplace_back(fewer[i], -Deficit(*planned[i]));
+      if (Deficit(*planned[i]) > 0 || planned[i]->overhead.step_s > best.overhead.step_s) continue;
+      if (!pick || planned[i]->overhead.step_s < planned[*pick]->overhead.step_s) pick = i;
+    }
+    if (!pick) break;
+    best = std::move(*planned[*pick]);
+    current = std::move(fewer[*pick]);
   }
   if (Deficit(best) > 0) {
     // Full recompute, method block: the fewest checkpointed layers per
