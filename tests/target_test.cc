@@ -44,7 +44,8 @@ TEST_CASE("target megatron: every rank keeps its headroom, reserved covers alloc
     if (budget) m.budget = budget;
     const Plan p = MustPlan(m);
     REQUIRE(p.model.target.settings.has_value());
-    CHECK_FALSE(p.model.options.moe_grad_rewrite);
+    CHECK(p.model.options.moe_grad_rewrite == m.arch.moe.has_value());
+    CHECK_FALSE(p.model.options.moe_recompute_dispatch);
     CHECK(p.headroom == std::max<int64_t>(int64_t{2} << 30, m.hardware.device_memory / 40));
     for (const auto& r : p.ranks) {
       CAPTURE(r.pp_rank);
@@ -72,10 +73,11 @@ TEST_CASE("target megatron: every rank keeps its headroom, reserved covers alloc
   CHECK(checked > 20);
 }
 
-TEST_CASE("target megatron: memplan's MoE rewrite is off, so Megatron's MoE layer saves more") {
+TEST_CASE("target megatron: no dispatch recompute, so Megatron's MoE layer saves more; the FC2 output neither saves") {
   // DeepSeek-V3 with every tensor kept: the same layout saves more bytes per
-  // microbatch as Megatron runs it (no gradient rewrite, no dispatch
-  // recompute; docs/targets.md).
+  // microbatch as Megatron runs it (the dispatched rows are saved, not
+  // rebuilt), and neither saves FC2's output (Megatron weights the
+  // activation by the gates: memplan's gradient rewrite; docs/targets.md).
   Model own = memplan::test::MustLoad("examples/models/deepseek-v3.json");
   own.policies = {{"*", {Policy::kKeep}}};
   own.budget = int64_t{1} << 45;
@@ -88,6 +90,13 @@ TEST_CASE("target megatron: memplan's MoE rewrite is off, so Megatron's MoE laye
   for (const auto& r : a.ranks) own_bytes += r.activations_per_microbatch;
   for (const auto& r : b.ranks) meg_bytes += r.activations_per_microbatch;
   CHECK(meg_bytes > own_bytes);
+  int64_t fc2_out = 0, fc1_in = 0;
+  for (const auto& t : b.tensors) {
+    if (t.name.ends_with("moe.fc2_out")) fc2_out += t.device_bytes;
+    if (t.name.ends_with("moe.fc1_in")) fc1_in += t.device_bytes;
+  }
+  CHECK(fc2_out == 0);
+  CHECK(fc1_in > 0);
 }
 
 TEST_CASE("target megatron: what Megatron cannot run is refused with the reason") {

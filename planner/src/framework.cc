@@ -4,6 +4,7 @@
 #include "memplan/planner/framework.h"
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <optional>
 #include <map>
@@ -226,12 +227,33 @@ std::string MegatronArgsText(const Model& m, const MegatronArgs& args, std::vect
   arg("--vocab-size", num(a.vocab));
   arg("--make-vocab-size-divisible-by", "1");  // the model's vocabulary is already padded
   if (!a.tied_embeddings) arg("--untie-embeddings-and-output-weights");
+  auto real = [](double v) {
+    std::ostringstream o;
+    o << v;
+    return o.str();
+  };
   if (a.position_embeddings > 0) {
     arg("--position-embedding-type", "learned_absolute");
     arg("--max-position-embeddings", num(a.position_embeddings));
   } else {
     arg("--position-embedding-type", "rope");
+    // --rotary-base is an integer in Megatron (arguments.py).
+    if (a.rope_base && *a.rope_base == std::floor(*a.rope_base)) {
+      arg("--rotary-base", num(static_cast<int64_t>(*a.rope_base)));
+    } else if (a.rope_base) {
+      not_expressed->push_back("the rotary base " + real(*a.rope_base) + ": Megatron's --rotary-base is an integer");
+    }
+    if (a.rope_scaling_factor) {
+      arg("--use-rope-scaling");
+      arg("--rope-scaling-factor", real(*a.rope_scaling_factor));
+    }
   }
+  // Megatron adds biases to every linear unless told not to; memplan's
+  // models have none unless they say so.
+  if (!a.linear_bias) arg("--disable-bias-linear");
+  if (a.qkv_bias && !a.linear_bias) arg("--add-qkv-bias");
+  if (a.qk_norm) arg("--qk-layernorm");
+  if (a.norm_eps) arg("--norm-epsilon", real(*a.norm_eps));
   if (mla) {
     arg("--multi-latent-attention");
     arg("--q-lora-rank", num(a.mla->q_lora_rank));
@@ -264,6 +286,8 @@ std::string MegatronArgsText(const Model& m, const MegatronArgs& args, std::vect
     }
     arg("--moe-grouped-gemm");
     arg("--moe-token-dispatcher-type", "alltoall");
+    if (moe.load_balancing) arg("--moe-router-load-balancing-type", *moe.load_balancing);
+    if (moe.aux_loss_coeff) arg("--moe-aux-loss-coeff", real(*moe.aux_loss_coeff));
     if (!moe.capacity_factor && moe.imbalance != MoeConfig::kDefaultMoeImbalance) {
       not_expressed->push_back("the assumed routing skew (arch.moe.imbalance " + FormatFixed(moe.imbalance, 2) +
                                "): a planning assumption, not a setting; the import restores the default");
@@ -347,9 +371,9 @@ Expected<ExportedSettings> ExportMegatron(const Plan& plan) {
   }
   if (plan.model.target.kind != TargetKind::kMegatron) {
     e.not_expressed = NotExpressed(plan, e.coarse_plan);
-    if (plan.model.options.moe_grad_rewrite || plan.model.options.moe_recompute_dispatch) {
-      e.not_expressed.push_back("memplan's MoE gradient rewrite and dispatch recompute (options): Megatron has "
-                                "neither; its plan saves what Megatron's MoE layer saves");
+    if (plan.model.options.moe_recompute_dispatch) {
+      e.not_expressed.push_back("memplan's MoE dispatch recompute (options): Megatron saves the dispatched rows; its "
+                                "plan does too");
     }
   }
   e.text = MegatronArgsText(e.coarse, args, &e.not_expressed);

@@ -5,6 +5,7 @@
 #include <map>
 #include <set>
 
+#include "memplan/common/table.h"
 #include "memplan/planner/import.h"
 #include "memplan/planner/model.h"
 
@@ -94,6 +95,56 @@ int64_t Divide(int64_t n, int64_t d, const std::string& what) {
     ThrowError(ErrorCode::kBadInput, what + ": " + std::to_string(n) + " is not divisible by " + std::to_string(d));
   }
   return n / d;
+}
+
+// The fields the framework needs to build the same model, though no byte
+// the planner counts depends on them (model.h, docs/import.md): the rotary
+// base and Llama 3's scaling, the norms' epsilon, q/k norms (Qwen3),
+// biases (Qwen2's QKV bias), the MoE load-balancing loss.
+void ReadFrameworkFields(const Json& config, const JsonLocation& top, Family family, const std::string& type, Json& a) {
+  auto number = [&](const char* key, double lo, double hi) -> std::optional<double> {
+    if (!config.contains(key) || config[key].is_null()) return std::nullopt;
+    const Json& v = config[key];
+    if (!v.is_number() || !(v.get<double>() >= lo && v.get<double>() <= hi)) {
+      ThrowAt(top.Child(key), "expected a number in [" + FormatFixed(lo, 12) + ", " + FormatFixed(hi, 0) + "], got " + Brief(v));
+    }
+    return v.get<double>();
+  };
+  auto flag = [&](const char* key) {
+    if (!config.contains(key) || config[key].is_null()) return false;
+    if (!config[key].is_boolean()) ThrowAt(top.Child(key), "expected true or false, got " + Brief(config[key]));
+    return config[key].get<bool>();
+  };
+  if (family != Family::kGpt2) {
+    if (auto b = number("rope_theta", 1, 1e12)) a["rope_base"] = *b;
+    // Llama 3's frequency scaling (rope_type "llama3"); other kinds (YaRN)
+    // are not carried: docs/import.md.
+    if (config.contains("rope_scaling") && config["rope_scaling"].is_object()) {
+      const Json& rs = config["rope_scaling"];
+      const std::string kind = rs.contains("rope_type") && rs["rope_type"].is_string() ? rs["rope_type"].get<std::string>()
+                               : rs.contains("type") && rs["type"].is_string()        ? rs["type"].get<std::string>()
+                                                                                      : "";
+      if (kind == "llama3" && rs.contains("factor") && rs["factor"].is_number() && rs["factor"].get<double>() >= 1) {
+        a["rope_scaling_factor"] = rs["factor"].get<double>();
+      }
+    }
+  }
+  for (const char* key : {"rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon"}) {
+    if (auto e = number(key, 1e-12, 1)) a["norm_eps"] = *e;
+  }
+  if (type == "qwen3" || type == "qwen3_moe" || flag("use_qk_norm")) a["qk_norm"] = true;
+  if (type == "qwen2" || type == "qwen2_moe" || flag("attention_bias") || flag("qkv_bias")) a["qkv_bias"] = true;
+  if (flag("mlp_bias")) a["linear_bias"] = true;
+  if (a.contains("moe")) {
+    if (auto c = number("router_aux_loss_coef", 0, 1e3)) {
+      a["moe"]["load_balancing"] = "aux_loss";
+      a["moe"]["aux_loss_coeff"] = *c;
+    }
+    if (auto c = number("aux_loss_alpha", 0, 1e3)) {
+      a["moe"]["load_balancing"] = flag("seq_aux") ? "seq_aux_loss" : "aux_loss";
+      a["moe"]["aux_loss_coeff"] = *c;
+    }
+  }
 }
 
 Json ArchOf(const Json& config, const std::string& file, Family family, const std::string& type,
@@ -240,6 +291,7 @@ Json ArchOf(const Json& config, const std::string& file, Family family, const st
     ThrowAt(top, "no layer is sparse: plan it as a dense model");
   }
   a["moe"] = moe;
+  ReadFrameworkFields(config, top, family, type, a);
   return a;
 }
 

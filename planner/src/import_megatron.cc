@@ -24,13 +24,13 @@ namespace {
 const std::set<std::string, std::less<>>& IgnoredFlags() {
   static const std::set<std::string, std::less<>> s = {
       "--use-mcore-models", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-swiglu-fusion",
-      "--no-bias-dropout-fusion", "--no-rope-fusion", "--disable-bias-linear", "--add-bias-linear", "--add-qkv-bias",
-      "--overlap-grad-reduce", "--overlap-param-gather", "--moe-grouped-gemm", "--moe-permute-fusion", "--qk-layernorm",
+      "--no-bias-dropout-fusion", "--no-rope-fusion",
+      "--overlap-grad-reduce", "--overlap-param-gather", "--moe-grouped-gemm", "--moe-permute-fusion",
       "--use-checkpoint-args", "--no-load-optim", "--no-load-rng", "--finetune", "--log-throughput",
       "--log-timers-to-tensorboard", "--manual-gc", "--use-distributed-optimizer-overlap",
       "--no-gradient-accumulation-fusion", "--cross-entropy-loss-fusion", "--tp-comm-overlap",
       "--no-create-attention-mask-in-dataloader", "--mock-data", "--eod-mask-loss", "--apply-layernorm-1p",
-      "--use-rope-scaling", "--use-flash-attn"};
+      "--use-flash-attn"};
   return s;
 }
 
@@ -41,9 +41,8 @@ const std::set<std::string, std::less<>>& IgnoredValued() {
       "--clip-grad", "--adam-beta1", "--adam-beta2", "--adam-eps", "--init-method-std", "--seed", "--split",
       "--save", "--load", "--save-interval", "--eval-interval", "--eval-iters", "--log-interval",
       "--tensorboard-dir", "--wandb-project", "--wandb-exp-name", "--tokenizer-type", "--tokenizer-model",
-      "--vocab-file", "--merge-file", "--distributed-backend", "--transformer-impl", "--rotary-base",
-      "--rotary-percent", "--rotary-scaling-factor", "--rope-scaling-factor", "--norm-epsilon",
-      "--layernorm-epsilon", "--moe-z-loss-coeff", "--moe-router-num-groups", "--moe-router-group-topk",
+      "--vocab-file", "--merge-file", "--distributed-backend", "--transformer-impl",
+      "--rotary-percent", "--rotary-scaling-factor", "--moe-z-loss-coeff", "--moe-router-num-groups", "--moe-router-group-topk",
       "--moe-router-dtype", "--mscale", "--mscale-all-dim", "--exit-duration-in-mins", "--mtp-loss-scaling-factor",
       "--manual-gc-interval", "--ckpt-format", "--dist-ckpt-strictness", "--num-workers", "--dataloader-type",
       "--ddp-bucket-size"};
@@ -53,8 +52,7 @@ const std::set<std::string, std::less<>>& IgnoredValued() {
 // nargs '+' (or '*' for the data paths): every token up to the next flag.
 const std::set<std::string, std::less<>>& IgnoredLists() {
   static const std::set<std::string, std::less<>> s = {"--data-path", "--train-data-path", "--valid-data-path",
-                                                       "--test-data-path", "--moe-router-load-balancing-type",
-                                                       "--moe-aux-loss-coeff", "--cp-comm-type"};
+                                                       "--test-data-path", "--cp-comm-type"};
   return s;
 }
 
@@ -63,7 +61,8 @@ const std::set<std::string, std::less<>>& Flags() {
   static const std::set<std::string, std::less<>> s = {
       "--swiglu", "--group-query-attention", "--untie-embeddings-and-output-weights", "--sequence-parallel",
       "--use-distributed-optimizer", "--bf16", "--fp16", "--multi-latent-attention",
-      "--accumulate-allreduce-grads-in-fp32", "--fine-grained-activation-offloading", "--moe-router-enable-expert-bias"};
+      "--accumulate-allreduce-grads-in-fp32", "--fine-grained-activation-offloading", "--moe-router-enable-expert-bias",
+      "--disable-bias-linear", "--add-bias-linear", "--add-qkv-bias", "--qk-layernorm", "--use-rope-scaling"};
   return s;
 }
 
@@ -82,13 +81,16 @@ const std::set<std::string, std::less<>>& Valued() {
       "--moe-expert-capacity-factor", "--moe-token-dispatcher-type", "--q-lora-rank", "--kv-lora-rank",
       "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim", "--recompute-granularity", "--recompute-method",
       "--recompute-num-layers", "--mtp-num-layers", "--recompute-modules", "--offload-modules",
-      "--moe-router-topk-scaling-factor", "--moe-router-bias-update-rate", "--pipeline-model-parallel-layout"};
+      "--moe-router-topk-scaling-factor", "--moe-router-bias-update-rate", "--pipeline-model-parallel-layout",
+      "--rotary-base", "--rope-scaling-factor", "--norm-epsilon", "--layernorm-epsilon",
+      "--moe-router-load-balancing-type", "--moe-aux-loss-coeff"};
   return s;
 }
 
 // Valued arguments that take one or more values (nargs '+').
 const std::set<std::string, std::less<>>& Lists() {
-  static const std::set<std::string, std::less<>> s = {"--recompute-modules", "--offload-modules"};
+  static const std::set<std::string, std::less<>> s = {"--recompute-modules", "--offload-modules",
+                                                       "--moe-router-load-balancing-type", "--moe-aux-loss-coeff"};
   return s;
 }
 
@@ -335,6 +337,19 @@ OrderedJson Build(const Args& args, const ImportOptions& o) {
     if (n < seq) args.Fail("--max-position-embeddings", "is below --seq-length (" + std::to_string(seq) + ")");
     a["position_embeddings"] = n;
   }
+  // What Megatron needs to build the same model (no byte the planner
+  // counts depends on it; model.h): rotary base and Llama 3 scaling, biases
+  // (Megatron's default: on every linear), q/k norms, epsilon.
+  if (positions != "learned_absolute") {
+    if (args.Has("--rotary-base")) a["rope_base"] = args.Int("--rotary-base", 1, int64_t{1} << 40);
+    if (args.Flag("--use-rope-scaling")) a["rope_scaling_factor"] = args.Number("--rope-scaling-factor", 1, 1e6, 8.0);
+  }
+  if (!args.Flag("--disable-bias-linear") || args.Flag("--add-bias-linear")) a["linear_bias"] = true;
+  if (args.Flag("--add-qkv-bias")) a["qkv_bias"] = true;
+  if (args.Flag("--qk-layernorm")) a["qk_norm"] = true;
+  for (const char* eps : {"--layernorm-epsilon", "--norm-epsilon"}) {
+    if (args.Has(eps)) a["norm_eps"] = args.Number(eps, 1e-12, 1, 1e-5);
+  }
   if (args.Flag("--multi-latent-attention")) {
     a["mla"] = {{"q_lora_rank", args.Int("--q-lora-rank", 0, kMaxHidden, 0)},
                 {"kv_lora_rank", args.Int("--kv-lora-rank", 1, kMaxHidden, 512)},
@@ -376,6 +391,32 @@ OrderedJson Build(const Args& args, const ImportOptions& o) {
       moe["bias_update_rate"] = args.Number("--moe-router-bias-update-rate", 0, 1, 1e-3);
     }
     args.Choice("--moe-token-dispatcher-type", {"alltoall", "flex"}, "alltoall");
+    // Lists in Megatron (one value per layer group); memplan keeps one.
+    if (args.Has("--moe-router-load-balancing-type")) {
+      const std::string v = args.String("--moe-router-load-balancing-type", "");
+      const std::string first = v.substr(0, v.find(' '));
+      for (const char* k : {"aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"}) {
+        if (first == k) moe["load_balancing"] = first;
+      }
+      if (!moe.contains("load_balancing")) {
+        args.Fail("--moe-router-load-balancing-type",
+                  "expected aux_loss, seq_aux_loss, global_aux_loss, sinkhorn or none, got " + first.substr(0, 40));
+      }
+    }
+    if (args.Has("--moe-aux-loss-coeff")) {
+      const std::string v = args.String("--moe-aux-loss-coeff", "");
+      size_t used = 0;
+      double c = -1;
+      try {
+        c = std::stod(v.substr(0, v.find(' ')), &used);
+      } catch (const std::exception&) {
+        used = 0;
+      }
+      if (used == 0 || !(c >= 0 && c <= 1e3)) {
+        args.Fail("--moe-aux-loss-coeff", "expected a number in [0, 1000], got " + v.substr(0, 40));
+      }
+      moe["aux_loss_coeff"] = c;
+    }
     a["moe"] = moe;
   }
   if (has_dense) a["ffn_hidden"] = ffn;

@@ -192,6 +192,12 @@ void ParseArch(ObjectReader& r, Model& m) {
   a.tied_embeddings = r.Bool("tied_embeddings", false);
   a.position_embeddings = r.Int("position_embeddings", 0, kMaxSeqLen, 0);
   a.mtp_layers = r.Int("mtp_layers", 0, 16, 0);
+  if (r.Has("rope_base")) a.rope_base = r.Number("rope_base", 1, 1e12, 10000);
+  if (r.Has("rope_scaling_factor")) a.rope_scaling_factor = r.Number("rope_scaling_factor", 1, 1e6, 1);
+  a.qk_norm = r.Bool("qk_norm", false);
+  a.linear_bias = r.Bool("linear_bias", false);
+  a.qkv_bias = r.Bool("qkv_bias", false);
+  if (r.Has("norm_eps")) a.norm_eps = r.Number("norm_eps", 1e-12, 1, 1e-5);
 
   if (const Json* v = r.Get("mla")) {
     ObjectReader o(*v, r.At("mla"));
@@ -249,6 +255,10 @@ void ParseArch(ObjectReader& r, Model& m) {
     c.bias_update_rate = o.Number("bias_update_rate", 0, 1, 1e-3);
     c.router = o.Enum("router", {"softmax", "sigmoid"}, "softmax") == "sigmoid" ? Router::kSigmoid
                                                                                 : Router::kSoftmax;
+    if (o.Has("load_balancing")) {
+      c.load_balancing = o.Enum("load_balancing", {"aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"});
+    }
+    if (o.Has("aux_loss_coeff")) c.aux_loss_coeff = o.Number("aux_loss_coeff", 0, 1e3, 0);
     o.Finish();
     a.moe = c;
   }
@@ -450,8 +460,8 @@ Hardware ParseHardwareObject(ObjectReader& r) {
 
 void ParseOptions(const Json* value, const JsonLocation& where, Model& m) {
   // Each technique is on by default where the architecture has the feature
-  // and the target has the mechanism: Megatron has none of memplan's MoE
-  // and AttnRes mechanisms (docs/targets.md).
+  // and the target has the mechanism: Megatron has neither memplan's
+  // dispatch recompute nor its AttnRes mechanisms (docs/targets.md).
   const Arch& a = m.arch;
   const bool own = m.target.kind == TargetKind::kMemplan;
   bool moe = a.moe.has_value();
@@ -467,7 +477,11 @@ void ParseOptions(const Json* value, const JsonLocation& where, Model& m) {
     }
     return on;
   };
-  o.moe_grad_rewrite = memplan_only("moe_grad_rewrite", moe);
+  // The gradient rewrite (FC2's output not saved) is what Megatron does
+  // too: it weights the expert activation by the routing probabilities
+  // (moe/experts.py weighted_bias_swiglu), so its combine saves no expert
+  // output (docs/targets.md, "What Megatron saves").
+  o.moe_grad_rewrite = r.Bool("moe_grad_rewrite", moe) && moe;
   o.moe_recompute_dispatch = memplan_only("moe_recompute_dispatch", moe);
   o.attn_res_single_copy = memplan_only("attn_res_single_copy", ar);
   o.attn_res_checkpoint = memplan_only("attn_res_checkpoint", ar);
@@ -750,6 +764,13 @@ Json NormalizedModelJson(const Model& m) {
   if (a.ffn_hidden) arch["ffn_hidden"] = a.ffn_hidden;
   if (a.position_embeddings) arch["position_embeddings"] = a.position_embeddings;  // absent: digests unchanged
   if (a.mtp_layers) arch["mtp_layers"] = a.mtp_layers;
+  // Each written only when set: models without them keep their digests.
+  if (a.rope_base) arch["rope_base"] = *a.rope_base;
+  if (a.rope_scaling_factor) arch["rope_scaling_factor"] = *a.rope_scaling_factor;
+  if (a.qk_norm) arch["qk_norm"] = true;
+  if (a.linear_bias) arch["linear_bias"] = true;
+  if (a.qkv_bias) arch["qkv_bias"] = true;
+  if (a.norm_eps) arch["norm_eps"] = *a.norm_eps;
   if (a.mla) {
     arch["mla"] = {{"q_lora_rank", a.mla->q_lora_rank},
                    {"kv_lora_rank", a.mla->kv_lora_rank},
@@ -773,6 +794,8 @@ Json NormalizedModelJson(const Model& m) {
     if (c.routed_scaling != 1.0) arch["moe"]["routed_scaling"] = c.routed_scaling;  // absent: digests unchanged
     if (c.selection_bias) arch["moe"]["selection_bias"] = true;
     if (c.bias_update_rate != 1e-3) arch["moe"]["bias_update_rate"] = c.bias_update_rate;  // absent: digests unchanged
+    if (c.load_balancing) arch["moe"]["load_balancing"] = *c.load_balancing;
+    if (c.aux_loss_coeff) arch["moe"]["aux_loss_coeff"] = *c.aux_loss_coeff;
   }
   if (a.attn_res) {
     arch["attn_res"] = {{"block_layers", a.attn_res->block_layers},

@@ -179,7 +179,10 @@ void ApplyTarget(Model* model, TargetKind kind) {
   model->target.kind = kind;
   if (kind != TargetKind::kMemplan) {
     Options& o = model->options;
-    o.moe_grad_rewrite = o.moe_recompute_dispatch = false;
+    // Megatron weights the expert activation by the gates, so FC2's output
+    // is not saved: memplan's gradient rewrite, on where there are experts.
+    o.moe_grad_rewrite = model->arch.moe.has_value();
+    o.moe_recompute_dispatch = false;
     o.attn_res_single_copy = o.attn_res_checkpoint = o.attn_res_pp_cache = false;
   }
 }

@@ -86,6 +86,11 @@ struct MoeConfig {
   // b_i += rate * sign(mean load - load_i) (DeepSeek-V3's gamma, Megatron's
   // --moe-router-bias-update-rate; default 1e-3).
   double bias_update_rate = 1e-3;
+  // The load-balancing loss (Megatron's --moe-router-load-balancing-type
+  // and --moe-aux-loss-coeff): no tensor changes size; written to launch
+  // the same job. Unset: the framework's default.
+  std::optional<std::string> load_balancing;
+  std::optional<double> aux_loss_coeff;
 
   static constexpr double kDefaultMoeImbalance = 1.2;
   // Routed rows an EP rank holds, over its mean share (s*b*top_k): the
@@ -137,6 +142,17 @@ struct Arch {
   // Multi-token prediction depths (DeepSeek-V3): after the last layer, on
   // the last pipeline stage (docs/accounting.md section 2b).
   int64_t mtp_layers = 0;
+  // What the framework needs to build the same model and no byte the
+  // planner counts depends on (docs/formats.md): rotary base and Llama 3's
+  // frequency scaling, q/k norms, linear and qkv biases, the norms'
+  // epsilon. Unset: the framework's default (Megatron's: base 10000, no
+  // scaling, no q/k norm, epsilon 1e-5; memplan's templates have no biases).
+  std::optional<double> rope_base;
+  std::optional<double> rope_scaling_factor;
+  bool qk_norm = false;
+  bool linear_bias = false;
+  bool qkv_bias = false;
+  std::optional<double> norm_eps;
   std::optional<MlaConfig> mla;
   std::optional<MoeConfig> moe;
   std::optional<AttnResConfig> attn_res;
