@@ -333,6 +333,27 @@ import json; p=json.load(open('$tmp/l70.plan.json')); p['model']['arch']['vocab'
 expect_exit 2 "export an edited plan" "$memplan" export megatron "$tmp/edited.plan.json" -o "$tmp/never.args"
 [ "$(wc -l <"$tmp/err")" -eq 1 ] && grep -q "edited.plan.json: /digest does not match the embedded model" "$tmp/err" \
   && [ ! -e "$tmp/never.args" ] && ok || bad "export of an edited plan: $(cat "$tmp/err")"
+# --target megatron (docs/targets.md): the table's allocated, reserved and
+# margin; PLAN.json's target and settings; a model Megatron cannot run is
+# one line naming /target; run refuses such a plan; --headroom as a size or
+# a share, and a bad one refused.
+expect_exit 0 "plan --target megatron" "$memplan" plan "$root/examples/models/llama3-70b.json" --target megatron \
+  --budget 30GiB --headroom 3% -o "$tmp/meg.plan.json"
+grep -q "reserved(GiB)" "$tmp/out" && grep -q "margin(GiB)" "$tmp/out" && grep -q "^settings: --recompute" "$tmp/out" \
+  && python3 -c "
+import json; p=json.load(open('$tmp/meg.plan.json'))
+assert p['target'] == 'megatron' and p['target_settings']['recompute_granularity'] != 'none', p.get('target_settings')
+assert p['headroom'] == int(0.03 * p['model']['hardware']['device_memory'])
+assert all(r['margin'] >= p['headroom'] and r['reserved'] >= r['allocated'] for r in p['ranks'])" && ok \
+  || bad "plan --target megatron: $(head -5 "$tmp/out")"
+expect_exit 2 "plan --target megatron of a KDA model" "$memplan" plan "$root/examples/models/tiny-k3.json" --target megatron
+one_line_at "tiny-k3.json" "/target: megatron refuses the model: arch.linear_attention"
+expect_exit 2 "run a plan for Megatron" "$memplan" run "$tmp/meg.plan.json" -o "$tmp/never.json"
+grep -q "/model/target: a plan for megatron" "$tmp/err" && [ ! -e "$tmp/never.json" ] && ok || bad "run: $(cat "$tmp/err")"
+expect_exit 2 "plan --headroom nonsense" "$memplan" plan "$root/examples/models/tiny-gpt.json" --headroom 140%
+grep -q -- "--headroom: expected a size (2GiB) or a percentage" "$tmp/err" && ok || bad "headroom: $(cat "$tmp/err")"
+expect_exit 0 "export megatron of a plan for Megatron" "$memplan" export megatron "$tmp/meg.plan.json" -o "$tmp/meg.args"
+grep -q -- "--recompute-granularity" "$tmp/meg.args" && ok || bad "export of a Megatron plan: $(cat "$tmp/meg.args")"
 fi
 
 if want search; then

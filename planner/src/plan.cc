@@ -585,8 +585,9 @@ Plan FitHost(const Model& input, const PlanOptions& options) {
 Expected<Plan> BuildPlan(const Model& model, const PlanOptions& options) {
   return CatchErrors([&] {
     if (auto why = GetTarget(model.target.kind).Refusal(model)) {
-      ThrowError(ErrorCode::kBadInput,
-                 "target " + std::string(TargetName(model.target.kind)) + " refuses the model: " + *why);
+      // The target in effect is the one at fault: its field, in the model's file.
+      ThrowError(ErrorCode::kBadInput, (model.file.empty() ? std::string() : model.file + ": ") + "/target: " +
+                                           std::string(TargetName(model.target.kind)) + " refuses the model: " + *why);
     }
     return FitHost(model, options);
   });
