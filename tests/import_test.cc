@@ -521,7 +521,12 @@ TEST_CASE("export megatron: the argument list imports to the model the export pl
     REQUIRE(doc.ok());
     Model back = memplan::test::MustParse(Json::parse(doc->dump()));
     back.budget = e->coarse.budget;
+    back.budget_given = e->coarse.budget_given;
     CHECK(back.target.settings == e->coarse.target.settings);
+    // Field for field: the model Megatron is launched with is the one planned.
+    back.name = e->coarse.name;
+    back.description = e->coarse.description;
+    CHECK(NormalizedModelJson(back) == NormalizedModelJson(e->coarse));
     auto replanned = BuildPlan(back);
     REQUIRE(replanned.ok());
     SamePlan(e->coarse_plan, *replanned);

@@ -128,6 +128,9 @@ int RunPlan(const Command& c) {
       std::fprintf(stderr, "memplan: timing: %-13.*s %8.1f ms\n", static_cast<int>(stage.size()), stage.data(), ms);
     };
   }
+  if (!c.quiet) {
+    options.on_progress = [](const std::string& line) { std::fprintf(stderr, "memplan: %s\n", line.c_str()); };
+  }
   auto plan = planner::BuildPlan(*model, options);
   if (std::getenv("MEMPLAN_TIMING")) {
     // The planner's own memory: the process's peak resident set so far.

@@ -30,7 +30,10 @@ int RunExport(const Command& c) {
   }
   auto plan = planner::BuildPlan(*model);
   if (!plan) return Fail(plan.error());
-  auto exported = c.import_kind == "megatron" ? planner::ExportMegatron(*plan) : planner::ExportTorchtitan(*plan);
+  auto progress = [](const std::string& line) { std::fprintf(stderr, "memplan: %s\n", line.c_str()); };
+  auto exported = c.import_kind == "megatron"
+                      ? planner::ExportMegatron(*plan, c.quiet ? std::function<void(const std::string&)>() : progress)
+                      : planner::ExportTorchtitan(*plan);
   if (!exported) return Fail(exported.error());
   const planner::Plan* coarse = &exported->coarse_plan;
 

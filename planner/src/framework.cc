@@ -334,7 +334,7 @@ std::string MegatronArgsText(const Model& m, const MegatronArgs& args, std::vect
 
 }  // namespace
 
-Expected<ExportedSettings> ExportMegatron(const Plan& plan) {
+Expected<ExportedSettings> ExportMegatron(const Plan& plan, const std::function<void(const std::string&)>& progress) {
   ExportedSettings e;
   e.framework = "megatron";
   // The plan for Megatron: this one if it is one, else its model planned
@@ -348,7 +348,9 @@ Expected<ExportedSettings> ExportMegatron(const Plan& plan) {
     if (auto why = MegatronRefusal(m)) {
       return Error{ErrorCode::kBadInput, "export megatron: Megatron cannot run this model: " + *why};
     }
-    auto q = BuildPlan(m);
+    PlanOptions o;
+    o.on_progress = progress;
+    auto q = BuildPlan(m, o);
     if (!q) return q.error();
     e.coarse_plan = std::move(*q);
   }

@@ -515,6 +515,10 @@ void ParseTarget(const Json* value, const JsonLocation& where, Model& m) {
   t.kind = kind_of(r.String("name"), r.At("name"));
   t.expandable_segments = r.Bool("expandable_segments", false);
   t.max_split_size_mb = r.Int("max_split_size_mb", 0, int64_t{1} << 30, 0);
+  if (t.max_split_size_mb > 0 && t.max_split_size_mb < 20) {  // PyTorch's own floor (c10/core/AllocatorConfig.cpp)
+    ThrowAt(r.At("max_split_size_mb"), "expected 0 (unlimited) or at least 20, as PyTorch requires, got " +
+                                           std::to_string(t.max_split_size_mb));
+  }
   if (const Json* sv = r.Get("settings")) {
     ObjectReader sr(*sv, r.At("settings"));
     FrameworkSettings fs;

@@ -67,6 +67,14 @@ void InTableOrder(const std::vector<FrameworkModule>& table, std::vector<std::st
 
 Plan PlanFrameworkSettings(const Model& input, const PlanOptions& options) {
   std::vector<std::pair<FrameworkSettings, int64_t>> tried;
+  auto progress = [&](const char* phase, const Plan& best) {
+    if (!options.on_progress) return;
+    const int64_t d = Deficit(best);
+    options.on_progress(std::string(TargetName(input.target.kind)) + " settings: " + phase + ", " +
+                        std::to_string(tried.size() + 1) + " planned; best " +
+                        SettingsFlags(best.model.target.settings.value_or(FrameworkSettings{})) +
+                        (d <= 0 ? " (fits)" : " (" + FormatBytes(d) + " short on its fullest rank)"));
+  };
   auto plan_with = [&](const FrameworkSettings& s) {
     Model m = input;
     m.target.settings = s;
@@ -202,6 +210,7 @@ Plan PlanFrameworkSettings(const Model& input, const PlanOptions& options) {
     if (!pick || Deficit(*pick) >= base_deficit) break;
     best = std::move(*pick);
     current = std::move(pick_settings);
+    progress("adding modules", best);
   }
   if (Deficit(best) > 0 && maximal) {
     // The rounds stalled, but every module together fits: start there.
@@ -234,6 +243,7 @@ Plan PlanFrameworkSettings(const Model& input, const PlanOptions& options) {
     if (!pick) break;
     best = std::move(*planned[*pick]);
     current = std::move(fewer[*pick]);
+    progress("dropping what the fit does not need", best);
   }
   if (Deficit(best) > 0) {
     // Full recompute, method block: the fewest checkpointed layers per
@@ -272,6 +282,7 @@ Plan PlanFrameworkSettings(const Model& input, const PlanOptions& options) {
       }
       best = std::move(fit);
     }
+    progress("full recompute", best);
   }
   best.settings_tried = std::move(tried);
   return best;

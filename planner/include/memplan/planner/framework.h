@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -61,7 +62,9 @@ struct ExportedSettings {
 // when the plan recomputes (offloads) at least half of their bytes; where
 // that does not fit, Megatron's modules are added greedily (re-planning each
 // candidate) until it fits or none helps.
-Expected<ExportedSettings> ExportMegatron(const Plan& plan);
+// `progress` gets a line per round of choosing Megatron's settings.
+Expected<ExportedSettings> ExportMegatron(const Plan& plan,
+                                          const std::function<void(const std::string&)>& progress = nullptr);
 Expected<ExportedSettings> ExportTorchtitan(const Plan& plan);
 
 }  // namespace memplan::planner

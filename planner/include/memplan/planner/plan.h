@@ -41,6 +41,9 @@ struct PlanOptions {
   int sweep_points = 12;
   // Called after each planner stage with its name and wall time (ms).
   std::function<void(std::string_view stage, double ms)> on_stage = nullptr;
+  // Under a target without per-tensor storage: one line after each round
+  // of choosing its settings (plans so far, the best so far).
+  std::function<void(const std::string& line)> on_progress = nullptr;
 };
 
 struct RankPlan {
