@@ -55,6 +55,17 @@ bool CachingAllocatorModel::ShouldSplit(const Block& b, bool small, int64_t size
   return size < config_.max_split_size_bytes && rest > kSmallSize;
 }
 
+int32_t CachingAllocatorModel::NewBlock(const Block& b) {
+  if (!spare_blocks_.empty()) {
+    const int32_t id = spare_blocks_.back();
+    spare_blocks_.pop_back();
+    blocks_[static_cast<size_t>(id)] = b;
+    return id;
+  }
+  blocks_.push_back(b);
+  return static_cast<int32_t>(blocks_.size() - 1);
+}
+
 int32_t CachingAllocatorModel::NewSegment(bool small, int64_t size) {
   if (reserved_ + size > config_.capacity_bytes) ReleaseFreeSegments();
   Segment s;
@@ -66,15 +77,7 @@ int32_t CachingAllocatorModel::NewSegment(bool small, int64_t size) {
   Block b;
   b.segment = id;
   b.size = size;
-  int32_t bi;
-  if (!spare_blocks_.empty()) {
-    bi = spare_blocks_.back();
-    spare_blocks_.pop_back();
-    blocks_[static_cast<size_t>(bi)] = b;
-  } else {
-    bi = static_cast<int32_t>(blocks_.size());
-    blocks_.push_back(b);
-  }
+  const int32_t bi = NewBlock(b);
   s.first = s.last = bi;
   segments_.push_back(s);
   reserved_ += size;
@@ -109,15 +112,7 @@ int32_t CachingAllocatorModel::GrowExpandable(bool small, int64_t size) {
     b.offset = s.size;
     b.size = mapped;
     b.prev = tail;
-    int32_t bi;
-    if (!spare_blocks_.empty()) {
-      bi = spare_blocks_.back();
-      spare_blocks_.pop_back();
-      blocks_[static_cast<size_t>(bi)] = b;
-    } else {
-      bi = static_cast<int32_t>(blocks_.size());
-      blocks_.push_back(b);
-    }
+    const int32_t bi = NewBlock(b);
     Segment& s2 = segments_[static_cast<size_t>(seg)];  // blocks_ may have moved, segments_ not
     if (tail >= 0) blocks_[static_cast<size_t>(tail)].next = bi;
     if (s2.first < 0) s2.first = bi;
@@ -187,15 +182,7 @@ int64_t CachingAllocatorModel::Allocate(int64_t bytes) {
       rest.prev = b;
       rest.next = x.next;
     }
-    int32_t ri;
-    if (!spare_blocks_.empty()) {
-      ri = spare_blocks_.back();
-      spare_blocks_.pop_back();
-      blocks_[static_cast<size_t>(ri)] = rest;
-    } else {
-      ri = static_cast<int32_t>(blocks_.size());
-      blocks_.push_back(rest);
-    }
+    const int32_t ri = NewBlock(rest);
     Block& x = blocks_[static_cast<size_t>(b)];
     if (x.next >= 0) blocks_[static_cast<size_t>(x.next)].prev = ri;
     Segment& s = segments_[static_cast<size_t>(x.segment)];

@@ -4,6 +4,7 @@
 #include "memplan/planner/framework.h"
 
 #include <algorithm>
+#include <functional>
 #include <cmath>
 #include <limits>
 #include <optional>
@@ -122,21 +123,16 @@ Expected<std::vector<PolicyAnnotation>> MegatronPolicies(bool mla, const std::ve
 namespace {
 
 // What neither framework says: FP8 storage of single tensors, offload into
-// another rank, and per-tensor choices the module settings override.
-std::vector<std::string> NotExpressed(const Plan& plan, const Model& coarse) {
+// another rank, and per-tensor choices the settings store otherwise
+// (`stored(name)` is the settings' storage of a tensor, or nullopt).
+std::vector<std::string> NotExpressedBy(
+    const Plan& plan, const std::function<std::optional<std::vector<Policy>>(const std::string&)>& stored) {
   std::vector<std::string> out;
   int64_t fp8 = 0, fp8_n = 0, remote = 0, remote_n = 0, differ = 0, differ_bytes = 0;
   for (const auto& t : plan.tensors) {
     if (Has(t.effective, Policy::kFp8)) fp8 += t.bytes, ++fp8_n;
     if (Has(t.effective, Policy::kOffloadRemote)) remote += t.bytes, ++remote_n;
-    std::vector<Policy> want = {Policy::kKeep};
-    for (const auto& a : coarse.policies) {
-      if (GlobMatch(a.match, t.name)) {
-        want = a.policy;
-        break;
-      }
-    }
-    if (want != t.effective) differ += 1, differ_bytes += t.bytes;
+    if (stored(t.name) != t.effective) differ += 1, differ_bytes += t.bytes;
   }
   const double g = 1.0 / (1 << 30);
   if (fp8_n) {
@@ -154,32 +150,25 @@ std::vector<std::string> NotExpressed(const Plan& plan, const Model& coarse) {
   return out;
 }
 
-// The same against a plan of the settings: each tensor's storage there.
+// Against a model's annotations (the first glob that matches; kept if none).
+std::vector<std::string> NotExpressed(const Plan& plan, const Model& coarse) {
+  return NotExpressedBy(plan, [&](const std::string& name) -> std::optional<std::vector<Policy>> {
+    for (const auto& a : coarse.policies) {
+      if (GlobMatch(a.match, name)) return a.policy;
+    }
+    return std::vector<Policy>{Policy::kKeep};
+  });
+}
+
+// Against a plan of the settings: each tensor's storage there.
 std::vector<std::string> NotExpressed(const Plan& plan, const Plan& coarse) {
-  std::vector<std::string> out;
   std::map<std::string, std::vector<Policy>> by;
   for (const auto& t : coarse.tensors) by[t.name] = t.effective;
-  int64_t fp8 = 0, fp8_n = 0, remote = 0, remote_n = 0, differ = 0, differ_bytes = 0;
-  for (const auto& t : plan.tensors) {
-    if (Has(t.effective, Policy::kFp8)) fp8 += t.bytes, ++fp8_n;
-    if (Has(t.effective, Policy::kOffloadRemote)) remote += t.bytes, ++remote_n;
-    auto it = by.find(t.name);
-    if (it == by.end() || it->second != t.effective) differ += 1, differ_bytes += t.bytes;
-  }
-  const double g = 1.0 / (1 << 30);
-  if (fp8_n) {
-    out.push_back("FP8 storage of " + std::to_string(fp8_n) + " saved tensors (" + FormatFixed(fp8 * g, 2) +
-                  " GiB per microbatch): no per-tensor setting; kept or as their module says");
-  }
-  if (remote_n) {
-    out.push_back("offload into another pipeline rank's memory of " + std::to_string(remote_n) + " tensors (" +
-                  FormatFixed(remote * g, 2) + " GiB per microbatch): to host where their module is offloaded, else kept");
-  }
-  if (differ) {
-    out.push_back(std::to_string(differ) + " of " + std::to_string(plan.tensors.size()) + " saved tensors (" +
-                  FormatFixed(differ_bytes * g, 2) + " GiB per microbatch) are stored otherwise than memplan's plan stores them");
-  }
-  return out;
+  return NotExpressedBy(plan, [&](const std::string& name) -> std::optional<std::vector<Policy>> {
+    auto it = by.find(name);
+    if (it == by.end()) return std::nullopt;
+    return it->second;
+  });
 }
 
 // The coarse model: the plan's, with its final layout fixed and the

@@ -65,29 +65,23 @@ MegatronTheory MegatronTheoreticalMemory(const Model& model, const MegatronArgs&
   const double vpp = static_cast<double>(args.VirtualStages());
   const double microbatches = static_cast<double>(model.train.microbatches);
   t.sequence_parallel_formula = args.sequence_parallel && args.recompute_granularity == "selective";
-  double act = 0;
+  // Both formulas: L layers of the per-layer term, the embedding's token
+  // ids and dropout mask per in-flight stage, the interleaving or
+  // microbatch factor, then the last stage's head when pp is 1.
+  t.per_layer_coefficient = t.sequence_parallel_formula ? 18 + 4 * f / h : 10 + 24 / tp;
+  double act = s * b * h * t.per_layer_coefficient * layers;
+  act += 8 * s * b * pp + s * b * h * pp;
+  if (vpp > 1) {
+    act *= 1 + (pp - 1) / (pp * vpp);
+  } else if (pp > 1) {
+    act *= std::min(1.0, microbatches / pp);
+  }
   if (t.sequence_parallel_formula) {
-    t.per_layer_coefficient = 18 + 4 * f / h;
-    act = s * b * h * t.per_layer_coefficient * layers;
-    act += 8 * s * b * pp + s * b * h * pp;
-    if (vpp > 1) {
-      act *= 1 + (pp - 1) / (pp * vpp);
-    } else if (pp > 1) {
-      act *= std::min(1.0, microbatches / pp);
-    }
     if (args.pp == 1) act += 4 * s * b * h * (1 + vocab / h);
     act /= tp;
   } else {
-    t.per_layer_coefficient = 10 + 24 / tp;
-    act = s * b * h * t.per_layer_coefficient * layers;
-    act += 8 * s * b * pp + s * b * h * pp;
-    if (vpp > 1) {
-      act *= 1 + (pp - 1) / (pp * vpp);
-    } else if (pp > 1) {
-      act *= std::min(1.0, microbatches / pp);
-    }
     if (args.pp == 1) act += (s * b * vocab / tp + s * b * h) * 2;
-    act *= 1.05;
+    act *= 1.05;  // "optimizer and miscellaneous temporaries", off the SP path only
   }
   t.activation_bytes = act;
   return t;

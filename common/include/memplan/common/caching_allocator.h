@@ -105,6 +105,7 @@ class CachingAllocatorModel {
 
   FreeSet& PoolOf(bool small) { return small ? small_free_ : large_free_; }
   std::tuple<int64_t, int64_t, int32_t> Key(int32_t b) const;
+  int32_t NewBlock(const Block& b);  // a spare slot, or a new one
   int32_t FindFree(bool small, int64_t size);
   int32_t NewSegment(bool small, int64_t size);
   int32_t GrowExpandable(bool small, int64_t size);
