@@ -114,12 +114,18 @@ std::string AddMlaAttention(Builder& B, const Dims& d, const std::string& x_in) 
   int64_t qk = m.qk_nope_head_dim + m.qk_rope_head_dim;
   std::string q_src = x_in;
   int64_t q_in = d.h;
+  // Megatron runs the down-projections on the sequence-parallel shard and
+  // saves their outputs there (multi_latent_attention.py, duplicated mode;
+  // docs/targets.md); memplan's runtime computes them on every token.
+  const bool local = B.model().target.kind == TargetKind::kMegatron;
+  const int64_t down_rows = local ? d.tokens_r : d.tokens;
+  const std::string down_shard = local ? d.shard_r : "replicated";
   if (m.q_lora_rank > 0) {
     int64_t w = B.Param("attn", "q_a.weight", {d.h, m.q_lora_rank}, ParamKind::kLinear, false);
-    std::string qa = B.Act("attn", "q_a", {d.tokens, m.q_lora_rank}, true, "replicated");
+    std::string qa = B.Act("attn", "q_a", {down_rows, m.q_lora_rank}, true, down_shard);
     B.Op("attn", "q_a", "linear", {x_in}, {qa}, Gemm(d.tokens, d.h, m.q_lora_rank), w);
     int64_t nw = B.Param("attn", "q_a_norm.weight", {m.q_lora_rank}, ParamKind::kNorm, false);
-    q_src = B.Act("attn", "q_b_in", {d.tokens, m.q_lora_rank}, true, "replicated");
+    q_src = B.Act("attn", "q_b_in", {down_rows, m.q_lora_rank}, true, down_shard);
     B.Op("attn", "q_a_norm", "rmsnorm", {qa}, {q_src}, 4.0 * static_cast<double>(d.tokens * m.q_lora_rank), nw);
     q_in = m.q_lora_rank;
   }
@@ -132,13 +138,13 @@ std::string AddMlaAttention(Builder& B, const Dims& d, const std::string& x_in) 
   // kv_a_proj_with_mqa, split by columns here): the latent c_kv, normed and
   // up-projected per head, and the decoupled RoPE key k_pe shared by heads.
   int64_t wkva = B.Param("attn", "kv_a.weight", {d.h, m.kv_lora_rank}, ParamKind::kLinear, false);
-  std::string kva = B.Act("attn", "kv_a", {d.tokens, m.kv_lora_rank}, true, "replicated");
+  std::string kva = B.Act("attn", "kv_a", {down_rows, m.kv_lora_rank}, true, down_shard);
   B.Op("attn", "kv_a", "linear", {x_in}, {kva}, Gemm(d.tokens, d.h, m.kv_lora_rank), wkva);
   int64_t wkpe = B.Param("attn", "k_pe.weight", {d.h, m.qk_rope_head_dim}, ParamKind::kLinear, false);
   std::string k_pe = B.Act("attn", "k_pe", {d.tokens, m.qk_rope_head_dim}, false, "replicated");
   B.Op("attn", "k_pe", "linear", {x_in}, {k_pe}, Gemm(d.tokens, d.h, m.qk_rope_head_dim), wkpe);
   int64_t nw = B.Param("attn", "kv_norm.weight", {m.kv_lora_rank}, ParamKind::kNorm, false);
-  std::string kvb_in = B.Act("attn", "kv_b_in", {d.tokens, m.kv_lora_rank}, true, "replicated");
+  std::string kvb_in = B.Act("attn", "kv_b_in", {down_rows, m.kv_lora_rank}, true, down_shard);
   B.Op("attn", "kv_norm", "rmsnorm", {kva}, {kvb_in}, 4.0 * static_cast<double>(d.tokens * m.kv_lora_rank), nw);
   int64_t kvb_full = a.heads * (m.qk_nope_head_dim + m.v_head_dim);
   int64_t wkvb = B.Param("attn", "kv_b.weight", {m.kv_lora_rank, kvb_full}, ParamKind::kLinear, true);
