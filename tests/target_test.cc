@@ -254,4 +254,30 @@ TEST_CASE("Megatron's own estimate: the first stage's parameters are memplan's, 
   CHECK(checked == 2);
 }
 
+TEST_CASE("target megatron: MLA's down-projections are saved on the sequence-parallel shard") {
+  // multi_latent_attention.py runs them in duplicated mode on the SP-local
+  // input; memplan's own runtime computes them on every token.
+  Model own = memplan::test::MustLoad("examples/models/tiny-mla.json");
+  own.parallel.tp = 2;
+  own.parallel.sp = true;
+  own.parallel.dp = std::max<int64_t>(1, own.parallel.dp / 2);
+  Model meg = own;
+  ApplyTarget(&meg, TargetKind::kMegatron);
+  const Plan a = MustPlan(own), b = MustPlan(meg);
+  auto rows = [](const Plan& p, const std::string& suffix) {
+    for (const auto& t : p.tensors) {
+      if (t.name.ends_with(suffix)) return t.shape.front();
+    }
+    return int64_t{-1};
+  };
+  int checked = 0;
+  for (const char* t : {".attn.kv_a", ".attn.kv_b_in"}) {
+    CAPTURE(t);
+    REQUIRE(rows(a, t) > 0);
+    CHECK(rows(b, t) * 2 == rows(a, t));
+    ++checked;
+  }
+  CHECK(checked == 2);
+}
+
 }  // namespace memplan::planner
