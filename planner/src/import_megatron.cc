@@ -324,11 +324,9 @@ OrderedJson Build(const Args& args, const ImportOptions& o) {
   a["attention"] = backend == "unfused" || backend == "local" ? "standard" : "flash";
   // arguments.py: both dropouts default to 0.1.
   a["dropout"] = std::max(args.Number("--attention-dropout", 0, 1, 0.1), args.Number("--hidden-dropout", 0, 1, 0.1)) > 0;
-  // Megatron pads the vocabulary to a multiple of
-  // make_vocab_size_divisible_by * tp (training/tokenizer's _vocab_size_with_padding).
+  // Megatron pads the vocabulary (megatron_args.h).
   const int64_t vocab = args.Int("--vocab-size", 1, kMaxVocab);
-  const int64_t multiple = args.Int("--make-vocab-size-divisible-by", 1, 1 << 20, 128) * tp;
-  a["vocab"] = (vocab + multiple - 1) / multiple * multiple;
+  a["vocab"] = MegatronPaddedVocab(vocab, args.Int("--make-vocab-size-divisible-by", 1, 1 << 20, 128), tp);
   a["tied_embeddings"] = !args.Flag("--untie-embeddings-and-output-weights");
   const std::string positions =
       args.Choice("--position-embedding-type", {"learned_absolute", "rope", "yarn", "none"}, "learned_absolute");

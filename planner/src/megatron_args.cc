@@ -214,6 +214,11 @@ int64_t MegatronArgs::VirtualStages() const {
   return 1;
 }
 
+int64_t MegatronPaddedVocab(int64_t vocab, int64_t divisible_by, int64_t tp) {
+  const int64_t multiple = divisible_by * tp;
+  return (vocab + multiple - 1) / multiple * multiple;
+}
+
 const std::vector<std::string_view>& MegatronRecomputeModuleNames() {
   // TC:1943-1962 (the GDN, GDP and mHC modules belong to architectures
   // memplan does not model).

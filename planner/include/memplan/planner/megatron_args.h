@@ -71,6 +71,11 @@ struct MegatronArgs {
 // with the flags named, or nullopt.
 std::optional<std::string> ValidateMegatronArgs(const MegatronArgs& args);
 
+// Megatron's padded vocabulary: rounded up to a multiple of
+// make_vocab_size_divisible_by x tp (megatron/core/tokenizers/utils/
+// build_tokenizer.py:133-146, megatron/training/vocab_utils.py:9-59).
+int64_t MegatronPaddedVocab(int64_t vocab, int64_t divisible_by, int64_t tp);
+
 // Megatron's modules for selective recompute and fine-grained offload
 // (transformer_config.py; docs/targets.md).
 const std::vector<std::string_view>& MegatronRecomputeModuleNames();

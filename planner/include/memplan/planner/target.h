@@ -77,10 +77,6 @@ std::string SettingsFlags(const FrameworkSettings& settings);
 // `import megatron`.
 std::optional<std::string> MegatronRefusal(const Model& model);
 
-// Megatron's padded vocabulary: the vocabulary rounded up to a multiple of
-// make_vocab_size_divisible_by x tp (megatron/training/tokenizer, docs/targets.md).
-int64_t MegatronPaddedVocab(int64_t vocab, int64_t divisible_by, int64_t tp);
-
 // The policy annotations under which memplan's templates store tensors as
 // `settings` do on this model (every tensor the settings do not name kept).
 Expected<std::vector<PolicyAnnotation>> SettingsPolicies(const Model& model, const FrameworkSettings& settings);
