@@ -481,12 +481,13 @@ TEST_CASE("megatron rules: each rule refuses what Megatron refuses, and accepts 
   };
   int checked = 0;
   for (const auto& row : rows) {
-    CAPTURE(row.words);
+    const std::string words = row.words;
+    CAPTURE(words);
     MegatronArgs a = ok;
     row.edit(a);
     auto why = ValidateMegatronArgs(a);
-    REQUIRE(why.has_value());
-    CHECK(why->find(row.words) != std::string::npos);
+    CHECK(why.has_value());
+    if (why) CHECK(why->find(words) != std::string::npos);
     ++checked;
   }
   CHECK(checked == static_cast<int>(rows.size()));
