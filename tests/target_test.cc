@@ -280,4 +280,20 @@ TEST_CASE("target megatron: MLA's down-projections are saved on the sequence-par
   CHECK(checked == 2);
 }
 
+TEST_CASE("throughput: model FLOPs per token are Korthikanti et al.'s for GPT-3 175B") {
+  // arXiv 2205.05198, section 5 (model FLOPs per iteration): 72 B s l h^2
+  // (1 + s / 6h + V / 12 l h); per token, B s = 1.
+  const Model m = memplan::test::MustLoad("examples/models/gpt3-175b.json");
+  const Plan p = MustPlan(m);
+  const double l = 96, h = 12288, s = 2048, v = 51200;
+  const double paper = 72 * l * h * h * (1 + s / (6 * h) + v / (12 * l * h));
+  CHECK(ModelFlopsPerToken(m, p.totals) == doctest::Approx(paper).epsilon(0.002));
+  const Throughput t = ModelledThroughput(m, p.totals, p.overhead.step_s);
+  const double gpus = static_cast<double>(m.parallel.Processes());
+  CHECK(t.tokens_per_s_per_gpu * p.overhead.step_s * gpus ==
+        doctest::Approx(static_cast<double>(m.train.micro_batch * m.train.microbatches * m.parallel.dp) * s));
+  CHECK(t.mfu == doctest::Approx(t.tokens_per_s_per_gpu * t.flops_per_token / m.hardware.bf16_flops));
+  CHECK(ThroughputLine(t).rfind("modelled: ", 0) == 0);
+}
+
 }  // namespace memplan::planner

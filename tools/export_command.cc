@@ -80,6 +80,8 @@ int RunExport(const Command& c) {
   const double s0 = plan->overhead.step_s, s1 = coarse->overhead.step_s;
   report += "step: memplan " + FormatFixed(s0 * 1e3, 2) + " ms, exported settings " + FormatFixed(s1 * 1e3, 2) +
             " ms (" + (s1 >= s0 ? "+" : "") + FormatFixed(s0 > 0 ? 100 * (s1 - s0) / s0 : 0, 1) + " %)\n";
+  report += "exported settings: " +
+            planner::ThroughputLine(planner::ModelledThroughput(coarse->model, coarse->totals, s1)) + "\n";
   if (!all_fit) report += "the exported settings do NOT fit: memplan's plan needs its per-tensor choices\n";
   for (const auto& w : coarse->warnings) report += "warning: " + w + "\n";
   for (const auto& a : exported->added) report += "to fit: " + a + "\n";

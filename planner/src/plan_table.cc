@@ -121,6 +121,7 @@ std::string RenderPlanTable(const Plan& plan) {
          " ms; critical rank adds recompute " + FormatFixed(o.recompute_s * 1e3, 2) + " ms, fp8 " +
          FormatFixed(o.quantize_s * 1e3, 2) + " ms, exposed transfers " + FormatFixed(o.exposed_transfer_s * 1e3, 2) +
          " ms)\n";
+  out += ThroughputLine(ModelledThroughput(plan.model, plan.totals, o.step_s)) + "\n";
   if (o.comm_s > 0 || o.dp_exposed_s > 0) {
     out += "communication: " + FormatFixed(o.comm_s * 1e3, 2) + " ms of TP/CP/EP on the busiest rank, " +
            FormatFixed(o.dp_exposed_s * 1e3, 2) + " ms of data-parallel reduction exposed (in the base step)\n";
@@ -145,6 +146,44 @@ std::string RenderPlanTable(const Plan& plan) {
     out += "\ntrade-off (--sweep): budget vs added step time\n" + sw.Render();
   }
   return out;
+}
+
+double ModelFlopsPerToken(const Model& model, const ModelTotals& totals) {
+  const Arch& a = model.arch;
+  // The input embedding and position tables are lookups, not products; the
+  // head's product counts (a tied head's weights, counted once in
+  // params_active, are the head's: nothing to take off).
+  const double embedding =
+      static_cast<double>((a.tied_embeddings ? 0 : a.vocab) + a.position_embeddings) * static_cast<double>(a.hidden);
+  const double n = std::max(0.0, static_cast<double>(totals.params_active) - embedding);
+  double dqk = static_cast<double>(a.head_dim), dv = dqk;
+  if (a.mla) {
+    dqk = static_cast<double>(a.mla->qk_nope_head_dim + a.mla->qk_rope_head_dim);
+    dv = static_cast<double>(a.mla->v_head_dim);
+  }
+  int64_t attention_layers = 0;
+  for (int64_t l = 0; l < a.layers; ++l) attention_layers += !a.IsLinearAttentionLayer(l);
+  return 6 * n + 6 * static_cast<double>(attention_layers) * static_cast<double>(a.heads) * (dqk + dv) *
+                     static_cast<double>(model.train.seq_len);
+}
+
+Throughput ModelledThroughput(const Model& model, const ModelTotals& totals, double step_s) {
+  Throughput t;
+  t.flops_per_token = ModelFlopsPerToken(model, totals);
+  const Parallel& p = model.parallel;
+  const double tokens = static_cast<double>(model.train.micro_batch * model.train.microbatches * p.dp) *
+                        static_cast<double>(model.train.seq_len);
+  const double gpus = static_cast<double>(p.Processes());
+  if (step_s > 0 && gpus > 0) t.tokens_per_s_per_gpu = tokens / step_s / gpus;
+  if (model.hardware.bf16_flops > 0) t.mfu = t.tokens_per_s_per_gpu * t.flops_per_token / model.hardware.bf16_flops;
+  t.source = model.hardware.launch_s > 0 ? "calibrated hardware" : "preset " + model.hardware.preset;
+  return t;
+}
+
+std::string ThroughputLine(const Throughput& t) {
+  return "modelled: " + FormatFixed(t.tokens_per_s_per_gpu, 0) + " tokens/s per GPU, MFU " +
+         FormatFixed(100 * t.mfu, 1) + " % (6N + attention FLOPs per token; " + t.source +
+         "'s step model, not a measurement; docs/planner.md)";
 }
 
 }  // namespace memplan::planner

@@ -8,6 +8,9 @@
 #include "memplan/common/table.h"
 #include "memplan/common/units.h"
 #include "memplan/planner/search.h"
+#include "memplan/planner/accounting.h"
+#include "memplan/planner/templates.h"
+#include "memplan/planner/plan.h"
 #include "memplan/planner/target.h"
 
 namespace memplan::planner {
@@ -68,6 +71,13 @@ Expected<SearchResult> SummarizeSearch(const Model& base, const SearchOptions& o
   r.target = base.target.kind;
   r.headroom = base.headroom_given ? base.headroom : GetTarget(base.target.kind).DefaultHeadroom(base);
   r.digest = ModelDigest(base);
+  if (auto layers = ExpandModel(base)) {
+    const Throughput t = ModelledThroughput(base, CountParameters(base, *layers), 0);
+    r.flops_per_token = t.flops_per_token;
+    r.step_source = t.source;
+  }
+  r.bf16_flops = base.hardware.bf16_flops;
+  r.seq_len = base.train.seq_len;
   r.gpus = options.gpus;
   r.budget = SearchBudget(base, options);
   r.global_batch = SearchGlobalBatch(base, options);
@@ -205,11 +215,15 @@ std::string RenderSearchTable(const SearchResult& r) {
   };
   if (!r.ranked.empty()) {
     std::vector<std::string> head = {"#", "tp", "pp", "ends", "vp", "cp", "ep", "dp", "mb x n", "zero", peak_header,
-                                     std::string("margin") + (mib ? " MiB" : " GiB"), "step ms", "base ms", "comm ms",
-                                     "dp ms", "recompute ms", "fp8 ms", "transfers ms"};
+                                     std::string("margin") + (mib ? " MiB" : " GiB"), "step ms", "tok/s/GPU", "MFU %",
+                                     "base ms", "comm ms", "dp ms", "recompute ms", "fp8 ms", "transfers ms"};
     if (framework) head.push_back("settings");
     Table t(head);
     const size_t shown = std::min(r.ranked.size(), static_cast<size_t>(std::max(1, r.top)));
+    // Tokens per second per GPU of a step (the global batch is the search's).
+    auto per_gpu = [&](double step_s) {
+      return step_s > 0 ? static_cast<double>(r.global_batch * r.seq_len) / step_s / static_cast<double>(r.gpus) : 0.0;
+    };
     for (size_t k = 0; k < shown; ++k) {
       const Candidate& c = cs[r.ranked[k]];
       const Layout& l = c.layout;
@@ -218,12 +232,16 @@ std::string RenderSearchTable(const SearchResult& r) {
                 std::to_string(l.vp), std::to_string(l.cp), std::to_string(l.ep), std::to_string(l.dp),
                 LayoutCells(l),
                 std::to_string(l.zero) + (l.pipeline_zero2 ? "+pz2" : "") + (l.grad_offload_host ? "+host" : ""),
-                peak(c.max_peak), peak(c.min_margin), Ms(c.step_s), Ms(c.base_step_s), Ms(c.comm_s),
+                peak(c.max_peak), peak(c.min_margin), Ms(c.step_s), FormatFixed(per_gpu(c.step_s), 0),
+                FormatFixed(100 * per_gpu(c.step_s) * r.flops_per_token / std::max(1.0, r.bf16_flops), 1),
+                Ms(c.base_step_s), Ms(c.comm_s),
                 Ms(c.dp_exposed_s), Ms(c.recompute_s), Ms(c.quantize_s), Ms(c.exposed_transfer_s)};
       if (framework) row.push_back(c.settings);
       t.AddRow(std::move(row));
     }
     out += "\n" + t.Render();
+    out += "steps, tokens/s and MFU are modelled (6N + attention FLOPs per token; " + r.step_source +
+           "'s step model, not a measurement; docs/planner.md)\n";
     out += "\n" + WhyBestBeatsNext(r) + "\n";
     out += "\nPareto front of the planned layouts (peak memory against step time; nothing both smaller and faster):\n";
     Table p({"#", "layout", peak_header, "step ms"});

@@ -163,6 +163,24 @@ struct Plan {
 
 Expected<Plan> BuildPlan(const Model& model, const PlanOptions& options = {});
 
+// What a step time means in the units training runs publish (docs/planner.md,
+// "Throughput"): model FLOPs per token counted as PaLM's appendix B does,
+// 6 N + 6 L_attn heads (d_qk + d_v) s, with N the active parameters less
+// the input embedding and position tables, over the softmax-attention
+// layers; tokens per second per GPU; and the model FLOPs utilization
+// against the hardware's dense bf16 peak. All of it is modelled: `source`
+// says from what ("preset h100", or "calibrated" for a hardware file).
+struct Throughput {
+  double flops_per_token = 0;
+  double tokens_per_s_per_gpu = 0;
+  double mfu = 0;  // fraction
+  std::string source;
+};
+double ModelFlopsPerToken(const Model& model, const ModelTotals& totals);
+Throughput ModelledThroughput(const Model& model, const ModelTotals& totals, double step_s);
+// "modelled: 1234 tokens/s per GPU, MFU 41.2 % (preset h100)".
+std::string ThroughputLine(const Throughput& t);
+
 // fnmatch over the whole name, case-sensitive, '*' crossing dots.
 bool GlobMatch(const std::string& pattern, const std::string& name);
 

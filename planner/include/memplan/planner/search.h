@@ -151,6 +151,12 @@ struct SearchResult {
   std::string model, digest;
   TargetKind target = TargetKind::kMemplan;
   int64_t headroom = 0;  // given (model.headroom) or the target's default
+  // For tokens/s per GPU and MFU in the table (plan.h Throughput): the
+  // model's FLOPs per token, sequence length, dense bf16 peak, and what
+  // the step model comes from.
+  double flops_per_token = 0, bf16_flops = 0;
+  int64_t seq_len = 0;
+  std::string step_source;
   int64_t gpus = 0, budget = 0, global_batch = 0;
   SearchSpace space;
   std::vector<Candidate> candidates;  // enumeration order
