@@ -247,6 +247,13 @@ Model ImportedMegatron(const std::string& fixture, int64_t gpus, const std::stri
   return memplan::test::MustParse(Json::parse(doc->dump()));
 }
 
+// The model `import megatron` makes of an argument text (as args.txt).
+Model ParsedMegatron(const std::string& text, const ImportOptions& o) {
+  auto doc = ImportMegatron(text, "args.txt", o);
+  if (!doc) throw std::runtime_error(doc.error().message);
+  return memplan::test::MustParse(Json::parse(doc->dump()));
+}
+
 std::string MegatronError(const std::string& text, int64_t gpus = 8) {
   ImportOptions o;
   o.gpus = gpus;
@@ -288,11 +295,7 @@ TEST_CASE("import megatron: the bundled examples' Megatron arguments plan as the
 TEST_CASE("import megatron: Megatron's defaults and layer rules") {
   ImportOptions o;
   o.gpus = 8;
-  auto parse = [&](const std::string& text) {
-    auto doc = ImportMegatron(text, "args.txt", o);
-    if (!doc) throw std::runtime_error(doc.error().message);
-    return memplan::test::MustParse(Json::parse(doc->dump()));
-  };
+  auto parse = [&](const std::string& text) { return ParsedMegatron(text, o); };
   const Model plain = parse(kSmall);
   CHECK(plain.arch.ffn_hidden == 1024);  // 4h
   CHECK(plain.arch.ffn_act == FfnAct::kGelu);
@@ -388,11 +391,7 @@ void SamePlan(const Plan& a, const Plan& b) {
 TEST_CASE("import megatron: as Megatron's parser reads it; layouts and settings") {
   ImportOptions o;
   o.gpus = 8;
-  auto parse = [&](const std::string& text) {
-    auto doc = ImportMegatron(text, "args.txt", o);
-    if (!doc) throw std::runtime_error(doc.error().message);
-    return memplan::test::MustParse(Json::parse(doc->dump()));
-  };
+  auto parse = [&](const std::string& text) { return ParsedMegatron(text, o); };
   const std::string s = kSmall;
   // The last of a repeated argument wins; the model is Megatron's.
   const Model last = parse(s + "--hidden-size 512 --hidden-size 256");

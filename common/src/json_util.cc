@@ -94,6 +94,13 @@ std::string ExpectString(const Json& value, const JsonLocation& where) {
   return value.get<std::string>();
 }
 
+std::vector<std::string> ExpectStrings(const Json& value, const JsonLocation& where) {
+  ExpectArray(value, where);
+  std::vector<std::string> out;
+  for (size_t i = 0; i < value.size(); ++i) out.push_back(ExpectString(value[i], where.Child(i)));
+  return out;
+}
+
 ObjectReader::ObjectReader(const Json& value, JsonLocation where)
     : object_(value), where_(std::move(where)) {
   if (!value.is_object()) ThrowAt(where_, "expected an object, got " + Brief(value));

@@ -49,13 +49,6 @@ std::vector<int64_t> ReadShape(const Json& value, const JsonLocation& where) {
   return shape;
 }
 
-std::vector<std::string> ReadNames(const Json& value, const JsonLocation& where) {
-  ExpectArray(value, where);
-  std::vector<std::string> out;
-  for (size_t i = 0; i < value.size(); ++i) out.push_back(ExpectString(value[i], where.Child(i)));
-  return out;
-}
-
 }  // namespace
 
 int64_t DTypeBytes(DType dtype) {
@@ -338,7 +331,7 @@ LayerGraph LayerGraph::FromJson(const Json& value, const JsonLocation& where) {
       return *b;
     }();
     if (const Json* p = t.GetNullable("producer")) spec.producer = ExpectString(*p, t.At("producer"));
-    if (const Json* c = t.Get("consumers")) ReadNames(*c, t.At("consumers"));  // derived again
+    if (const Json* c = t.Get("consumers")) ExpectStrings(*c, t.At("consumers"));  // derived again
     spec.sharding = t.Enum("sharding", {"replicated", "tp", "sp", "tp_seq", "ep"}, "replicated");
     t.Finish();
     g.tensors.push_back(std::move(spec));
@@ -350,13 +343,13 @@ LayerGraph LayerGraph::FromJson(const Json& value, const JsonLocation& where) {
     op.name = o.String("name");
     op.kind = o.String("kind");
     op.module = o.String("module");
-    op.inputs = ReadNames(o.Required("inputs"), o.At("inputs"));
-    op.outputs = ReadNames(o.Required("outputs"), o.At("outputs"));
+    op.inputs = ExpectStrings(o.Required("inputs"), o.At("inputs"));
+    op.outputs = ExpectStrings(o.Required("outputs"), o.At("outputs"));
     op.flops = o.Number("flops", 0, 1e30, 0);
     op.bytes_read = o.Int("bytes_read", 0, INT64_MAX, 0);
     op.bytes_written = o.Int("bytes_written", 0, INT64_MAX, 0);
     op.workspace_bytes = o.Int("workspace_bytes", 0, INT64_MAX, 0);
-    if (o.Get("params")) op.params = ReadNames(o.Required("params"), o.At("params"));
+    if (o.Get("params")) op.params = ExpectStrings(o.Required("params"), o.At("params"));
     o.Finish();
     g.ops.push_back(std::move(op));
   }

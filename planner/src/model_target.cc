@@ -4,16 +4,6 @@
 #include "model_internal.h"
 
 namespace memplan::planner {
-namespace {
-
-std::vector<std::string> ReadNames(const Json& value, const JsonLocation& where) {
-  ExpectArray(value, where);
-  std::vector<std::string> out;
-  for (size_t i = 0; i < value.size(); ++i) out.push_back(ExpectString(value[i], where.Child(i)));
-  return out;
-}
-
-}  // namespace
 
 // `target`: "memplan" | "megatron", or an object naming it with the
 // caching allocator's settings and, optionally, fixed framework settings.
@@ -45,8 +35,8 @@ void ParseTarget(const Json* value, const JsonLocation& where, Model& m) {
     fs.method = sr.Enum("recompute_method", {"none", "uniform", "block"}, "none");
     if (fs.method == "none") fs.method.clear();
     fs.num_layers = sr.Int("recompute_num_layers", 0, kMaxLayers, 0);
-    if (const Json* v = sr.Get("recompute_modules")) fs.recompute_modules = ReadNames(*v, sr.At("recompute_modules"));
-    if (const Json* v = sr.Get("offload_modules")) fs.offload_modules = ReadNames(*v, sr.At("offload_modules"));
+    if (const Json* v = sr.Get("recompute_modules")) fs.recompute_modules = ExpectStrings(*v, sr.At("recompute_modules"));
+    if (const Json* v = sr.Get("offload_modules")) fs.offload_modules = ExpectStrings(*v, sr.At("offload_modules"));
     sr.Finish();
     if (fs.granularity == "full" && (fs.method.empty() || fs.num_layers < 1)) {
       ThrowAt(r.At("settings"), "expected recompute_method and recompute_num_layers >= 1 with full recompute");

@@ -93,6 +93,8 @@ class ObjectReader {
 int64_t ExpectInt(const Json& value, const JsonLocation& where, int64_t min, int64_t max);
 const Json& ExpectArray(const Json& value, const JsonLocation& where);
 std::string ExpectString(const Json& value, const JsonLocation& where);
+// An array of strings, each checked at its own pointer.
+std::vector<std::string> ExpectStrings(const Json& value, const JsonLocation& where);
 
 // What memplan reads at most (docs/design.md, "Input limits and hostile
 // input"). Beyond a limit the input is refused with kBadInput, the file and
