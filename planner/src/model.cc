@@ -8,6 +8,7 @@
 
 #include "memplan/common/schema.h"
 #include "memplan/common/units.h"
+#include "memplan/planner/target.h"
 
 namespace memplan::planner {
 
@@ -465,7 +466,7 @@ void ParseOptions(const Json* value, const JsonLocation& where, Model& m) {
   // and the target has the mechanism: Megatron has neither memplan's
   // dispatch recompute nor its AttnRes mechanisms (docs/targets.md).
   const Arch& a = m.arch;
-  const bool own = m.target.kind == TargetKind::kMemplan;
+  const bool own = GetTarget(m.target.kind).HasRuntimeMechanisms();
   bool moe = a.moe.has_value();
   bool ar = a.attn_res.has_value();
   Json empty = Json::object();

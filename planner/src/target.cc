@@ -18,6 +18,8 @@ class MemplanTarget final : public Target {
   TargetKind Kind() const override { return TargetKind::kMemplan; }
   std::optional<std::string> Refusal(const Model&) const override { return std::nullopt; }
   bool PerTensorStorage() const override { return true; }
+  bool HasRuntimeMechanisms() const override { return true; }
+  bool MlaDownProjectionsOnShard() const override { return false; }
   void StaticBuffers(const Model&, int64_t, StaticBreakdown*) const override {}
   std::optional<CachingAllocatorConfig> Allocator(const Model&) const override { return std::nullopt; }
   // memplan's arena is exact; the default budget's reserve (model.h
@@ -75,6 +77,9 @@ class MegatronTarget final : public Target {
   }
 
   bool PerTensorStorage() const override { return false; }
+  bool HasRuntimeMechanisms() const override { return false; }
+  // multi_latent_attention.py:524-600 (duplicated mode on the SP-local input).
+  bool MlaDownProjectionsOnShard() const override { return true; }
 
   void StaticBuffers(const Model& model, int64_t rank, StaticBreakdown* st) const override {
     const Parallel& p = model.parallel;
@@ -177,7 +182,7 @@ void ApplyTarget(Model* model, TargetKind kind) {
   if (model->target.kind == kind) return;
   model->target = TargetConfig{};
   model->target.kind = kind;
-  if (kind != TargetKind::kMemplan) {
+  if (!GetTarget(kind).HasRuntimeMechanisms()) {
     Options& o = model->options;
     // Megatron weights the expert activation by the gates, so FC2's output
     // is not saved: memplan's gradient rewrite, on where there are experts.

@@ -1,5 +1,6 @@
 #include "memplan/planner/templates.h"
 
+
 #include <algorithm>
 #include <cmath>
 #include <string>
@@ -8,6 +9,7 @@
 #include "memplan/common/check.h"
 #include "memplan/common/units.h"
 #include "memplan/common/workspace.h"
+#include "memplan/planner/target.h"
 #include "template_builder.h"
 
 namespace memplan::planner {
@@ -114,10 +116,10 @@ std::string AddMlaAttention(Builder& B, const Dims& d, const std::string& x_in) 
   int64_t qk = m.qk_nope_head_dim + m.qk_rope_head_dim;
   std::string q_src = x_in;
   int64_t q_in = d.h;
-  // Megatron runs the down-projections on the sequence-parallel shard and
-  // saves their outputs there (multi_latent_attention.py, duplicated mode;
-  // docs/targets.md); memplan's runtime computes them on every token.
-  const bool local = B.model().target.kind == TargetKind::kMegatron;
+  // Where the target runs the down-projections on the sequence-parallel
+  // shard, their outputs are saved there (target.h, docs/targets.md);
+  // memplan's runtime computes them on every token.
+  const bool local = GetTarget(B.model().target.kind).MlaDownProjectionsOnShard();
   const int64_t down_rows = local ? d.tokens_r : d.tokens;
   const std::string down_shard = local ? d.shard_r : "replicated";
   if (m.q_lora_rank > 0) {

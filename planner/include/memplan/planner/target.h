@@ -45,6 +45,13 @@ class Target {
   // FP8, host or remote offload). False: storage comes from
   // FrameworkSettings, chosen over the settings the framework has.
   virtual bool PerTensorStorage() const = 0;
+  // Whether memplan's own runtime mechanisms exist under this target (the
+  // model options dispatch recompute and AttnRes's single copy, checkpoint
+  // and cache); the MoE gradient rewrite is Megatron's math too.
+  virtual bool HasRuntimeMechanisms() const = 0;
+  // Whether MLA's down-projections run, and are saved, on the
+  // sequence-parallel shard (Megatron) rather than on every token.
+  virtual bool MlaDownProjectionsOnShard() const = 0;
   // Replaces `st`'s buffers by the ones this target holds (the framework's
   // buckets, workspaces and communication buffers) and fills the memory
   // outside it (runtime_detail: CUDA context, one NCCL communicator per
