@@ -11,4 +11,8 @@ namespace memplan::planner {
 // Throws ErrorException at the offending JSON pointer.
 void ParseTarget(const Json* value, const JsonLocation& where, Model& m);
 
+// A model file's (or a calibration's) `hardware` object, from its preset
+// or calibration file and the keys that override them (hardware.cc).
+Hardware ParseHardwareObject(ObjectReader& r);
+
 }  // namespace memplan::planner
