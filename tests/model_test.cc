@@ -40,7 +40,7 @@ const BadCase kBadCases[] = {
     {"negative budget", [](Json& j) { j["budget"] = "-5GiB"; }, "/budget", "expected a size"},
     {"bad bandwidth", [](Json& j) { j["hardware"]["hbm_bw"] = "4.8TB"; }, "/hardware/hbm_bw", "bandwidth"},
     {"bad flops", [](Json& j) { j["hardware"]["bf16_flops"] = "lots"; }, "/hardware/bf16_flops", "FLOP rate"},
-    {"unknown preset", [](Json& j) { j["hardware"]["preset"] = "a100"; }, "/hardware/preset", "h100|h200|b200|host"},
+    {"unknown preset", [](Json& j) { j["hardware"]["preset"] = "v100"; }, "/hardware/preset", "a100|h100|h800|h200|b200|host"},
     {"unknown enum", [](Json& j) { j["arch"]["norm"] = "batchnorm"; }, "/arch/norm", "layernorm|rmsnorm"},
     {"pp*vp > layers", [](Json& j) { j["parallel"]["pp"] = 4; j["parallel"]["vp"] = 4; }, "/parallel/vp",
      "exceeds arch.layers"},

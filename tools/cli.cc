@@ -93,7 +93,7 @@ Expected<Command> ParseCommandLine(const std::vector<std::string>& args) {
   hf->add_option("--zero", c.zero, "ZeRO stage 0, 1 (default: the distributed optimizer), 2 or 3 (FSDP)")
       ->check(CLI::Range(0, 3));
   hf->add_option("--optimizer", c.optimizer, "adam (default) or muon")->check(CLI::IsMember({"adam", "muon"}));
-  hf->add_option("--hardware", c.hardware, "h100 (default), h200, b200")->check(CLI::IsMember({"h100", "h200", "b200"}));
+  hf->add_option("--hardware", c.hardware, "h100 (default), a100, h800, h200, b200")->check(CLI::IsMember({"a100", "h100", "h800", "h200", "b200"}));
   hf->add_flag("--no-mtp", c.no_mtp, "plan without the checkpoint's multi-token-prediction layers");
   hf->add_option("--name", c.name, "the model's name (default: the config's _name_or_path, else the file's)");
   hf->add_option("-o,--output", import_out, "write MODEL.json (default: stdout)");
@@ -102,8 +102,8 @@ Expected<Command> ParseCommandLine(const std::vector<std::string>& args) {
   megatron->add_option("--gpus", c.gpus, "the world size (Megatron takes it from its launcher)")
       ->required()
       ->check(CLI::Range(1, 1 << 20));
-  megatron->add_option("--hardware", c.hardware, "h100 (default), h200, b200")
-      ->check(CLI::IsMember({"h100", "h200", "b200"}));
+  megatron->add_option("--hardware", c.hardware, "h100 (default), a100, h800, h200, b200")
+      ->check(CLI::IsMember({"a100", "h100", "h800", "h200", "b200"}));
   megatron->add_option("--name", c.name, "the model's name (default: the file's)");
   megatron->add_flag("--as-written", c.as_written,
                      "store every tensor as the arguments say (their recompute and offload modules, the rest "

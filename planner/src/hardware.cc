@@ -11,6 +11,37 @@
 
 namespace memplan::planner {
 
+namespace {
+
+// What real kernels and NCCL reach on each GPU (docs/planner.md, "Time
+// model", which gives every source). The host preset keeps the ideal
+// roofline its calibration is fitted to.
+Hardware::Efficiency PresetEfficiency(std::string_view name) {
+  Hardware::Efficiency e;
+  if (name == "host") return e;
+  const bool ampere = name == "a100";
+  e.gemm = ampere ? 0.85 : 0.78;       // cuBLAS BF16, best large shapes: 271 of 312, 794 of 989
+  e.sms = ampere ? 108 : name == "b200" ? 148 : 132;
+  e.tile_m = ampere ? 256 : 128;       // the output tile cuBLAS favours
+  e.tile_n = ampere ? 128 : 256;
+  e.gemm_k_half = 128;
+  e.attention_fwd = ampere ? 0.70 : 0.60;  // FlashAttention-2 on A100; cuDNN (TE) on Hopper
+  e.attention_bwd = ampere ? 0.60 : 0.52;
+  e.causal = true;
+  e.attention_bwd_ratio = 2.5;         // FlashAttention's 5 GEMMs backward to 2 forward
+  e.memory = 0.85;                     // fused elementwise and norm kernels
+  e.nvlink = ampere ? 0.78 : 0.80;     // nccl-tests ring busbw: 235 of 300, 361-367 of 450 GB/s
+  e.network = 0.92;                    // per-NIC busbw: 46-49 of 50 GB/s (NDR), 24 of 25 (HDR)
+  e.nvlink_latency_s = 3e-6;           // an 8-GPU all-reduce's ~40 us floor over its 14 steps
+  e.network_latency_s = 6e-6;
+  // Mixed-precision Adam: fp32 gradient read, fp32 master, m and v read
+  // and written, bf16 weight written.
+  e.optimizer_bytes_per_param = 30;
+  return e;
+}
+
+}  // namespace
+
 Expected<Hardware> HardwarePreset(std::string_view name) {
   // Device memory is what the driver reports (nvidia-smi "Total"), not the
   // marketing figure; bandwidths are per direction. Sources:
@@ -19,7 +50,15 @@ Expected<Hardware> HardwarePreset(std::string_view name) {
   constexpr double kGB = 1e9;
   Hardware h;
   h.preset = std::string(name);
-  if (name == "h100") {
+  if (name == "a100") {
+    h.device_memory = 81920 * kMiB;  // A100 SXM4 80GB
+    h.hbm_bw = 2.039 * kTB;
+    h.bf16_flops = 312e12;
+    h.d2h_bw = h.h2d_bw = 25 * kGB;  // PCIe Gen4 x16
+    h.peer_bw = 300 * kGB;           // NVLink 3, 600 GB/s bidirectional
+    h.pp_link_bw = 25 * kGB;         // 200 Gb/s InfiniBand HDR per GPU
+    h.host_memory = 128 * kGiB;      // 1 TiB per DGX A100
+  } else if (name == "h100" || name == "h800") {
     h.device_memory = 81559 * kMiB;  // H100 SXM5 80GB HBM3
     h.hbm_bw = 3.35 * kTB;
     h.bf16_flops = 989e12;
@@ -27,6 +66,9 @@ Expected<Hardware> HardwarePreset(std::string_view name) {
     h.peer_bw = 450 * kGB;           // NVLink 4, 900 GB/s bidirectional
     h.pp_link_bw = 50 * kGB;         // 400 Gb/s InfiniBand NDR per GPU
     h.host_memory = 256 * kGiB;      // 2 TiB per 8-GPU node
+    // H800: the H100 with NVLink cut to 400 GB/s bidirectional (DeepSeek-V3
+    // report, section 3.2.1: 160 GB/s measured one way).
+    if (name == "h800") h.peer_bw = 200 * kGB;
   } else if (name == "h200") {
     h.device_memory = 143771 * kMiB;  // H200 SXM 141GB HBM3e
     h.hbm_bw = 4.8 * kTB;
@@ -53,8 +95,9 @@ Expected<Hardware> HardwarePreset(std::string_view name) {
     h.pp_link_bw = 10 * kGB;
     h.host_memory = 16 * kGiB;
   } else {
-    return Error{ErrorCode::kBadInput, "expected one of h100|h200|b200|host"};
+    return Error{ErrorCode::kBadInput, "expected one of a100|h100|h800|h200|b200|host"};
   }
+  h.efficiency = PresetEfficiency(name);
   if (name != "host") {
     // Estimates until `memplan calibrate --backend cuda` measures them
     // (docs/accounting.md, "Memory outside the framework"): a CUDA 12/13
@@ -100,7 +143,7 @@ Hardware ParseHardwareObject(ObjectReader& r) {
     h = *loaded;
     if (r.Has("preset")) ThrowAt(r.At("preset"), "give either preset or calibration, not both");
   } else {
-    h = *HardwarePreset(r.Enum("preset", {"h100", "h200", "b200", "host"}));
+    h = *HardwarePreset(r.Enum("preset", {"a100", "h100", "h800", "h200", "b200", "host"}));
   }
   if (auto v = r.OptBytes("device_memory")) h.device_memory = *v;
   if (auto v = r.OptBandwidth("hbm_bw")) h.hbm_bw = *v;
@@ -123,9 +166,47 @@ Hardware ParseHardwareObject(ObjectReader& r) {
     }
     o.Finish();
   }
+  if (const Json* v = r.Get("efficiency")) {
+    ObjectReader o(*v, r.At("efficiency"));
+    Hardware::Efficiency& e = h.efficiency;
+    e.gemm = o.Number("gemm", 0.01, 1, e.gemm);
+    e.sms = o.Int("sms", 0, 4096, e.sms);
+    e.tile_m = o.Int("tile_m", 1, 1024, e.tile_m);
+    e.tile_n = o.Int("tile_n", 1, 1024, e.tile_n);
+    e.gemm_k_half = o.Number("gemm_k_half", 0, 1 << 20, e.gemm_k_half);
+    e.attention_fwd = o.Number("attention_fwd", 0.01, 1, e.attention_fwd);
+    e.attention_bwd = o.Number("attention_bwd", 0.01, 1, e.attention_bwd);
+    e.causal = o.Bool("causal", e.causal);
+    e.attention_bwd_ratio = o.Number("attention_bwd_ratio", 1, 10, e.attention_bwd_ratio);
+    e.memory = o.Number("memory", 0.01, 1, e.memory);
+    e.nvlink = o.Number("nvlink", 0.01, 2, e.nvlink);
+    e.network = o.Number("network", 0.01, 2, e.network);
+    e.nvlink_latency_s = o.Number("nvlink_latency_s", 0, 1, e.nvlink_latency_s);
+    e.network_latency_s = o.Number("network_latency_s", 0, 1, e.network_latency_s);
+    e.optimizer_bytes_per_param = o.Number("optimizer_bytes_per_param", 0, 1024, e.optimizer_bytes_per_param);
+    o.Finish();
+  }
   r.Finish();
   return h;
 }
+Json EfficiencyJson(const Hardware::Efficiency& e) {
+  return Json{{"gemm", e.gemm},
+              {"sms", e.sms},
+              {"tile_m", e.tile_m},
+              {"tile_n", e.tile_n},
+              {"gemm_k_half", e.gemm_k_half},
+              {"attention_fwd", e.attention_fwd},
+              {"attention_bwd", e.attention_bwd},
+              {"causal", e.causal},
+              {"attention_bwd_ratio", e.attention_bwd_ratio},
+              {"memory", e.memory},
+              {"nvlink", e.nvlink},
+              {"network", e.network},
+              {"nvlink_latency_s", e.nvlink_latency_s},
+              {"network_latency_s", e.network_latency_s},
+              {"optimizer_bytes_per_param", e.optimizer_bytes_per_param}};
+}
+
 Json HardwareJson(const Hardware& h) {
   Json j{{"preset", h.preset},         {"device_memory", h.device_memory},
          {"hbm_bw", h.hbm_bw},         {"bf16_flops", h.bf16_flops},
@@ -142,6 +223,9 @@ Json HardwareJson(const Hardware& h) {
                     {"nccl_buffsize", h.runtime.nccl_buffsize},
                     {"nccl_p2p_channels", h.runtime.nccl_p2p_channels}};
   }
+  // Written unless ideal (the host preset, calibrations): their plans keep
+  // their digests.
+  if (!(h.efficiency == Hardware::Efficiency{})) j["efficiency"] = EfficiencyJson(h.efficiency);
   return j;
 }
 Expected<Hardware> LoadHardwareFile(const std::string& path) {

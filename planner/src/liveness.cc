@@ -11,6 +11,7 @@
 #include "memplan/common/parallel.h"
 #include "memplan/common/units.h"
 #include "memplan/planner/comm.h"
+#include "memplan/planner/kernel_time.h"
 #include "memplan/planner/plan.h"
 #include "cross_buffers.h"
 #include "layer_info.h"
@@ -84,9 +85,7 @@ bool Legal(const SavedTensor& t, Storage s, int64_t pp) { return !StorageRefusal
 
 namespace {
 
-double Roofline(const Hardware& hw, double flops, double bytes) {
-  return hw.launch_s + std::max(flops / hw.bf16_flops, bytes / hw.hbm_bw);
-}
+double MemoryBound(const Hardware& hw, double bytes) { return hw.launch_s + MemoryBoundSeconds(hw, bytes); }
 
 // Nearest legal storage for an annotation that cannot apply as written:
 // no fp8 for masks and indices, no recompute without a local producer, no
@@ -136,8 +135,9 @@ LayerInfo Analyze(const LayerGraph& g, const Hardware* hw, const Parallel* par =
   for (size_t pos = 0; pos < order.size(); ++pos) {
     const OpSpec& op = g.ops[order[pos]];
     info.op_pos.emplace(op.name, static_cast<int32_t>(pos));
-    double f = hw ? Roofline(*hw, op.flops, static_cast<double>(op.bytes_read + op.bytes_written)) : 0;
-    double fwd = f, bwd = 2 * f;
+    static const Parallel kNoParallel;
+    const OpTime compute = hw ? OpComputeSeconds(*hw, g, op, par ? *par : kNoParallel) : OpTime{};
+    double fwd = compute.fwd_s, bwd = compute.bwd_s;
     if (hw && par && links) {
       const OpComm c = OpCommunication(g, op, *par, *links);
       fwd = c.overlapped ? std::max(fwd, c.fwd_s) : fwd + c.fwd_s;
@@ -145,8 +145,8 @@ LayerInfo Analyze(const LayerGraph& g, const Hardware* hw, const Parallel* par =
     }
     info.fwd_s.push_back(fwd);
     info.bwd_s.push_back(bwd);
-    info.fwd_comm_s.push_back(fwd - f);
-    info.bwd_comm_s.push_back(bwd - 2 * f);
+    info.fwd_comm_s.push_back(fwd - compute.fwd_s);
+    info.bwd_comm_s.push_back(bwd - compute.bwd_s);
     info.fwd_total += fwd;
     info.bwd_total += bwd;
     for (const auto& out : op.outputs) info.prod[static_cast<size_t>(info.tensor_idx.at(out))] = static_cast<int32_t>(pos);
@@ -319,32 +319,56 @@ PipelineTimes PipelineTiming(const Model& model, const std::vector<LayerGraph>& 
       }
     }
   }
+  // Each pass ends by sending its output (forward: the activation to the
+  // next virtual stage; backward: its gradient to the previous one), the
+  // residual stream of the chunk's first layer; blocking, as 1F1B's sends.
+  for (int64_t r = 0; r < pp; ++r) {
+    for (int64_t c = 0; c < vp; ++c) {
+      const auto& chunk = layout.chunks[static_cast<size_t>(r)][static_cast<size_t>(c)];
+      if (chunk.empty()) continue;
+      const int64_t first = chunk.front();
+      const TensorSpec* stream =
+          layers[static_cast<size_t>(first)].FindTensor("layer" + std::to_string(first) + ".attn_norm.x");
+      if (stream == nullptr) continue;
+      const double send = PipelineSendSeconds(model, static_cast<double>(stream->bytes));
+      const int64_t v = c * pp + r;
+      if (v + 1 < pp * vp) t.stage_fwd_s[static_cast<size_t>(v)] += send;
+      if (v > 0) t.stage_bwd_s[static_cast<size_t>(v)] += send;
+    }
+  }
   t.pass_start = PassStarts(schedules, pp, vp, model.train.microbatches, t.stage_fwd_s, t.stage_bwd_s, &t.makespan_s);
   // Data parallelism: a layer's gradients are final after its last
-  // microbatch's backward, so the reduction overlaps the rank's last
-  // backward of every chunk and what remains delays the end of the step.
+  // microbatch's backward, so their reduction overlaps the rank's last
+  // backward of every chunk (Megatron's --overlap-grad-reduce); the updated
+  // weights' all-gather overlaps the first forward of every chunk of the
+  // next step (--overlap-param-gather). What remains delays the end of the
+  // step.
   t.dp_exposed_s.assign(static_cast<size_t>(pp), 0);
   for (int64_t r = 0; r < pp; ++r) {
     std::vector<int64_t> rank_layers;
-    double window = 0;
+    double bwd_window = 0, fwd_window = 0;
     for (int64_t c = 0; c < vp; ++c) {
       const auto& chunk = layout.chunks[static_cast<size_t>(r)][static_cast<size_t>(c)];
       rank_layers.insert(rank_layers.end(), chunk.begin(), chunk.end());
-      // ZeRO-3 gathers and reduce-scatters beside every pass (prefetched);
-      // otherwise the reduction overlaps the chunk's last backward.
       const size_t stage = static_cast<size_t>(c * pp + r);
-      window += model.parallel.zero >= 3
-                    ? static_cast<double>(model.train.microbatches) * (t.stage_fwd_s[stage] + t.stage_bwd_s[stage])
-                    : t.stage_bwd_s[stage];
+      bwd_window += t.stage_bwd_s[stage];
+      fwd_window += t.stage_fwd_s[stage];
     }
+    const DataParallelTime dp = DataParallelSeconds(model, layers, rank_layers, links);
     const size_t ri = static_cast<size_t>(r);
-    t.dp_exposed_s[ri] = std::max(0.0, DataParallelSeconds(model, layers, rank_layers, links) - window);
+    if (model.parallel.zero >= 3) {
+      // ZeRO-3 gathers and reduce-scatters beside every pass (prefetched).
+      const double m = static_cast<double>(model.train.microbatches);
+      t.dp_exposed_s[ri] = std::max(0.0, dp.total_s() - m * (fwd_window + bwd_window));
+    } else {
+      t.dp_exposed_s[ri] = std::max(0.0, dp.reduce_s - bwd_window) + std::max(0.0, dp.gather_s - fwd_window);
+    }
     const auto& sched = schedules[ri];
     if (sched.empty()) continue;
     const PassRef& last = sched.back();
     const size_t stage = static_cast<size_t>(last.chunk * pp + r);
     const double end = t.pass_start[ri].back() + (last.forward ? t.stage_fwd_s[stage] : t.stage_bwd_s[stage]);
-    t.makespan_s = std::max(t.makespan_s, end + t.dp_exposed_s[ri]);
+    t.makespan_s = std::max(t.makespan_s, end + t.dp_exposed_s[ri] + OptimizerStepSeconds(model, layers, rank_layers));
   }
   return t;
 }
@@ -423,7 +447,7 @@ PlanningProblem BuildProblem(const Model& model, std::vector<LayerGraph> layers,
           t.can_recompute = chain.legal;
           t.recompute_s = chain.seconds;
           t.recompute_extra_bytes = chain.extra_bytes;
-          t.fp8_s = 2 * Roofline(hw, 0, static_cast<double>(t.bytes + t.fp8_bytes));
+          t.fp8_s = 2 * MemoryBound(hw, static_cast<double>(t.bytes + t.fp8_bytes));
           t.cost_recompute_s = FirstCost(model, t.name, &CostOverride::recompute_s);
           t.cost_fp8_s = FirstCost(model, t.name, &CostOverride::fp8_s);
           t.cost_offload_s = FirstCost(model, t.name, &CostOverride::offload_s);

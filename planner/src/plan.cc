@@ -676,6 +676,13 @@ OrderedJson PlanToJson(const Plan& plan) {
     j["overhead"]["offload_bw_share"] = plan.overhead.offload_bw_share;
     j["overhead"]["inter_node_bytes_per_s"] = plan.overhead.inter_node_bytes_per_s;
   }
+  {
+    const Throughput t = ModelledThroughput(plan.model, plan.totals, plan.overhead.step_s);
+    j["throughput"] = {{"tokens_per_s_per_gpu", t.tokens_per_s_per_gpu},
+                       {"mfu", t.mfu},
+                       {"flops_per_token", t.flops_per_token},
+                       {"source", t.source}};
+  }
   j["rebalance"] = {{"ratio_before", plan.rebalance.ratio_before},
                     {"ratio_after", plan.rebalance.ratio_after},
                     {"moved_tensors", plan.rebalance.moved_tensors}};

@@ -21,9 +21,16 @@
 
 namespace memplan::planner {
 
-// Bandwidth (bytes/s) of each parallel group's collectives.
+// The link a parallel group's collectives run over: NCCL's bus bandwidth
+// (bytes/s: the link's, times Hardware::Efficiency's nvlink or network),
+// the latency of one ring step, and whether it leaves the node.
+struct Link {
+  double bw = 0;
+  double latency_s = 0;
+  bool inter_node = false;
+};
 struct GroupLinks {
-  double tp = 0, cp = 0, ep = 0, dp = 0;
+  Link tp, cp, ep, dp;
 };
 GroupLinks LinksOf(const Parallel& par, const Hardware& hw);
 
@@ -37,19 +44,38 @@ struct OpComm {
 OpComm OpCommunication(const LayerGraph& g, const OpSpec& op, const Parallel& par, const GroupLinks& links);
 
 // Ring collectives: seconds per device for `bytes` (the whole buffer, as
-// every member holds it after an all-reduce or all-gather) over n members.
-double AllReduceSeconds(double bytes, int64_t n, double bw);
-double AllGatherSeconds(double bytes, int64_t n, double bw);  // = reduce-scatter
+// every member holds it after an all-reduce or all-gather) over n members:
+// 2(n - 1) steps for an all-reduce, n - 1 for the others.
+double AllReduceSeconds(double bytes, int64_t n, const Link& link);
+double AllGatherSeconds(double bytes, int64_t n, const Link& link);  // = reduce-scatter
 // All-to-all of `bytes` sent by one device, (n - 1) / n of it leaving.
-double AllToAllSeconds(double bytes, int64_t n, double bw);
+double AllToAllSeconds(double bytes, int64_t n, const Link& link);
 
 // The data-parallel reduction of one pipeline rank's gradients at the end
 // of the step: per parameter its group (dp x cp, routed experts dp x cp /
-// ep), reduce-scatter of the gradients and all-gather of the updated
-// weights with ZeRO-1 or pipeline ZeRO-2, an all-reduce without. Seconds
-// before overlap.
-double DataParallelSeconds(const Model& model, const std::vector<LayerGraph>& layers,
-                           const std::vector<int64_t>& rank_layers, const GroupLinks& links);
+// ep), reduce-scatter of the gradients (`reduce_s`) and all-gather of the
+// updated weights (`gather_s`) with ZeRO-1 or pipeline ZeRO-2, an
+// all-reduce without; ZeRO-3's per-microbatch gathers and reduce-scatters.
+// Collectives go by buckets (Megatron's ddp_bucket_size). Seconds before
+// overlap.
+struct DataParallelTime {
+  double reduce_s = 0, gather_s = 0;
+  double ring_bytes = 0;  // what one device sends (and receives) over its rings
+  double total_s() const { return reduce_s + gather_s; }
+};
+DataParallelTime DataParallelSeconds(const Model& model, const std::vector<LayerGraph>& layers,
+                                     const std::vector<int64_t>& rank_layers, const GroupLinks& links);
+
+// The pipeline's send (or receive) of one microbatch's activation (or its
+// gradient) between neighbouring stages, which are tp x cp x dp ranks
+// apart: inside a node while that stride is under gpus_per_node.
+double PipelineSendSeconds(const Model& model, double bytes);
+
+// The optimizer step of one pipeline rank holding `rank_layers`: the
+// parameters it updates (its shard under ZeRO) times
+// Efficiency::optimizer_bytes_per_param, memory-bound.
+double OptimizerStepSeconds(const Model& model, const std::vector<LayerGraph>& layers,
+                            const std::vector<int64_t>& rank_layers);
 
 // Bytes one GPU of a pipeline rank holding `rank_layers` (in `chunks`
 // model chunks) moves per step over the inter-node network, both

@@ -225,6 +225,35 @@ struct Hardware {
     int64_t nccl_p2p_channels = 0; // channels per peer of point-to-point traffic (NCCL_NCHANNELS_PER_PEER)
     bool operator==(const Runtime&) const = default;
   } runtime;
+  // How far real kernels and collectives fall short of the peaks above
+  // (docs/planner.md, "Time model"; kernel_time.h). The defaults are the
+  // ideal roofline the host preset and calibrations use; the GPU presets
+  // carry published measurements.
+  struct Efficiency {
+    // GEMMs: the fraction of bf16_flops a large GEMM reaches; the SMs and
+    // output tile that quantize its work into waves (0 SMs: none); the
+    // reduction depth at which the main loop reaches half speed (0: none).
+    double gemm = 1;
+    int64_t sms = 0;
+    int64_t tile_m = 128, tile_n = 128;
+    double gemm_k_half = 0;
+    // Flash attention: the fraction of bf16_flops forward and backward
+    // reach on the work they do; causal kernels skip the masked half; the
+    // backward's FLOPs per forward FLOP.
+    double attention_fwd = 1, attention_bwd = 1;
+    bool causal = false;
+    double attention_bwd_ratio = 2;
+    // Memory-bound kernels: the fraction of hbm_bw they reach.
+    double memory = 1;
+    // NCCL: bus bandwidth as a fraction of the link (peer_bw inside a node,
+    // pp_link_bw across nodes) and the latency of one ring step.
+    double nvlink = 1, network = 1;
+    double nvlink_latency_s = 0, network_latency_s = 0;
+    // The optimizer step: bytes it moves per parameter it updates (its
+    // shard under ZeRO), at `memory` of hbm_bw; 0: not timed.
+    double optimizer_bytes_per_param = 0;
+    bool operator==(const Efficiency&) const = default;
+  } efficiency;
 };
 
 // A hardware description `memplan calibrate` wrote (memplan.hardware/1):
@@ -236,6 +265,7 @@ Expected<Hardware> ParseHardwareFile(const Json& doc, const std::string& path);
 // A model file's `hardware` object with every number explicit (launch_s
 // only when not 0).
 Json HardwareJson(const Hardware& h);
+Json EfficiencyJson(const Hardware::Efficiency& e);
 
 enum class Policy { kKeep, kRecompute, kFp8, kOffloadHost, kOffloadRemote };
 std::string_view PolicyName(Policy p);
