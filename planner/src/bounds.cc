@@ -202,8 +202,10 @@ void SkewPeriodicExpansion(int64_t steps) { g_periodic_skew = steps; }
 int64_t PeriodicJumps() { return g_periodic_jumps.load(); }
 }  // namespace testing
 
-Evaluation Evaluate(const PlanningProblem& p, const Assignment& a, bool verify, const Evaluation* reuse,
-                    const std::vector<bool>* changed) {
+namespace {
+
+Evaluation EvaluateImpl(const PlanningProblem& p, const Assignment& a, bool verify, const Evaluation* reuse,
+                        const std::vector<bool>* changed, bool place) {
   Evaluation e;
   size_t instances = 0;
   for (const auto& insts : p.instances) instances += insts.size();
@@ -267,7 +269,10 @@ Evaluation Evaluate(const PlanningProblem& p, const Assignment& a, bool verify, 
     b.lower_bound = stat + b.activations_peak;
     b.any_plan_lower_bound = any[ri];
     std::vector<Placed> placed;
-    if (reuse && changed && !(*changed)[ri] && !verify) {
+    if (!place) {
+      b.peak = b.lower_bound;
+      b.periodic = true;
+    } else if (reuse && changed && !(*changed)[ri] && !verify) {
       b.peak = reuse->ranks[ri].peak;
       b.periodic = reuse->ranks[ri].periodic;
     } else if (p.window && !verify) {
@@ -335,6 +340,17 @@ Evaluation Evaluate(const PlanningProblem& p, const Assignment& a, bool verify, 
     }
   }
   return e;
+}
+
+}  // namespace
+
+Evaluation Evaluate(const PlanningProblem& p, const Assignment& a, bool verify, const Evaluation* reuse,
+                    const std::vector<bool>* changed) {
+  return EvaluateImpl(p, a, verify, reuse, changed, true);
+}
+
+Evaluation EvaluateUnplaced(const PlanningProblem& p, const Assignment& a) {
+  return EvaluateImpl(p, a, false, nullptr, nullptr, false);
 }
 
 std::vector<AllocatorReplay> ReplayCachingAllocator(const PlanningProblem& p, const Evaluation& e,

@@ -80,6 +80,8 @@ void VerifyWindow(const PlanningProblem& window, const Assignment& a, Evaluation
 // (pp_balance, pp > 1) and decide again if tensors moved, then bound;
 // re-solve with a margin where the placed peak (fragmentation) exceeds the
 // budget, and run the verifier when asked.
+Overhead OverheadOf(const PlanningProblem& problem, const Evaluation& e);
+
 Solved SolveForBudget(const PlanningProblem& problem, int64_t budget, const PlanOptions& options, StageClock& clock) {
   const Model& model = *problem.model;
   Solved out{Assignment::Annotated(problem), {}, {}};
@@ -106,6 +108,11 @@ Solved SolveForBudget(const PlanningProblem& problem, int64_t budget, const Plan
     clock.Mark("rebalance");
     if (out.rebalance.moved_tensors > 0) results = Solve(problem, budgets(), options.solver, &out.assignment, &cache);
     clock.Mark("re-solve");
+  }
+  if (options.place_if &&
+      !options.place_if(OverheadOf(problem, EvaluateUnplaced(problem, out.assignment)).step_s)) {
+    if (options.not_placed) *options.not_placed = true;
+    ThrowError(ErrorCode::kInfeasible, "not placed: its solved step cannot enter the search's top layouts");
   }
   // Fragmentation: where the placed peak exceeds the budget although the
   // lower bound fits, tighten that rank's budget by the gap and re-solve it.
@@ -317,7 +324,9 @@ Plan BuildPlanOrThrow(const Model& input, const PlanOptions& options) {
     plan.simulation.simulated = problem.microbatches;
     plan.simulation.period_microbatches = 0;
     keep_all = LowerBounds(problem, Assignment::KeepAll(problem));
-    solved = SolveForBudget(problem, solver_budget, options, clock);
+    PlanOptions once = options;
+    once.place_if = nullptr;  // asked of the first solve only
+    solved = SolveForBudget(problem, solver_budget, once, clock);
     clock.Mark("full simulation");
   }
   const Evaluation& e = solved.eval;
@@ -499,6 +508,7 @@ Plan BuildPlanOrThrow(const Model& input, const PlanOptions& options) {
     int n = std::max(2, options.sweep_points);
     PlanOptions quiet = options;
     quiet.verify = false;
+    quiet.place_if = nullptr;
     for (int k = 0; k < n; ++k) {
       int64_t framework = hi - static_cast<int64_t>(static_cast<double>(hi - lo) * k / (n - 1));
       StageClock silent(PlanOptions{});
@@ -540,6 +550,9 @@ namespace {
 Plan FitHost(const Model& input, const PlanOptions& options) {
   if (!GetTarget(input.target.kind).PerTensorStorage()) return PlanFrameworkSettings(input, options);
   Plan plan = BuildPlanOrThrow(input, options);
+  auto unfit = [](const Plan& p) {
+    return std::count_if(p.ranks.begin(), p.ranks.end(), [](const RankPlan& r) { return !r.fits; });
+  };
   const int64_t host = input.hardware.host_memory;
   std::vector<PolicyAnnotation> pins;
   std::set<int64_t> ranks;
@@ -568,7 +581,13 @@ Plan FitHost(const Model& input, const PlanOptions& options) {
     if (added == 0) break;
     Model pinned = input;
     pinned.policies.insert(pinned.policies.begin(), pins.begin(), pins.end());
-    plan = BuildPlanOrThrow(pinned, options);
+    const auto before = unfit(plan);
+    PlanOptions again = options;
+    again.place_if = nullptr;  // asked of the first solve only
+    plan = BuildPlanOrThrow(pinned, again);
+    // Search: a round that brought no rank within the device budget while
+    // some are over it ends the rounds (the layout is rejected either way).
+    if (options.device_fit_first && before > 0 && unfit(plan) >= before) break;
   }
   if (!pins.empty()) {
     std::string list;

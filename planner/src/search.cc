@@ -86,6 +86,21 @@ std::string PointerOf(const std::string& message, const std::string& file) {
   return rest.substr(0, rest.find(": "));
 }
 
+// A layout solved but not placed: its solved step exceeds the top steps.
+void MarkNotPlaced(Candidate* c) {
+  const Layout l = c->layout;
+  const double bound = c->base_bound_s, solved = c->solved_step_s;
+  const int64_t st = c->max_static;
+  *c = Candidate{};
+  c->layout = l;
+  c->base_bound_s = bound;
+  c->solved_step_s = solved;
+  c->max_static = st;
+  c->verdict = Verdict::kStepBound;
+  c->detail = "its solved step " + FormatFixed(solved * 1e3, 1) +
+              " ms (before placement) exceeds the top layouts' steps: not placed";
+}
+
 // Refused by the model file's own checks: the JSON pointer is the reason.
 void MarkInvalid(const std::string& message, const std::string& file, Candidate* c) {
   c->verdict = Verdict::kInvalid;
@@ -327,14 +342,29 @@ Candidate PrepareLayout(const Model& base, const Layout& layout, int64_t budget)
   return c;
 }
 
-void PlanLayout(const Model& base, int64_t budget, Candidate* out) {
+void PlanLayout(const Model& base, int64_t budget, Candidate* out, const std::function<bool(double)>& place_if) {
   Candidate& c = *out;
   try {
     auto model = ModelWithLayout(base, c.layout);
     if (!model) throw ErrorException(model.error());
     PlanOptions po;
     po.budget = budget;
+    double solved = 0;
+    bool not_placed = false;
+    if (place_if) {
+      po.device_fit_first = true;
+      po.place_if = [&](double step_s) {
+        solved = step_s;
+        return place_if(step_s);
+      };
+      po.not_placed = &not_placed;
+    }
     auto plan = BuildPlan(*model, po);
+    c.solved_step_s = solved;
+    if (not_placed) {
+      MarkNotPlaced(&c);
+      return;
+    }
     if (!plan) {
       if (plan.error().code == ErrorCode::kBadInput) {
         // Too many microbatches to simulate without a periodic window.
@@ -420,6 +450,7 @@ void MarkStepBound(Candidate* c, double kth) {
               FormatFixed(kth * 1e3, 1) + " ms): not planned";
 }
 
+
 }  // namespace
 
 std::vector<Candidate> SearchShare(const Model& base, const SearchOptions& options, const std::vector<Layout>& layouts,
@@ -460,7 +491,20 @@ std::vector<Candidate> SearchShare(const Model& base, const SearchOptions& optio
     }
     if (c.verdict == Verdict::kPending) {
       Candidate planned = c;
-      PlanLayout(base, budget, &planned);
+      // Placement is most of a plan: a layout whose solved step already
+      // exceeds the top layouts' (those finished before it in bound order)
+      // is not placed.
+      std::function<bool(double)> place_if = [&](double step_s) {
+        std::vector<double> steps;
+        std::lock_guard<std::mutex> lock(mutex);
+        for (size_t q = 0; q < pos; ++q) {
+          const Candidate& e = cs[order[q]];
+          if (finished[q] && e.verdict == Verdict::kFits) steps.push_back(e.step_s);
+        }
+        return step_s <= KthStep(std::move(steps), options.top);
+      };
+      // --exhaustive plans every layout as `memplan plan` would: the reference.
+      PlanLayout(base, budget, &planned, options.exhaustive ? nullptr : place_if);
       std::lock_guard<std::mutex> lock(mutex);
       c = std::move(planned);
       finished[pos] = 1;
@@ -481,6 +525,12 @@ Expected<bool> ApplyStepBound(std::vector<Candidate>* candidates, int top) {
     const double kth = KthStep(steps, top);
     if (cs[i].base_bound_s > kth) {
       MarkStepBound(&cs[i], kth);  // again: a share's message names its own bound
+      continue;
+    }
+    // Solved, not placed: canonical whichever share planned it (a share
+    // places a layout whose solved step is within the top steps it knew of).
+    if (cs[i].solved_step_s > kth) {
+      MarkNotPlaced(&cs[i]);
       continue;
     }
     if (cs[i].verdict == Verdict::kStepBound || cs[i].verdict == Verdict::kPending) {
@@ -514,6 +564,7 @@ Json CandidateToJson(const Candidate& c) {
   if (!c.detail.empty()) j["detail"] = c.detail;
   if (c.max_static > 0) j["max_static"] = c.max_static;
   if (c.base_bound_s > 0) j["base_bound_s"] = c.base_bound_s;
+  if (c.solved_step_s > 0) j["solved_step_s"] = c.solved_step_s;
   if (c.verdict == Verdict::kFits || c.verdict == Verdict::kDoesNotFit) {
     j["max_peak"] = c.max_peak;
     j["min_margin"] = c.min_margin;
@@ -558,6 +609,7 @@ Expected<Candidate> CandidateFromJson(const Json& j) {
     c.detail = j.value("detail", "");
     c.max_static = j.value("max_static", int64_t{0});
     c.base_bound_s = j.value("base_bound_s", 0.0);
+    c.solved_step_s = j.value("solved_step_s", 0.0);
     c.max_peak = j.value("max_peak", int64_t{0});
     c.min_margin = j.value("min_margin", int64_t{0});
     c.settings = j.value("settings", "");

@@ -61,6 +61,9 @@ struct Evaluation {
 // again (their intervals must not have changed).
 Evaluation Evaluate(const PlanningProblem& p, const Assignment& a, bool verify,
                     const Evaluation* reuse = nullptr, const std::vector<bool>* changed = nullptr);
+// The same without placing: each rank's peak is its lower bound. The costs
+// (recompute, quantize, exposed transfers) are Evaluate's.
+Evaluation EvaluateUnplaced(const PlanningProblem& p, const Assignment& a);
 
 // What PyTorch's caching allocator (common/caching_allocator.h) holds for a
 // rank's activations when the framework allocates and frees them in the

@@ -44,6 +44,15 @@ struct PlanOptions {
   // Under a target without per-tensor storage: one line after each round
   // of choosing its settings (plans so far, the best so far).
   std::function<void(const std::string& line)> on_progress = nullptr;
+  // Search: called once the decisions are solved, before the first
+  // placement, with the step they imply (placement can only tighten the
+  // budgets, so the placed plan is rarely faster). False: the plan stops
+  // there, BuildPlan fails with kInfeasible and *not_placed is set.
+  std::function<bool(double step_s)> place_if = nullptr;
+  bool* not_placed = nullptr;
+  // Search: the host-side rounds (pinning host offloads to recompute) stop
+  // when a round brings no rank that is over the device budget within it.
+  bool device_fit_first = false;
 };
 
 struct RankPlan {

@@ -108,6 +108,9 @@ struct Candidate {
   int64_t min_margin = 0;
   std::string settings;
   double base_bound_s = 0;  // BaseStepSeconds: set once the layout passed the static check
+  // The step its solved decisions imply, before placement: set when the
+  // search stopped there (kStepBound) because it could not enter the top.
+  double solved_step_s = 0;
   double step_s = 0, base_step_s = 0, recompute_s = 0, quantize_s = 0, exposed_transfer_s = 0, comm_s = 0,
          dp_exposed_s = 0;
 };
@@ -121,7 +124,10 @@ Json ModelJsonWithLayout(const Model& base, const Layout& layout);
 // and static memory and computes the step bound (kPending when the layout
 // needs planning); PlanLayout plans a pending one; EvaluateLayout does both.
 Candidate PrepareLayout(const Model& base, const Layout& layout, int64_t budget);
-void PlanLayout(const Model& base, int64_t budget, Candidate* c);
+// `place_if` (optional): asked with the solved step before placement;
+// false leaves the layout kStepBound with its solved_step_s.
+void PlanLayout(const Model& base, int64_t budget, Candidate* c,
+                const std::function<bool(double step_s)>& place_if = nullptr);
 Candidate EvaluateLayout(const Model& base, const Layout& layout, int64_t budget);
 
 // The candidates of `share` (indices into `layouts`), in share order: all
