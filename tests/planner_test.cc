@@ -534,3 +534,111 @@ TEST_CASE("an untracked best-fit heap places exactly as a tracked one") {
   CHECK(tracked.high_water() == untracked.high_water());
   CHECK(tracked.high_water() == max_end);
 }
+
+// Random small models the corpus has not seen (dense, MoE, MLA, AttnRes;
+// 1-4 pipeline stages, interleaved or not) at random budgets between the
+// any-plan bound and keep-all: the heuristic's cost against the exact
+// solver's, per rank. Prints the worst case's seed; MEMPLAN_SOLVER_SEED=S
+// replays one case.
+TEST_CASE("exact is optimal on random small models: the heuristic's gap, seeded") {
+  if (!ExactSolverAvailable()) {
+    std::fprintf(stderr, "SKIPPED: built without CBC, no exact solver to compare with\n");
+    std::exit(77);
+  }
+  const char* kinds[] = {"examples/models/tiny-llama.json", "examples/models/tiny-moe.json",
+                         "examples/models/tiny-mla.json", "examples/models/tiny-attnres.json"};
+  constexpr uint32_t kBase = 20261206;
+  std::vector<uint32_t> seeds;
+  if (const char* one = std::getenv("MEMPLAN_SOLVER_SEED")) {
+    seeds.push_back(static_cast<uint32_t>(std::strtoul(one, nullptr, 10)));
+  } else {
+    for (uint32_t i = 0; i < 48; ++i) seeds.push_back(kBase + i);
+  }
+  int compared = 0, with_cost = 0, within_1pct = 0, heuristic_misses = 0, infeasible = 0;
+  double worst = 1, sum_h = 0, sum_x = 0;
+  uint32_t worst_seed = 0;
+  std::set<std::string> kinds_seen;
+  for (uint32_t seed : seeds) {
+    std::mt19937 rng(seed);
+    auto pick = [&](std::vector<int64_t> v) { return v[std::uniform_int_distribution<size_t>(0, v.size() - 1)(rng)]; };
+    const char* file = kinds[seed % 4];
+    Json j = memplan::test::ReadJson(file);
+    const int64_t pp = pick({1, 2, 3, 4});
+    const int64_t vp = pp > 1 ? pick({1, 2}) : 1;
+    j["arch"]["layers"] = pp * vp * pick({1, 2});
+    if (j["arch"].contains("moe") && j["arch"]["moe"].contains("first_dense_layers")) j["arch"]["moe"]["first_dense_layers"] = 0;
+    j["train"]["micro_batch"] = pick({1, 2, 4});
+    j["train"]["microbatches"] = pp * pick({1, 2, 3});
+    j["train"]["seq_len"] = pick({32, 64, 128, 256});
+    j["train"]["act_dtype"] = pick({0, 1}) ? "bf16" : "fp32";
+    j["arch"]["ffn_hidden"] = pick({128, 256, 512});
+    if (j["arch"].contains("moe")) {
+      j["arch"]["moe"]["experts"] = pick({4, 8, 16});
+      j["arch"]["moe"]["top_k"] = pick({1, 2});
+      j["arch"]["moe"]["expert_ffn_hidden"] = pick({32, 64, 128});
+    }
+    j["parallel"]["pp"] = pp;
+    j["parallel"]["vp"] = vp;
+    j["parallel"].erase("pp_layout");
+    j.erase("budget");
+    j.erase("policies");
+    // From a quarter of the way above the any-plan bound (the bound is not
+    // always reachable by per-rank decisions) to near keep-all.
+    const double f = std::uniform_real_distribution<double>(0.25, 0.9)(rng);
+    CAPTURE(seed);
+    CAPTURE(file);
+    CAPTURE(pp);
+    CAPTURE(vp);
+    CAPTURE(f);
+    auto parsed = ParseModel(j, file);
+    REQUIRE(parsed.ok());
+    auto expanded = ExpandModel(*parsed);
+    REQUIRE(expanded.ok());
+    PlanningProblem p = BuildProblem(*parsed, std::move(*expanded));
+    Evaluation keep = Evaluate(p, Assignment::KeepAll(p), false);
+    std::vector<int64_t> budgets;
+    for (size_t r = 0; r < p.tensors.size(); ++r) {
+      const int64_t lo = p.any_plan_lower_bound[r] - p.statics[r].total, hi = keep.ranks[r].activations_peak;
+      REQUIRE(lo <= hi);
+      budgets.push_back(lo + static_cast<int64_t>(f * static_cast<double>(hi - lo)));
+    }
+    Assignment ah = Assignment::Annotated(p), ax = Assignment::Annotated(p);
+    auto h = Solve(p, budgets, SolverKind::kHeuristic, &ah);
+    auto x = Solve(p, budgets, SolverKind::kExact, &ax);
+    REQUIRE(h.size() == x.size());
+    kinds_seen.insert(file);
+    for (size_t r = 0; r < h.size(); ++r) {
+      CAPTURE(r);
+      if (!x[r].fits) {  // no decisions fit: nothing to compare
+        CHECK(!h[r].fits);
+        ++infeasible;
+        continue;
+      }
+      CHECK(x[r].cost_s <= h[r].cost_s * (1 + 1e-9) + 1e-12);
+      heuristic_misses += h[r].fits ? 0 : 1;
+      const double ratio = x[r].cost_s > 0 ? h[r].cost_s / x[r].cost_s : (h[r].cost_s > 0 ? 2.0 : 1.0);
+      if (ratio > worst) worst = ratio, worst_seed = seed;
+      within_1pct += ratio <= 1.01 ? 1 : 0;
+      with_cost += x[r].cost_s > 0 ? 1 : 0;
+      sum_h += h[r].cost_s;
+      sum_x += x[r].cost_s;
+      ++compared;
+    }
+  }
+  MESSAGE("random small models: " << compared << " rank problems (" << with_cost << " with a cost), heuristic "
+                                  << 1e3 * sum_h << " ms against exact " << 1e3 * sum_x << " ms, worst "
+                                  << worst << "x (MEMPLAN_SOLVER_SEED=" << worst_seed << "), " << within_1pct
+                                  << " within 1 %, " << infeasible << " infeasible for both");
+  if (seeds.size() > 1) {
+    CHECK(kinds_seen.size() == 4);
+    CHECK(compared >= 40);
+    CHECK(with_cost >= 15);
+  }
+  // Measured 2026-12-06 (docs/planner.md, "Heuristic vs MILP"): 122 rank
+  // problems, total +1.5 %, 119 within 1 %, worst 1.072x (seed 20261209,
+  // tiny-moe at pp 4). The goal is 1.01x everywhere: not met yet.
+  CHECK(heuristic_misses == 0);
+  CHECK(sum_h <= 1.02 * sum_x);
+  CHECK(worst <= 1.10);
+  if (seeds.size() > 1) CHECK(within_1pct >= compared * 95 / 100);
+}

@@ -1,13 +1,17 @@
 // `memplan search`: layouts spread over threads, and under mpirun over
 // processes (layout i on process i mod P); rank 0 gathers every verdict in
 // enumeration order, so the output is the single-process one.
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <mutex>
+#include <thread>
 
 #include "command_util.h"
 #include "memplan/common/parallel.h"
 #include "memplan/common/schema.h"
+#include "memplan/common/table.h"
 #include "memplan/common/units.h"
 #include "memplan/planner/model.h"
 #include "memplan/planner/search.h"
@@ -79,21 +83,46 @@ int RunSearch(const Command& c) {
   std::vector<size_t> mine;
   for (size_t i = rank; i < layouts->size(); i += procs) mine.push_back(i);
 
-  // Progress on stderr (rank 0, its own share), at most every 2 s.
+  // Progress on stderr (rank 0, its own share): a line every 2 s while the
+  // search runs, whether or not a layout finished, with the time left at
+  // the rate so far.
   const bool progress = !c.quiet && rank == 0;
   const auto t0 = std::chrono::steady_clock::now();
-  auto last = t0;
-  std::mutex progress_mutex;
+  std::atomic<size_t> done_n{0}, total_n{mine.size()}, fit_n{0};
   auto report = [&](size_t n, size_t total, size_t fit) {
-    if (!progress) return;
-    std::lock_guard<std::mutex> lock(progress_mutex);
-    const auto now = std::chrono::steady_clock::now();
-    if (now - last < std::chrono::seconds(2)) return;
-    last = now;
-    std::fprintf(stderr, "memplan: search: %zu/%zu layouts%s, %zu fit, %.0f s\n", n, total,
-                 procs > 1 ? " of rank 0's share" : "", fit, std::chrono::duration<double>(now - t0).count());
+    done_n = n;
+    total_n = total;
+    fit_n = fit;
   };
+  std::mutex ticker_mutex;
+  std::condition_variable ticker_cv;
+  bool finished = false;
+  std::thread ticker;
+  if (progress) {
+    ticker = std::thread([&] {
+      std::unique_lock<std::mutex> lock(ticker_mutex);
+      while (!ticker_cv.wait_for(lock, std::chrono::seconds(2), [&] { return finished; })) {
+        const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        const size_t n = done_n, total = total_n;
+        std::string eta = "estimating the time left";
+        if (n > 0 && n < total) {
+          eta = "about " + FormatFixed(elapsed / static_cast<double>(n) * static_cast<double>(total - n), 0) +
+                " s left at the rate so far";
+        }
+        std::fprintf(stderr, "memplan: search: %zu/%zu layouts%s, %zu fit, %.0f s, %s\n", n, total,
+                     procs > 1 ? " of rank 0's share" : "", fit_n.load(), elapsed, eta.c_str());
+      }
+    });
+  }
   std::vector<Candidate> evaluated = planner::SearchShare(*model, options, *layouts, mine, report);
+  if (progress) {
+    {
+      std::lock_guard<std::mutex> lock(ticker_mutex);
+      finished = true;
+    }
+    ticker_cv.notify_all();
+    ticker.join();
+  }
 
   std::vector<Candidate> all;
   if (comm) {
