@@ -620,12 +620,14 @@ TEST_CASE("export megatron: Megatron's plan fits with its headroom, and says wha
     CHECK(r.margin >= e->coarse_plan.headroom);
     CHECK(r.reserved >= r.allocated);
   }
-  bool fp8 = false, dispatch = false;
+  // Which of the two the plan uses depends on the time model (since
+  // 2026-12-06 it offloads 3 tensors to another rank and stores none as FP8).
+  bool fp8_or_remote = false, dispatch = false;
   for (const auto& line : e->not_expressed) {
-    fp8 |= line.rfind("FP8 storage of", 0) == 0;
+    fp8_or_remote |= line.rfind("FP8 storage of", 0) == 0 || line.rfind("offload into another pipeline rank", 0) == 0;
     dispatch |= line.find("MoE dispatch recompute") != std::string::npos;
   }
-  CHECK(fp8);
+  CHECK(fp8_or_remote);
   CHECK(dispatch);
   CHECK(e->coarse.options.moe_grad_rewrite);  // Megatron weights the activation: no FC2 output saved
   // Megatron's policies: recompute wins over offload, everything else kept.

@@ -319,6 +319,7 @@ Expected<Json> BuildReportData(const ReportOptions& o, std::vector<std::string>*
   data["parallel"] = (*plan)["model"].value("parallel", Json::object());
   data["totals"] = plan->value("totals", Json::object());
   data["overhead"] = plan->value("overhead", Json::object());
+  data["throughput"] = plan->value("throughput", Json(nullptr));  // plans since 2026-12-06
   data["ranks"] = RankSummaries(*plan);
   Json memory = Json::array(), schedule = Json::array();
   Replayed(p, *assigned, eval, o, &memory, &schedule, &reduced);

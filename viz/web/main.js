@@ -14,7 +14,10 @@
   document.getElementById("subtitle").textContent = `plan ${data.digest.slice(0, 19)}… by ${data.generator}, ` +
     `${data.solver} solver; pp ${par.pp} × vp ${par.vp} × dp ${par.dp} × ep ${par.ep} × tp ${par.tp} × cp ${par.cp}; ` +
     `${data.ranks.length} pipeline ranks` + (data.measured ? `; ${data.measured.ranks.length} ranks measured on ${data.measured.backend}` : "") +
-    (data.trace ? "; with TRACE.json" : "");
+    (data.trace ? "; with TRACE.json" : "") +
+    (data.throughput ? `; step ${(1e3 * data.overhead.step_s).toFixed(1)} ms, modelled ` +
+      `${Math.round(data.throughput.tokens_per_s_per_gpu)} tokens/s per GPU, MFU ${(100 * data.throughput.mfu).toFixed(1)} % ` +
+      `(${data.throughput.source})` : "");
   const banners = document.getElementById("banners");
   for (const w of data.warnings) banners.append(MP.el("div", { class: "banner", text: "Warning: " + w }));
   if (data.check) {
