@@ -462,8 +462,22 @@ class RankHeuristic {
           logging_ = true;
           Change(ti, o);
           moves_[ti] = kMaxMovesPerTensor;  // it stays there in this trial
+          const size_t pinned = log_.size();
+          const std::vector<int> pinned_moves = moves_;
           Repair();
           CleanUp();
+          if (!(Fits() && Cost() < before - 1e-12)) {
+            // The peak greedy's repair did not pay: the same pin repaired by
+            // the excess area instead (one move that lowers several peaks).
+            logging_ = false;
+            for (size_t k = log_.size(); k > pinned; --k) Change(log_[k - 1].first, log_[k - 1].second);
+            log_.resize(pinned);
+            logging_ = true;
+            moves_ = pinned_moves;
+            RepairByArea();
+            Repair();
+            CleanUp();
+          }
           logging_ = false;
           if (Fits() && Cost() < before - 1e-12) {
             improved = true;
