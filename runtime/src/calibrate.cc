@@ -89,6 +89,33 @@ class Prober {
                               ", " + std::to_string(gn) + "]",
                           flops / s, "FLOP/s", s, reps});
       Report(c.probes.back());
+      if (cuda) {
+        // The time model's shape curve (docs/planner.md, "Time model"): the
+        // same GEMM with a short reduction, whose main loop is dominated by
+        // its prologue and epilogue. Each gives efficiency.gemm_k_half =
+        // k (rate / rate_k - 1); the model takes their mean. Efficiency is
+        // relative to the large GEMM, whose rate is bf16_flops.
+        double sum = 0;
+        int fits = 0;
+        for (int64_t k : {int64_t{128}, int64_t{512}}) {
+          auto [sk, repk] = Repeat(options_.probe_seconds, [&] {
+            ops->Gemm(false, false, gm, gn, k, 1.0f, f(x[0]), f(x[1]), 0.0f, f(x[2]), nullptr);
+            backend_.Finish(d);
+          });
+          const double fk = 2.0 * static_cast<double>(gm) * static_cast<double>(gn) * static_cast<double>(k);
+          const double rate = fk / sk;
+          c.probes.push_back({"gemm-k" + std::to_string(k),
+                              "fp32 GEMM [" + std::to_string(gm) + ", " + std::to_string(k) + "] x [" + std::to_string(k) +
+                                  ", " + std::to_string(gn) + "]: the reduction's fill",
+                              rate, "FLOP/s", sk, repk});
+          Report(c.probes.back());
+          if (rate > 0 && rate < c.hardware.bf16_flops) {
+            sum += static_cast<double>(k) * (c.hardware.bf16_flops / rate - 1);
+            ++fits;
+          }
+        }
+        if (fits > 0) c.hardware.efficiency.gemm_k_half = sum / fits;
+      }
     }
     {
       auto [s, reps] = Repeat(options_.probe_seconds, [&] {

@@ -9,6 +9,8 @@
 //                   per element
 //   d2h_bw, h2d_bw  device <-> host arena copies on the copy queues
 //   peer_bw, pp_link_bw  device -> device copies on the link queue
+//   efficiency.gemm_k_half  (cuda) the reduction depth at which a GEMM runs
+//                   at half its large-shape rate: GEMMs with k = 128 and 512
 //   launch_s        the fixed cost of one op in `memplan run`: a small model
 //                   planned with the rates above and executed; the time the
 //                   roofline does not explain, divided by its ops
