@@ -300,6 +300,19 @@ const char* kSolverCorpus[] = {"tests/data/solver/gpt-pp2.json",   "tests/data/s
                                "examples/models/tiny-attnres.json",  "examples/models/tiny-mla.json",
                                "examples/models/tiny-deepseek.json"};
 
+// Each rank's activation budget `f` of the way from its any-plan bound to
+// its keep-all peak.
+std::vector<int64_t> BudgetsBetweenBounds(const PlanningProblem& p, double f) {
+  Evaluation keep = Evaluate(p, Assignment::KeepAll(p), false);
+  std::vector<int64_t> budgets;
+  for (size_t r = 0; r < p.tensors.size(); ++r) {
+    const int64_t lo = p.any_plan_lower_bound[r] - p.statics[r].total, hi = keep.ranks[r].activations_peak;
+    REQUIRE(lo <= hi);
+    budgets.push_back(lo + static_cast<int64_t>(f * static_cast<double>(hi - lo)));
+  }
+  return budgets;
+}
+
 TEST_CASE("exact is optimal for its objective: never worse than the heuristic; the heuristic's gap is bounded") {
   if (!ExactSolverAvailable()) {
     // A skip, not a pass: Meson counts exit 77 as skipped.
@@ -313,14 +326,8 @@ TEST_CASE("exact is optimal for its objective: never worse than the heuristic; t
     auto expanded = ExpandModel(m);
     REQUIRE(expanded.ok());
     PlanningProblem p = BuildProblem(m, std::move(*expanded));
-    Evaluation keep = Evaluate(p, Assignment::KeepAll(p), false);
     for (double f : {0.25, 0.5, 0.75}) {
-      std::vector<int64_t> budgets;
-      for (size_t r = 0; r < p.tensors.size(); ++r) {
-        int64_t lo = p.any_plan_lower_bound[r] - p.statics[r].total, hi = keep.ranks[r].activations_peak;
-        REQUIRE(lo <= hi);
-        budgets.push_back(lo + static_cast<int64_t>(f * static_cast<double>(hi - lo)));
-      }
+      const std::vector<int64_t> budgets = BudgetsBetweenBounds(p, f);
       Assignment ah = Assignment::Annotated(p), ax = Assignment::Annotated(p);
       auto h = Solve(p, budgets, SolverKind::kHeuristic, &ah);
       auto x = Solve(p, budgets, SolverKind::kExact, &ax);
@@ -597,13 +604,7 @@ TEST_CASE("exact is optimal on random small models: the heuristic's gap, seeded"
     auto expanded = ExpandModel(*parsed);
     REQUIRE(expanded.ok());
     PlanningProblem p = BuildProblem(*parsed, std::move(*expanded));
-    Evaluation keep = Evaluate(p, Assignment::KeepAll(p), false);
-    std::vector<int64_t> budgets;
-    for (size_t r = 0; r < p.tensors.size(); ++r) {
-      const int64_t lo = p.any_plan_lower_bound[r] - p.statics[r].total, hi = keep.ranks[r].activations_peak;
-      REQUIRE(lo <= hi);
-      budgets.push_back(lo + static_cast<int64_t>(f * static_cast<double>(hi - lo)));
-    }
+    const std::vector<int64_t> budgets = BudgetsBetweenBounds(p, f);
     Assignment ah = Assignment::Annotated(p), ax = Assignment::Annotated(p);
     auto h = Solve(p, budgets, SolverKind::kHeuristic, &ah);
     auto x = Solve(p, budgets, SolverKind::kExact, &ax);
