@@ -421,3 +421,51 @@ TEST_CASE("search: on random small models and budgets, the bounded search finds 
   CHECK(best_compared >= 5);
   CHECK(pruned_checked >= 5);
 }
+
+TEST_CASE("search: where offloads pass the host's memory, the bounded search keeps the exhaustive top K") {
+  // Not placing a layout whose solved step cannot enter the top, and the
+  // host-side rounds cut short in a search (docs/planner.md, "Search at
+  // cluster scale"), against --exhaustive, which does neither. A small
+  // host memory makes plans pin host offloads to recompute.
+  int compared = 0, pinned_plans = 0;
+  for (const char* file : {"examples/models/tiny-llama.json", "examples/models/tiny-moe.json"}) {
+    for (const char* host : {"128KiB", "256KiB", "1MiB"}) {
+      Json j = ReadJson(file);
+      j["hardware"]["host_memory"] = host;
+      j.erase("budget");
+      const Model base = MustParse(j);
+      for (int64_t budget : Budgets(base)) {
+        CAPTURE(file);
+        CAPTURE(host);
+        CAPTURE(budget);
+        PlanOptions po;
+        po.budget = budget;
+        if (auto plan = BuildPlan(base, po); plan.ok()) {
+          for (const auto& w : plan->warnings) pinned_plans += w.rfind("host memory:", 0) == 0;
+        }
+        SearchOptions o;
+        o.gpus = 4;
+        o.budget = budget;
+        o.top = 5;
+        auto layouts = EnumerateLayouts(base, o);
+        REQUIRE(layouts.ok());
+        std::vector<size_t> every(layouts->size());
+        std::iota(every.begin(), every.end(), size_t{0});
+        SearchOptions ex = o;
+        ex.exhaustive = true;
+        const SearchResult full = MustSummarize(base, ex, SearchShare(base, ex, *layouts, every));
+        const SearchResult r = MustSummarize(base, o, SearchShare(base, o, *layouts, every));
+        REQUIRE(r.ranked.size() >= std::min<size_t>(5, full.ranked.size()));
+        for (size_t k = 0; k < 5 && k < full.ranked.size(); ++k) {
+          CHECK(r.candidates[r.ranked[k]].layout.Key() == full.candidates[full.ranked[k]].layout.Key());
+          CHECK(r.candidates[r.ranked[k]].step_s == full.candidates[full.ranked[k]].step_s);
+          ++compared;
+        }
+      }
+    }
+  }
+  MESSAGE("host-limited searches: " << compared << " ranked layouts compared, " << pinned_plans
+                                    << " base plans with host offloads pinned");
+  CHECK(compared >= 40);
+  CHECK(pinned_plans >= 3);
+}

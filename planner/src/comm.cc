@@ -132,7 +132,9 @@ DataParallelTime DataParallelSeconds(const Model& model, const std::vector<Layer
     }
   }
   DataParallelTime s;
-  for (const auto& [group, n] : elements) {
+  for (const auto& entry : elements) {
+    const int64_t group = entry.first;  // named, not bound: lambdas below capture it
+    const double n = entry.second;
     // Gradients travel in buckets, one collective each (Megatron's
     // ddp_bucket_size: max(40M, 1M x dp) elements): a collective's latency
     // is paid per bucket, its bandwidth per byte.

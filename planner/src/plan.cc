@@ -550,10 +550,13 @@ namespace {
 Plan FitHost(const Model& input, const PlanOptions& options) {
   if (!GetTarget(input.target.kind).PerTensorStorage()) return PlanFrameworkSettings(input, options);
   Plan plan = BuildPlanOrThrow(input, options);
-  auto unfit = [](const Plan& p) {
-    return std::count_if(p.ranks.begin(), p.ranks.end(), [](const RankPlan& r) { return !r.fits; });
-  };
   const int64_t host = input.hardware.host_memory;
+  if (options.deferred &&
+      std::any_of(plan.ranks.begin(), plan.ranks.end(),
+                  [&](const RankPlan& rp) { return rp.host_peak > host && rp.statics.host <= host; })) {
+    *options.deferred = true;
+    ThrowError(ErrorCode::kInfeasible, "deferred: its offloads pass the host's memory");
+  }
   std::vector<PolicyAnnotation> pins;
   std::set<int64_t> ranks;
   for (int round = 0; round < 8; ++round) {
@@ -581,13 +584,7 @@ Plan FitHost(const Model& input, const PlanOptions& options) {
     if (added == 0) break;
     Model pinned = input;
     pinned.policies.insert(pinned.policies.begin(), pins.begin(), pins.end());
-    const auto before = unfit(plan);
-    PlanOptions again = options;
-    again.place_if = nullptr;  // asked of the first solve only
-    plan = BuildPlanOrThrow(pinned, again);
-    // Search: a round that brought no rank within the device budget while
-    // some are over it ends the rounds (the layout is rejected either way).
-    if (options.device_fit_first && before > 0 && unfit(plan) >= before) break;
+    plan = BuildPlanOrThrow(pinned, options);  // options.place_if is asked again: pins only add cost
   }
   if (!pins.empty()) {
     std::string list;

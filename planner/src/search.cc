@@ -90,11 +90,13 @@ std::string PointerOf(const std::string& message, const std::string& file) {
 void MarkNotPlaced(Candidate* c) {
   const Layout l = c->layout;
   const double bound = c->base_bound_s, solved = c->solved_step_s;
+  const std::vector<double> steps = c->solved_steps;
   const int64_t st = c->max_static;
   *c = Candidate{};
   c->layout = l;
   c->base_bound_s = bound;
   c->solved_step_s = solved;
+  c->solved_steps = steps;
   c->max_static = st;
   c->verdict = Verdict::kStepBound;
   c->detail = "its solved step " + FormatFixed(solved * 1e3, 1) +
@@ -342,38 +344,44 @@ Candidate PrepareLayout(const Model& base, const Layout& layout, int64_t budget)
   return c;
 }
 
-void PlanLayout(const Model& base, int64_t budget, Candidate* out, const std::function<bool(double)>& place_if) {
+bool PlanLayout(const Model& base, int64_t budget, Candidate* out, const std::function<bool(double)>& place_if,
+                bool defer_host) {
   Candidate& c = *out;
   try {
     auto model = ModelWithLayout(base, c.layout);
     if (!model) throw ErrorException(model.error());
     PlanOptions po;
     po.budget = budget;
-    double solved = 0;
     bool not_placed = false;
+    c.solved_steps.clear();
     if (place_if) {
-      po.device_fit_first = true;
       po.place_if = [&](double step_s) {
-        solved = step_s;
+        c.solved_steps.push_back(step_s);
         return place_if(step_s);
       };
       po.not_placed = &not_placed;
     }
+    bool deferred = false;
+    if (defer_host) po.deferred = &deferred;
     auto plan = BuildPlan(*model, po);
-    c.solved_step_s = solved;
     if (not_placed) {
+      c.solved_step_s = c.solved_steps.back();
       MarkNotPlaced(&c);
-      return;
+      return false;
+    }
+    if (deferred) {
+      c.solved_steps.clear();
+      return true;
     }
     if (!plan) {
       if (plan.error().code == ErrorCode::kBadInput) {
         // Too many microbatches to simulate without a periodic window.
         MarkInvalid(plan.error().message, base.file, &c);
-        return;
+        return false;
       }
       c.verdict = plan.error().code == ErrorCode::kInfeasible ? Verdict::kAnyPlanOverBudget : Verdict::kError;
       c.detail = plan.error().message;
-      return;
+      return false;
     }
     // Never a layout inside the headroom (--headroom; docs/targets.md).
     bool fits = true;
@@ -402,6 +410,7 @@ void PlanLayout(const Model& base, int64_t budget, Candidate* out, const std::fu
     c.verdict = Verdict::kError;
     c.detail = e.error().message;
   }
+  return false;
 }
 
 Candidate EvaluateLayout(const Model& base, const Layout& layout, int64_t budget) {
@@ -470,19 +479,25 @@ std::vector<Candidate> SearchShare(const Model& base, const SearchOptions& optio
   std::iota(all.begin(), all.end(), size_t{0});
   const std::vector<size_t> order = BoundOrder(cs, all);
   std::mutex mutex;
-  std::vector<char> finished(order.size(), 0);
-  ParallelFor(order.size(), [&](size_t pos) {
+  std::vector<char> finished(order.size(), 0), deferred(order.size(), 0);
+  // Two passes: layouts whose offloads pass the host's memory need rounds of
+  // re-planning (FitHost), so they wait for the second pass, when the top
+  // steps the first found can cut those rounds short.
+  // The K-th best step among the layouts finished so far (any of them):
+  // never below the whole search's.
+  auto kth_now = [&] {
+    std::vector<double> steps;
+    std::lock_guard<std::mutex> lock(mutex);
+    for (size_t q = 0; q < order.size(); ++q) {
+      const Candidate& e = cs[order[q]];
+      if (finished[q] && e.verdict == Verdict::kFits) steps.push_back(e.step_s);
+    }
+    return KthStep(std::move(steps), options.top);
+  };
+  auto plan_at = [&](size_t pos, bool second) {
     Candidate& c = cs[order[pos]];
     if (!options.exhaustive) {
-      std::vector<double> steps;
-      {
-        std::lock_guard<std::mutex> lock(mutex);
-        for (size_t q = 0; q < pos; ++q) {
-          const Candidate& e = cs[order[q]];
-          if (finished[q] && e.verdict == Verdict::kFits) steps.push_back(e.step_s);
-        }
-      }
-      const double kth = KthStep(std::move(steps), options.top);
+      const double kth = kth_now();
       if (c.base_bound_s > kth) {
         std::lock_guard<std::mutex> lock(mutex);
         MarkStepBound(&c, kth);
@@ -494,42 +509,58 @@ std::vector<Candidate> SearchShare(const Model& base, const SearchOptions& optio
       // Placement is most of a plan: a layout whose solved step already
       // exceeds the top layouts' (those finished before it in bound order)
       // is not placed.
-      std::function<bool(double)> place_if = [&](double step_s) {
-        std::vector<double> steps;
-        std::lock_guard<std::mutex> lock(mutex);
-        for (size_t q = 0; q < pos; ++q) {
-          const Candidate& e = cs[order[q]];
-          if (finished[q] && e.verdict == Verdict::kFits) steps.push_back(e.step_s);
-        }
-        return step_s <= KthStep(std::move(steps), options.top);
-      };
+      std::function<bool(double)> place_if = [&](double step_s) { return step_s <= kth_now(); };
       // --exhaustive plans every layout as `memplan plan` would: the reference.
-      PlanLayout(base, budget, &planned, options.exhaustive ? nullptr : place_if);
+      const bool later = PlanLayout(base, budget, &planned, options.exhaustive ? nullptr : place_if,
+                                    !options.exhaustive && !second);
       std::lock_guard<std::mutex> lock(mutex);
+      if (later) {
+        deferred[pos] = 1;
+        return;
+      }
       c = std::move(planned);
       finished[pos] = 1;
     }
     if (c.verdict == Verdict::kFits) ++fit;
     const size_t n = ++done;
     if (progress) progress(n, share.size(), fit.load());
-  });
+  };
+  ParallelFor(order.size(), [&](size_t pos) { plan_at(pos, false); });
+  std::vector<size_t> again;
+  for (size_t pos = 0; pos < order.size(); ++pos) {
+    if (deferred[pos]) again.push_back(pos);
+  }
+  ParallelFor(again.size(), [&](size_t k) { plan_at(again[k], true); });
   return cs;
 }
 
 Expected<bool> ApplyStepBound(std::vector<Candidate>* candidates, int top) {
   std::vector<Candidate>& cs = *candidates;
+  // The K-th best step of the whole search. Every layout of the true top K
+  // was planned by every share (its bounds are below its step, and a
+  // share's K-th best is never below the whole search's), so this is the
+  // same whichever shares planned what.
+  std::vector<double> steps;
+  for (const Candidate& c : cs) {
+    if (c.verdict == Verdict::kFits) steps.push_back(c.step_s);
+  }
+  const double kth = KthStep(std::move(steps), top);
   std::vector<size_t> all(cs.size());
   std::iota(all.begin(), all.end(), size_t{0});
-  std::vector<double> steps;
   for (size_t i : BoundOrder(cs, all)) {
-    const double kth = KthStep(steps, top);
     if (cs[i].base_bound_s > kth) {
       MarkStepBound(&cs[i], kth);  // again: a share's message names its own bound
       continue;
     }
-    // Solved, not placed: canonical whichever share planned it (a share
-    // places a layout whose solved step is within the top steps it knew of).
-    if (cs[i].solved_step_s > kth) {
+    // Solved, not placed: canonical whichever share planned it. A share
+    // stops at the first round whose solved step exceeds the K-th best step
+    // it knew of, never below this one: the first round past this bound is
+    // among the rounds it recorded.
+    if (auto past = std::find_if(cs[i].solved_steps.begin(), cs[i].solved_steps.end(),
+                                 [&](double s) { return s > kth; });
+        past != cs[i].solved_steps.end()) {
+      cs[i].solved_steps.erase(past + 1, cs[i].solved_steps.end());
+      cs[i].solved_step_s = *past;
       MarkNotPlaced(&cs[i]);
       continue;
     }
@@ -537,7 +568,6 @@ Expected<bool> ApplyStepBound(std::vector<Candidate>* candidates, int top) {
       return Error{ErrorCode::kRuntime, "internal error: search: " + cs[i].layout.Key() +
                                             " was not planned, though the step bound keeps it"};
     }
-    if (cs[i].verdict == Verdict::kFits) steps.push_back(cs[i].step_s);
   }
   return true;
 }
@@ -565,6 +595,7 @@ Json CandidateToJson(const Candidate& c) {
   if (c.max_static > 0) j["max_static"] = c.max_static;
   if (c.base_bound_s > 0) j["base_bound_s"] = c.base_bound_s;
   if (c.solved_step_s > 0) j["solved_step_s"] = c.solved_step_s;
+  if (!c.solved_steps.empty()) j["solved_steps"] = c.solved_steps;
   if (c.verdict == Verdict::kFits || c.verdict == Verdict::kDoesNotFit) {
     j["max_peak"] = c.max_peak;
     j["min_margin"] = c.min_margin;
@@ -610,6 +641,7 @@ Expected<Candidate> CandidateFromJson(const Json& j) {
     c.max_static = j.value("max_static", int64_t{0});
     c.base_bound_s = j.value("base_bound_s", 0.0);
     c.solved_step_s = j.value("solved_step_s", 0.0);
+    c.solved_steps = j.value("solved_steps", std::vector<double>{});
     c.max_peak = j.value("max_peak", int64_t{0});
     c.min_margin = j.value("min_margin", int64_t{0});
     c.settings = j.value("settings", "");

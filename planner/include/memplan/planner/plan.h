@@ -46,13 +46,16 @@ struct PlanOptions {
   std::function<void(const std::string& line)> on_progress = nullptr;
   // Search: called once the decisions are solved, before the first
   // placement, with the step they imply (placement can only tighten the
-  // budgets, so the placed plan is rarely faster). False: the plan stops
-  // there, BuildPlan fails with kInfeasible and *not_placed is set.
+  // budgets, so the placed plan is rarely faster); again in each host-side
+  // round (pinning host offloads to recompute only adds cost). False: the
+  // plan stops there, BuildPlan fails with kInfeasible and *not_placed is
+  // set.
   std::function<bool(double step_s)> place_if = nullptr;
   bool* not_placed = nullptr;
-  // Search: the host-side rounds (pinning host offloads to recompute) stop
-  // when a round brings no rank that is over the device budget within it.
-  bool device_fit_first = false;
+  // Search: when the first plan's offloads pass the host's memory, stop
+  // before the host-side rounds (BuildPlan fails with kInfeasible and
+  // *deferred is set), so that they run once the top steps are known.
+  bool* deferred = nullptr;
 };
 
 struct RankPlan {

@@ -108,8 +108,11 @@ struct Candidate {
   int64_t min_margin = 0;
   std::string settings;
   double base_bound_s = 0;  // BaseStepSeconds: set once the layout passed the static check
-  // The step its solved decisions imply, before placement: set when the
-  // search stopped there (kStepBound) because it could not enter the top.
+  // The steps its solved decisions implied before placement, one per
+  // planning round (host-side rounds re-plan), as far as the search went;
+  // solved_step_s: the one that stopped it (kStepBound: could not enter
+  // the top), else 0.
+  std::vector<double> solved_steps;
   double solved_step_s = 0;
   double step_s = 0, base_step_s = 0, recompute_s = 0, quantize_s = 0, exposed_transfer_s = 0, comm_s = 0,
          dp_exposed_s = 0;
@@ -126,27 +129,32 @@ Json ModelJsonWithLayout(const Model& base, const Layout& layout);
 Candidate PrepareLayout(const Model& base, const Layout& layout, int64_t budget);
 // `place_if` (optional): asked with the solved step before placement;
 // false leaves the layout kStepBound with its solved_step_s.
-void PlanLayout(const Model& base, int64_t budget, Candidate* c,
-                const std::function<bool(double step_s)>& place_if = nullptr);
+// `defer_host`: a layout whose offloads pass the host's memory is left
+// kPending (planned again later, host-side rounds included); returns
+// whether it was.
+bool PlanLayout(const Model& base, int64_t budget, Candidate* c,
+                const std::function<bool(double step_s)>& place_if = nullptr, bool defer_host = false);
 Candidate EvaluateLayout(const Model& base, const Layout& layout, int64_t budget);
 
 // The candidates of `share` (indices into `layouts`), in share order: all
 // prepared (on threads), then the pending ones planned in order of their
-// step bound, skipping (kStepBound) a layout whose bound exceeds the
-// options.top fastest steps found among the share's earlier ones (never
-// with options.exhaustive). That bound only ever exceeds the one
-// ApplyStepBound computes on the whole search, so a layout skipped here is
-// skipped there too, and the result does not depend on threads or
+// step bound, skipping (kStepBound) a layout whose bound, or whose solved
+// step before placement, exceeds the options.top fastest steps the share
+// has found so far (never with options.exhaustive); layouts whose offloads
+// pass the host's memory are planned last. That bound is never below the
+// one ApplyStepBound computes on the whole search, so a layout skipped here
+// is skipped there too, and the result does not depend on threads or
 // processes. `progress(done, total, fit)` after each layout (any thread).
 std::vector<Candidate> SearchShare(const Model& base, const SearchOptions& options, const std::vector<Layout>& layouts,
                                    const std::vector<size_t>& share,
                                    const std::function<void(size_t, size_t, size_t)>& progress = nullptr);
 
-// The step bound over the whole search, deterministically: in order of
-// (base_bound_s, key), a prepared layout is kStepBound when options.top
-// layouts before it fit with steps all below its bound; its plan, if a
-// share computed one, is dropped. Errors: kRuntime when a layout this
-// keeps was skipped by a share (a broken invariant).
+// The step bound over the whole search, deterministically: with K-th the
+// options.top-th best step of every layout that fits, a prepared layout is
+// kStepBound when its base bound exceeds it, or when one of its solved
+// steps does (not placed); its plan, if a share computed one, is dropped.
+// Errors: kRuntime when a layout this keeps was skipped by a share (a
+// broken invariant).
 Expected<bool> ApplyStepBound(std::vector<Candidate>* candidates, int top);
 
 // Round trip for gathering candidates between processes.
