@@ -364,11 +364,12 @@ TEST_CASE("exact is optimal for its objective: never worse than the heuristic; t
   // bounds, rank 0); the day before, with the peak-step greedy alone:
   // +90 %, worst +176 %, one budget missed.
   // 2026-12-06, the exchange trial repaired by the excess area where the
-  // peak greedy does not pay: worst +0.16 %, all 39 within 1 %.
+  // peak greedy does not pay, and a third start from free host offloads:
+  // every problem at the exact cost.
   CHECK(heuristic_misses == 0);
-  CHECK(sum_h <= 1.01 * sum_x);
+  CHECK(sum_h <= 1.001 * sum_x);
   CHECK(within_1pct == 39);
-  CHECK(worst_gap <= 0.01);
+  CHECK(worst_gap <= 0.001);
 }
 
 // End to end (fragmentation loop, queues, rebalancing outside the MILP):
@@ -638,10 +639,10 @@ TEST_CASE("exact is optimal on random small models: the heuristic's gap, seeded"
     CHECK(with_cost >= 15);
   }
   // Measured 2026-12-06 (docs/planner.md, "Heuristic vs MILP"): 122 rank
-  // problems, total +1.4 %, 120 within 1 %, worst 1.072x (seed 20261209,
-  // tiny-moe at pp 4). The goal is 1.01x everywhere: not met yet.
+  // problems, total +0.14 %, 121 within 1 %, worst 1.055x (seed 20261213).
+  // The goal is 1.01x everywhere: not met yet.
   CHECK(heuristic_misses == 0);
-  CHECK(sum_h <= 1.02 * sum_x);
-  CHECK(worst <= 1.10);
+  CHECK(sum_h <= 1.005 * sum_x);
+  CHECK(worst <= 1.06);
   if (seeds.size() > 1) CHECK(within_1pct >= compared * 95 / 100);
 }

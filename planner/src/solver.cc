@@ -277,6 +277,25 @@ class RankHeuristic {
       CleanUp();
       Exchange();
       if (first_fits && (!Fits() || Cost() >= first_cost)) RestoreTo(first);
+      // A third start: every tensor offloaded to the host where that costs
+      // nothing more than keeping it, then the same repairs. Free offloads
+      // lower the forward's peaks, which the greedy, working down from the
+      // highest peak, can leave to one costly move.
+      const std::vector<Storage> second = st_;
+      const bool second_fits = Fits();
+      const double second_cost = Cost();
+      RestoreTo(initial);
+      moves_ = initial_moves;
+      for (size_t t = 0; t < ts_.size(); ++t) {
+        const Storage cur = st_[t];
+        if (!Decidable(ts_[t], cur) || cur != Storage::kKeep || !Legal(ts_[t], Storage::kOffloadHost, pp_)) continue;
+        if (CostOf(t, Storage::kOffloadHost) > CostOf(t, cur) || !OffloadFits(t, cur, Storage::kOffloadHost)) continue;
+        Change(t, Storage::kOffloadHost);
+      }
+      RepairByArea();
+      Repair();
+      Exchange();
+      if (second_fits && (!Fits() || Cost() >= second_cost)) RestoreTo(second);
     }
     return {Fits(), Cost()};
   }
