@@ -83,6 +83,19 @@ SearchResult MustSummarize(const Model& m, const SearchOptions& o, std::vector<C
   return *r;
 }
 
+// Every layout's index, one share.
+std::vector<size_t> Every(const std::vector<Layout>& layouts) {
+  std::vector<size_t> every(layouts.size());
+  std::iota(every.begin(), every.end(), size_t{0});
+  return every;
+}
+
+// The reference: `o` with --exhaustive, every layout planned.
+SearchResult Exhaustive(const Model& base, SearchOptions o, const std::vector<Layout>& layouts) {
+  o.exhaustive = true;
+  return MustSummarize(base, o, SearchShare(base, o, layouts, Every(layouts)));
+}
+
 const Case kCases[] = {
     {"examples/models/tiny-gpt.json", 8, {}},
     {"examples/models/tiny-moe.json", 8, {"micro_batch=1,2"}},
@@ -279,11 +292,7 @@ TEST_CASE("search: the step bound keeps the top K of an exhaustive search, on an
       o.top = top;
       auto layouts = EnumerateLayouts(base, o);
       REQUIRE(layouts.ok());
-      std::vector<size_t> every(layouts->size());
-      std::iota(every.begin(), every.end(), size_t{0});
-      SearchOptions ex = o;
-      ex.exhaustive = true;
-      const SearchResult full = MustSummarize(base, ex, SearchShare(base, ex, *layouts, every));
+      const SearchResult full = Exhaustive(base, o, *layouts);
       // One share, and three interleaved shares as three processes would
       // take them: the same candidates once the bound is applied.
       std::vector<std::string> dumps;
@@ -406,9 +415,7 @@ TEST_CASE("search: on random small models and budgets, the bounded search finds 
       CHECK(AnyPlanBound(base, l) > *o.budget);
       ++pruned_checked;
     }
-    std::vector<size_t> every(layouts->size());
-    std::iota(every.begin(), every.end(), size_t{0});
-    const SearchResult r = MustSummarize(base, o, SearchShare(base, o, *layouts, every));
+    const SearchResult r = MustSummarize(base, o, SearchShare(base, o, *layouts, Every(*layouts)));
     REQUIRE(r.ranked.empty() == !best.has_value());
     if (best) {
       CHECK(r.candidates[r.ranked.front()].layout.Key() == best->second);
@@ -449,12 +456,8 @@ TEST_CASE("search: where offloads pass the host's memory, the bounded search kee
         o.top = 5;
         auto layouts = EnumerateLayouts(base, o);
         REQUIRE(layouts.ok());
-        std::vector<size_t> every(layouts->size());
-        std::iota(every.begin(), every.end(), size_t{0});
-        SearchOptions ex = o;
-        ex.exhaustive = true;
-        const SearchResult full = MustSummarize(base, ex, SearchShare(base, ex, *layouts, every));
-        const SearchResult r = MustSummarize(base, o, SearchShare(base, o, *layouts, every));
+        const SearchResult full = Exhaustive(base, o, *layouts);
+        const SearchResult r = MustSummarize(base, o, SearchShare(base, o, *layouts, Every(*layouts)));
         REQUIRE(r.ranked.size() >= std::min<size_t>(5, full.ranked.size()));
         for (size_t k = 0; k < 5 && k < full.ranked.size(); ++k) {
           CHECK(r.candidates[r.ranked[k]].layout.Key() == full.candidates[full.ranked[k]].layout.Key());

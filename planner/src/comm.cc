@@ -141,9 +141,10 @@ DataParallelTime DataParallelSeconds(const Model& model, const std::vector<Layer
     const double bucket = std::max(40e6, 1e6 * static_cast<double>(group));
     const double buckets = std::max(1.0, std::ceil(n / bucket));
     const double share = static_cast<double>(group - 1) / static_cast<double>(group);
-    auto gather = [&](double bytes) {
-      s.ring_bytes += share * bytes;
-      return buckets * AllGatherSeconds(bytes / buckets, group, links.dp);
+    // `times` collectives of `bytes` each.
+    auto gather = [&](double bytes, double times = 1) {
+      s.ring_bytes += times * share * bytes;
+      return times * buckets * AllGatherSeconds(bytes / buckets, group, links.dp);
     };
     auto reduce = [&](double bytes) {
       s.ring_bytes += 2 * share * bytes;
@@ -152,11 +153,10 @@ DataParallelTime DataParallelSeconds(const Model& model, const std::vector<Layer
     if (par.zero >= 3) {
       // FSDP, every microbatch: the parameters gathered for forward (and
       // again for backward when resharded), the gradients reduce-scattered.
-      const int gathers = par.fsdp_reshard_after_forward ? 2 : 1;
-      for (int64_t i = 0; i < model.train.microbatches; ++i) {
-        for (int k = 0; k < gathers; ++k) s.gather_s += gather(n * pbytes);
-        s.reduce_s += gather(n * gbytes);
-      }
+      const double m = static_cast<double>(model.train.microbatches);
+      const double gathers = par.fsdp_reshard_after_forward ? 2 : 1;
+      s.gather_s += gather(n * pbytes, m * gathers);
+      s.reduce_s += gather(n * gbytes, m);
     } else if (sharded) {
       s.reduce_s += gather(n * gbytes);
       s.gather_s += gather(n * pbytes);
@@ -165,6 +165,10 @@ DataParallelTime DataParallelSeconds(const Model& model, const std::vector<Layer
     }
   }
   return s;
+}
+
+const TensorSpec* ResidualStream(const std::vector<LayerGraph>& layers, int64_t layer) {
+  return layers[static_cast<size_t>(layer)].FindTensor("layer" + std::to_string(layer) + ".attn_norm.x");
 }
 
 double PipelineSendSeconds(const Model& model, double bytes) {
@@ -212,9 +216,7 @@ double InterNodeBytes(const Model& model, const std::vector<LayerGraph>& layers,
   // stage is tp*cp*dp ranks away. Per microbatch and chunk, an activation
   // leaves and a gradient arrives at each end of the chunk.
   if (par.pp > 1 && par.tp * par.cp * par.dp >= hw.gpus_per_node && !rank_layers.empty()) {
-    // The residual stream: the layer's input, attn_norm.x (templates.cc).
-    const int64_t first = rank_layers.front();
-    const TensorSpec* stream = layers[static_cast<size_t>(first)].FindTensor("layer" + std::to_string(first) + ".attn_norm.x");
+    const TensorSpec* stream = ResidualStream(layers, rank_layers.front());
     if (stream) bytes += 4 * m * static_cast<double>(chunks) * static_cast<double>(stream->bytes);
   }
   return bytes;

@@ -6,13 +6,6 @@
 namespace memplan::planner {
 namespace {
 
-const TensorSpec* Find(const LayerGraph& g, const std::string& name) {
-  for (const auto& t : g.tensors) {
-    if (t.name == name) return &t;
-  }
-  return nullptr;
-}
-
 const ParamSpec* FindParam(const LayerGraph& g, const std::string& name) {
   for (const auto& p : g.params) {
     if (p.name == name) return &p;
@@ -56,7 +49,7 @@ double GemmSeconds(const Hardware& hw, const GemmShape& s, double bytes) {
 
 std::optional<GemmShape> GemmShapeOf(const LayerGraph& g, const OpSpec& op, const Parallel& par) {
   if (op.outputs.empty() || op.flops <= 0) return std::nullopt;
-  const TensorSpec* out = Find(g, op.outputs.front());
+  const TensorSpec* out = g.FindTensor(op.outputs.front());
   if (out == nullptr || out->shape.empty()) return std::nullopt;
   GemmShape s;
   const double elements = Elements(*out);

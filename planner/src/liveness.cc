@@ -326,9 +326,7 @@ PipelineTimes PipelineTiming(const Model& model, const std::vector<LayerGraph>& 
     for (int64_t c = 0; c < vp; ++c) {
       const auto& chunk = layout.chunks[static_cast<size_t>(r)][static_cast<size_t>(c)];
       if (chunk.empty()) continue;
-      const int64_t first = chunk.front();
-      const TensorSpec* stream =
-          layers[static_cast<size_t>(first)].FindTensor("layer" + std::to_string(first) + ".attn_norm.x");
+      const TensorSpec* stream = ResidualStream(layers, chunk.front());
       if (stream == nullptr) continue;
       const double send = PipelineSendSeconds(model, static_cast<double>(stream->bytes));
       const int64_t v = c * pp + r;

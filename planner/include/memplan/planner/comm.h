@@ -66,6 +66,10 @@ struct DataParallelTime {
 DataParallelTime DataParallelSeconds(const Model& model, const std::vector<LayerGraph>& layers,
                                      const std::vector<int64_t>& rank_layers, const GroupLinks& links);
 
+// The residual stream entering `layer` (its attn_norm.x, templates.cc): what
+// crosses a pipeline stage boundary; null in a hand-written graph without it.
+const TensorSpec* ResidualStream(const std::vector<LayerGraph>& layers, int64_t layer);
+
 // The pipeline's send (or receive) of one microbatch's activation (or its
 // gradient) between neighbouring stages, which are tp x cp x dp ranks
 // apart: inside a node while that stride is under gpus_per_node.
