@@ -248,6 +248,57 @@ Expected<bool> CheckEagerTimelines(const Json& plan_json, const std::string& pla
   return all;
 }
 
+// The eager witness's bytes (docs/runtime.md, "What each measurement
+// sees"): every freed buffer's planned bytes against the bytes its kernels
+// and copies wrote. A buffer the plan makes larger than anything wrote is
+// an over-prediction, named per tensor (its microbatches together). A
+// tail of kCanarySlack bytes may hold values equal to the canary by chance.
+bool CheckTouchedBytes(const traces::Measured& m) {
+  constexpr int64_t kCanarySlack = 4;
+  struct Over {
+    int64_t buffers = 0, planned = 0, touched = 0;
+  };
+  Table t({"pp_rank", "dp_rank", "cp_rank", "tp_rank", "buffers", "planned(MiB)", "touched(MiB)", "over-predicted"});
+  std::map<std::pair<std::string, std::string>, Over> over;
+  int64_t measured = 0;
+  for (const auto& mr : m.ranks) {
+    int64_t buffers = 0, planned = 0, touched = 0, bad = 0;
+    for (const auto& e : mr.allocation_timeline) {
+      if (e.bytes >= 0 || e.touched < 0) continue;
+      ++buffers;
+      planned += -e.bytes;
+      touched += e.touched;
+      if (-e.bytes - e.touched <= kCanarySlack) continue;
+      ++bad;
+      const size_t at = e.name.find("@mb");
+      Over& o = over[{at == std::string::npos ? e.name : e.name.substr(0, at), e.part}];
+      ++o.buffers;
+      o.planned = std::max(o.planned, -e.bytes);
+      o.touched = std::max(o.touched, e.touched);
+    }
+    measured += buffers;
+    auto mib = [](int64_t b) { return FormatFixed(static_cast<double>(b) / (1 << 20), 3); };
+    t.AddRow({std::to_string(mr.pp_rank), std::to_string(mr.dp_rank), std::to_string(mr.cp_rank),
+              std::to_string(mr.tp_rank), std::to_string(buffers), mib(planned), mib(touched), std::to_string(bad)});
+  }
+  if (measured == 0) {
+    std::printf("\nbytes touched: not measured (a run without the eager witness)\n");
+    return true;
+  }
+  std::printf("\nbytes the kernels wrote against the plan, per freed buffer (eager witness):\n%s", t.Render().c_str());
+  int shown = 0;
+  for (const auto& [key, o] : over) {
+    if (++shown > 20) {
+      std::printf("  ... and %zu more tensors\n", over.size() - 20);
+      break;
+    }
+    std::printf("  over-predicted: %s (%s): planned %lld bytes, the kernels wrote %lld (%lld buffers)\n",
+                key.first.c_str(), key.second.c_str(), static_cast<long long>(o.planned),
+                static_cast<long long>(o.touched), static_cast<long long>(o.buffers));
+  }
+  return over.empty();
+}
+
 // Exit 0 when every rank passes, 1 with the offending ranks otherwise.
 int RunCheck(const Command& c) {
   auto plan_json = ReadJsonFile(c.input);
@@ -271,6 +322,10 @@ int RunCheck(const Command& c) {
     if (!*eager) {
       return Fail({ErrorCode::kCheckFailed, "check failed: the eager run's allocation timeline diverges from the plan "
                                             "(first divergence above)"});
+    }
+    if (!CheckTouchedBytes(*measured)) {
+      return Fail({ErrorCode::kCheckFailed, "check failed: the plan gives buffers more bytes than the kernels wrote "
+                                            "(over-predicted tensors above)"});
     }
   }
   const std::string tol = FormatFixed(100 * result->tolerance, 2) + " %";

@@ -785,7 +785,14 @@ void RefMath<T>::AttnResFwd(const T* const* sources, int64_t n, const T* w, cons
 
 template <typename T>
 void RefMath<T>::AttnResBwd(const T* const* sources, int64_t n, const T* w, const T* gamma, const T* dh,
-                            int64_t tokens, int64_t d, T eps, T* const* dsources, T* dw, T* dgamma) {
+                            int64_t tokens, int64_t d, T eps, T* const* dsources, T* dw, T* dgamma, T* partial) {
+  // With `partial` (the planned workspace, workspace::AttnResBwdBytes), as
+  // the CUDA kernel: U = sum over tokens of dz xhat, one row per group of
+  // consecutive tokens, then summed over the groups in order; dw += gamma U,
+  // dgamma += w U.
+  const int64_t groups = std::min<int64_t>(tokens, workspace::kAttnResBwdGroups);
+  const int64_t per_group = groups == 0 ? 1 : (tokens + groups - 1) / groups;
+  if (partial != nullptr) std::fill(partial, partial + groups * d, T(0));
   for (int64_t t = 0; t < tokens; ++t) {
     T mx, sum, r;
     AttnResStats(sources, w, gamma, n, d, eps, t, &mx, &sum);
@@ -810,10 +817,21 @@ void RefMath<T>::AttnResBwd(const T* const* sources, int64_t n, const T* w, cons
         const T xhat = v[c] * r;
         const T g = dz * w[c] * gamma[c];
         dv[c] += a * dht[c] + r * (g - xhat * mean_gx);
-        dw[c] += dz * gamma[c] * xhat;
-        dgamma[c] += dz * w[c] * xhat;
+        if (partial != nullptr) {
+          partial[(t / per_group) * d + c] += dz * xhat;
+        } else {
+          dw[c] += dz * gamma[c] * xhat;
+          dgamma[c] += dz * w[c] * xhat;
+        }
       }
     }
+  }
+  if (partial == nullptr) return;
+  for (int64_t c = 0; c < d; ++c) {
+    T u = 0;
+    for (int64_t k = 0; k < groups; ++k) u += partial[k * d + c];
+    dw[c] += gamma[c] * u;
+    dgamma[c] += w[c] * u;
   }
 }
 
@@ -825,8 +843,9 @@ template struct RefMath<double>;
 namespace {
 
 // Float instantiation of the reference math behind the Ops interface. The
-// workspaces the interface asks for are used where the math needs them
-// (attention backward) and ignored otherwise.
+// workspaces the interface asks for are used as the CUDA kernels use them
+// (attention, AttnRes and KDA backward), so that the eager witness sees the
+// same bytes written on either backend; GEMM workspaces (cuBLAS's) are not.
 class RefOps final : public Ops {
   using M = ref::RefMath<float>;
   using A = ref::AttentionMath<float>;
@@ -1015,8 +1034,8 @@ class RefOps final : public Ops {
   }
   void AttnResBwd(const float* const* sources, int64_t n, const float* w, const float* gamma, const float* dh,
                   int64_t tokens, int64_t d, float eps, float* const* dsources, float* dw, float* dgamma,
-                  float* /*workspace*/) override {
-    M::AttnResBwd(sources, n, w, gamma, dh, tokens, d, eps, dsources, dw, dgamma);
+                  float* workspace) override {
+    M::AttnResBwd(sources, n, w, gamma, dh, tokens, d, eps, dsources, dw, dgamma, workspace);
   }
 
   void KdaFwd(const float* q, const float* k, const float* v, const float* g, const float* beta, const float* a_log,

@@ -119,11 +119,17 @@ void KdaBwd(const T* q, const T* k, const T* v, const T* g, const T* beta, const
             T* d_dt_bias, T* work) {
   const KdaIndex ix{sh};
   const int64_t DK = sh.dk, DV = sh.dv, n = DK * DV;
+  // The workspace as the CUDA kernel lays it out (workspace::KdaBwdBytes):
+  // each sequence and head's per-token states of one chunk, then one
+  // da_log partial per sequence and head, summed over the sequences in
+  // order at the end.
   std::vector<T> local;
   if (work == nullptr) {
-    local.resize(static_cast<size_t>(sh.chunk * n));
+    local.resize(static_cast<size_t>(sh.batch * sh.heads * (sh.chunk * n + 1)));
     work = local.data();
   }
+  T* const states_base = work;
+  T* const da_partial = work + sh.batch * sh.heads * sh.chunk * n;
   std::vector<T> S(static_cast<size_t>(n)), dS(static_cast<size_t>(n)), u(static_cast<size_t>(DV)),
       ka(static_cast<size_t>(DV)), du(static_cast<size_t>(DV)), dka(static_cast<size_t>(DV)),
       dqh(static_cast<size_t>(DK)), dkh(static_cast<size_t>(DK)), dal(static_cast<size_t>(DK)), scratch(static_cast<size_t>(DV));
@@ -131,6 +137,7 @@ void KdaBwd(const T* q, const T* k, const T* v, const T* g, const T* beta, const
   const T scale = T(1) / std::sqrt(static_cast<T>(DK));
   for (int64_t b = 0; b < sh.batch; ++b) {
     for (int64_t h = 0; h < sh.heads; ++h) {
+      work = states_base + (b * sh.heads + h) * sh.chunk * n;
       std::fill(dS.begin(), dS.end(), T(0));
       const T c = std::exp(a_log[h]);
       T da = 0;
@@ -216,8 +223,11 @@ void KdaBwd(const T* q, const T* k, const T* v, const T* g, const T* beta, const
           dbeta[ix.Beta(b, s, h)] = dbeta_s * tk.beta * (T(1) - tk.beta);
         }
       }
-      da_log[h] += da;
+      da_partial[b * sh.heads + h] = da;
     }
+  }
+  for (int64_t b = 0; b < sh.batch; ++b) {
+    for (int64_t h = 0; h < sh.heads; ++h) da_log[h] += da_partial[b * sh.heads + h];
   }
   if (dt_bias != nullptr && d_dt_bias != nullptr) {
     const int64_t width = sh.heads * DK;

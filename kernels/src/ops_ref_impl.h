@@ -148,7 +148,8 @@ struct RefMath {
   static void AttnResFwd(const T* const* sources, int64_t n, const T* w, const T* gamma, int64_t tokens, int64_t d,
                          T eps, T* h, T* weights);
   static void AttnResBwd(const T* const* sources, int64_t n, const T* w, const T* gamma, const T* dh, int64_t tokens,
-                         int64_t d, T eps, T* const* dsources, T* dw, T* dgamma);
+                         int64_t d, T eps, T* const* dsources, T* dw, T* dgamma,
+                         T* partial = nullptr);
 };
 
 // Scores are scale * (q . k) with the dot product summed over dqk in order.

@@ -208,7 +208,8 @@ void ActivationManager::Free(Rank& r, const ProgramBuffer& b) {
       if (mode_.eager) {  // after the owner's fetch out of it, if it ran
         s.in_event.Wait();
         planner::BufferLabel label = planner::InstancePartLabel(p_, iv.owner_rank, iv.instance, iv.part);
-        r.allocation_events.push_back({r.walker->step(), -b.bytes, label.name, label.part});
+        const int64_t touched = Witnessed(r, buf, true, label.name, label.part, "at its free");
+        r.allocation_events.push_back({r.walker->step(), -b.bytes, label.name, label.part, touched});
       }
       break;
   }
@@ -236,11 +237,24 @@ Buffer ActivationManager::BlockBuffer(int32_t rank, int64_t block, planner::Bloc
     if (!planner::BlockBufferSteps(blk, lb, b, &first, &last)) continue;
     return BlockBufferAt(rank, block, static_cast<int32_t>(k));
   }
-  MEMPLAN_CHECK(false, ("no block buffer (role " + std::to_string(static_cast<int>(role)) + ") for tensor " +
-                        std::to_string(tensor) + " of layer " + std::to_string(blk.layer) +
-                        (blk.forward ? " forward" : " backward"))
-                           .c_str());
-  return {};
+  // The plan has no such buffer: a planner that left out what an op needs.
+  const planner::LayerGraph& g = p_.layers[static_cast<size_t>(blk.layer)];
+  std::string op_name = "an op";
+  if (op >= 0 && static_cast<size_t>(op) < g.ops.size()) {
+    const planner::OpSpec& spec = g.ops[g.TopologicalOrder()[static_cast<size_t>(op)]];
+    op_name = "op " + spec.name + " (" + spec.kind + ")";
+  }
+  static constexpr const char* kRoles[] = {"value", "gradient", "workspace", "rebuilt value", "gradient temporary"};
+  const auto ri = static_cast<size_t>(role);
+  const std::string role_name = ri < std::size(kRoles) ? kRoles[ri] : "buffer";
+  const std::string what = tensor >= 0 && static_cast<size_t>(tensor) < g.tensors.size()
+                               ? role_name + " of " + g.tensors[static_cast<size_t>(tensor)].name
+                               : role_name;
+  ThrowError(ErrorCode::kCheckFailed,
+             op_name + " in layer " + std::to_string(blk.layer) + (blk.forward ? " forward" : " backward") +
+                 ", microbatch " + std::to_string(blk.microbatch) + ", pipeline rank " + std::to_string(rank) +
+                 ", needs a " + what + ", and the plan has none: the layer's " +
+                 (blk.forward ? "forward" : "backward") + " buffers (planner::LayerBuffers) leave it out");
 }
 
 Buffer ActivationManager::BlockBufferAt(int32_t rank, int64_t block, int32_t index) const {

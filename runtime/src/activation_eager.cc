@@ -10,6 +10,10 @@
 #include "memplan/runtime/activation.h"
 #include "activation_impl.h"
 
+#include <algorithm>
+#include <optional>
+#include <utility>
+
 namespace memplan::runtime {
 
 using planner::IntervalPart;
@@ -49,6 +53,7 @@ Buffer ActivationManager::Access(Rank& r, const EagerKey& key, int64_t bytes) {
   if (mode_.last_access == nullptr) {
     logged[key] = step;  // the record pass: this is the last use so far
   }
+  r.op_keys.push_back(key);
   auto it = r.eager.find(key);
   if (it != r.eager.end()) return it->second.buf;
   if (mode_.last_access != nullptr) {
@@ -79,7 +84,8 @@ void ActivationManager::EagerFree(Rank& r, const EagerKey& key) {
   for (const Event& e : it->second.fences) e.Wait();
   if (it->second.buf.bytes > 0) {
     auto [name, part] = EagerName(r, key);
-    r.allocation_events.push_back({r.walker->step(), -it->second.buf.bytes, std::move(name), std::move(part)});
+    const int64_t touched = Witnessed(r, it->second.buf, true, name, part, "at its free");
+    r.allocation_events.push_back({r.walker->step(), -it->second.buf.bytes, std::move(name), std::move(part), touched});
   }
   r.mem.device->Free(it->second.buf);
   ++r.events["frees"];
@@ -129,10 +135,32 @@ void ActivationManager::FinishEager() {
 
 namespace memplan::runtime {
 
-bool ActivationManager::HasBlockBuffer(int32_t rank, int64_t block, planner::BlockBuffer::Role role, int32_t tensor,
-                                       int32_t op) const {
-  const Rank& r = *ranks_[static_cast<size_t>(rank)];
-  return r.eager.contains({1, static_cast<int32_t>(block), static_cast<int32_t>(role), tensor, op});
+int64_t ActivationManager::Witnessed(Rank& r, const Buffer& buf, bool scan, const std::string& name,
+                                     const std::string& part, const std::string& when) {
+  std::optional<BufferWitness> w = r.mem.device->Witness(buf, scan);
+  if (!w) return -1;
+  if (w->overrun_bytes > 0 || w->underrun_bytes > 0) {
+    ThrowError(ErrorCode::kCheckFailed,
+               "eager witness: " + when + ", " + name + " (" + part + ", " + std::to_string(buf.bytes) +
+                   " bytes planned) was written " +
+                   (w->overrun_bytes > 0 ? std::to_string(w->overrun_bytes) + " bytes past its end"
+                                         : std::to_string(w->underrun_bytes) + " bytes before its start") +
+                   ": the plan gives it fewer bytes than the kernel writes");
+  }
+  return w->touched_bytes;
+}
+
+void ActivationManager::AfterOp(int32_t rank, const std::string& what) {
+  Rank& r = *ranks_[static_cast<size_t>(rank)];
+  std::vector<EagerKey> keys = std::exchange(r.op_keys, {});
+  std::sort(keys.begin(), keys.end());
+  keys.erase(std::unique(keys.begin(), keys.end()), keys.end());
+  for (const EagerKey& key : keys) {
+    auto it = r.eager.find(key);
+    if (it == r.eager.end() || it->second.buf.bytes == 0) continue;
+    auto [name, part] = EagerName(r, key);
+    Witnessed(r, it->second.buf, false, name, part, what);
+  }
 }
 
 }  // namespace memplan::runtime

@@ -47,6 +47,7 @@ struct ActivationManager::Rank {
   std::map<int64_t, std::vector<EagerKey>> frees_at;
   std::vector<EagerKey> deferred;
   std::vector<AllocationEvent> allocation_events;
+  std::vector<EagerKey> op_keys;  // eager buffers handed out since the last AfterOp
 };
 
 }  // namespace memplan::runtime

@@ -124,6 +124,7 @@ struct CudaDeviceState {
   std::vector<uintptr_t> allocated_addresses;  // pool mode: every address, for AddRegions
   int64_t allocated_bytes = 0;
   int64_t allocated_peak = 0;
+  bool witness = false;  // EnableWitness: red zones either side of each pool buffer
 
   // Releases whatever Create got as far as making.
   ~CudaDeviceState() {
@@ -312,7 +313,7 @@ CudaDevice::~CudaDevice() {
         e.Wait();
       }
     }
-    if (!impl_->heap) cudaFreeAsync(reinterpret_cast<void*>(address), impl_->compute);
+    if (!impl_->heap) cudaFreeAsync(reinterpret_cast<void*>(address - (impl_->witness ? kWitnessRedZone : 0)), impl_->compute);
   }
   impl_->live.clear();
   cudaStreamSynchronize(impl_->compute);
@@ -360,7 +361,8 @@ Expected<Buffer> CudaDevice::Allocate(int64_t bytes) {
   if (d.heap) return AllocateInArena(d, bytes);
   DeviceScope scope(d.options.device);
   void* ptr = nullptr;
-  if (cudaError_t err = cudaMallocFromPoolAsync(&ptr, static_cast<size_t>(bytes), d.pool, d.compute);
+  const int64_t zone = d.witness ? kWitnessRedZone : 0;
+  if (cudaError_t err = cudaMallocFromPoolAsync(&ptr, static_cast<size_t>(bytes + 2 * zone), d.pool, d.compute);
       err != cudaSuccess) {
     cudaGetLastError();  // an allocation failure is not sticky: clear it
     return Error{ErrorCode::kRuntime,
@@ -369,8 +371,16 @@ Expected<Buffer> CudaDevice::Allocate(int64_t bytes) {
                      ": the pool could not provide " + Describe(bytes) + " with " + Describe(d.allocated_bytes) +
                      " in use (" + cudaGetErrorString(err) + ")"};
   }
+  if (d.witness) {
+    MEMPLAN_CUDART_CHECK(cudaMemsetAsync(ptr, kWitnessCanary, static_cast<size_t>(bytes + 2 * zone), d.compute));
+    ptr = static_cast<std::byte*>(ptr) + zone;
+  }
+  d.allocated_addresses.push_back(reinterpret_cast<uintptr_t>(ptr));  // the driver's address (CUPTI's)
+  if (d.witness) {
+    MEMPLAN_CUDART_CHECK(cudaMemsetAsync(ptr, kWitnessCanary, static_cast<size_t>(bytes + 2 * zone), d.compute));
+    ptr = static_cast<std::byte*>(ptr) + zone;
+  }
   d.live.emplace(reinterpret_cast<uintptr_t>(ptr), internal::CudaDeviceState::Block{bytes, {}});
-  d.allocated_addresses.push_back(reinterpret_cast<uintptr_t>(ptr));
   d.allocated_bytes += bytes;
   d.allocated_peak = std::max(d.allocated_peak, d.allocated_bytes);
   return Buffer{static_cast<std::byte*>(ptr), 0, bytes};
@@ -392,13 +402,46 @@ void CudaDevice::Free(Buffer buffer) {
   for (const Event& e : fences) Wait(e);
   // Pool: freed in stream order. Arena: back to the heap now; later users
   // of the range are ordered after this point on the compute stream.
-  if (!d.heap) MEMPLAN_CUDART_CHECK(cudaFreeAsync(buffer.ptr, d.compute));
+  if (!d.heap) MEMPLAN_CUDART_CHECK(cudaFreeAsync(buffer.ptr - (d.witness ? kWitnessRedZone : 0), d.compute));
   std::lock_guard<std::mutex> lock(d.mu);
   auto it = d.live.find(address);
   MEMPLAN_CHECK(it != d.live.end(), "buffer freed twice concurrently");
   d.allocated_bytes -= it->second.bytes;
   d.live.erase(it);
   if (d.heap) d.heap->Free(static_cast<int64_t>(buffer.ptr - d.arena_base));
+}
+
+bool CudaDevice::EnableWitness() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  if (impl_->heap) return false;
+  MEMPLAN_CHECK(impl_->live.empty(), "the witness starts before the first allocation");
+  impl_->witness = true;
+  return true;
+}
+
+std::optional<BufferWitness> CudaDevice::Witness(const Buffer& buffer, bool scan) const {
+  const internal::CudaDeviceState& d = *impl_;
+  if (!d.witness || buffer.empty()) return std::nullopt;
+  int64_t bytes = 0;
+  {
+    std::lock_guard<std::mutex> lock(d.mu);
+    auto it = d.live.find(reinterpret_cast<uintptr_t>(buffer.ptr));
+    MEMPLAN_CHECK(it != d.live.end(), "witness of a buffer that is not live on this device");
+    bytes = it->second.bytes;
+  }
+  DeviceScope scope(d.options.device);
+  MEMPLAN_CUDART_CHECK(cudaStreamSynchronize(d.compute));
+  const int64_t z = kWitnessRedZone;
+  // The whole buffer when scanning, else the two red zones around an
+  // untouched (canary) payload stand-in.
+  std::vector<std::byte> host(static_cast<size_t>(scan ? bytes + 2 * z : 2 * z + 1), std::byte{kWitnessCanary});
+  if (scan) {
+    MEMPLAN_CUDART_CHECK(cudaMemcpy(host.data(), buffer.ptr - z, host.size(), cudaMemcpyDeviceToHost));
+    return ReadWitness(host.data(), bytes, true);
+  }
+  MEMPLAN_CUDART_CHECK(cudaMemcpy(host.data(), buffer.ptr - z, static_cast<size_t>(z), cudaMemcpyDeviceToHost));
+  MEMPLAN_CUDART_CHECK(cudaMemcpy(host.data() + z + 1, buffer.ptr + bytes, static_cast<size_t>(z), cudaMemcpyDeviceToHost));
+  return ReadWitness(host.data(), 1, false);
 }
 
 int64_t CudaDevice::capacity_bytes() const { return impl_->options.capacity_bytes; }

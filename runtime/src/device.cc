@@ -59,3 +59,25 @@ void Event::Complete() const {
 }
 
 }  // namespace memplan::runtime
+
+namespace memplan::runtime {
+
+BufferWitness ReadWitness(const std::byte* raw, int64_t bytes, bool scan) {
+  const auto canary = static_cast<std::byte>(kWitnessCanary);
+  BufferWitness w;
+  const std::byte* payload = raw + kWitnessRedZone;
+  // A red zone byte counts as overwritten from the first one that differs,
+  // nearest the payload: the extent of the overrun.
+  for (int64_t i = 0; i < kWitnessRedZone; ++i) {
+    if (payload[bytes + i] != canary) w.overrun_bytes = i + 1;
+    if (payload[-1 - i] != canary) w.underrun_bytes = i + 1;
+  }
+  if (scan) {
+    int64_t end = bytes;
+    while (end > 0 && payload[end - 1] == canary) --end;
+    w.touched_bytes = end;
+  }
+  return w;
+}
+
+}  // namespace memplan::runtime

@@ -81,6 +81,7 @@ void Executor::Step(Rank& r) {
     } else {
       if (!blk.prev_in_pass && PipelineZero2()) BeginGradPass(r, chunk);
       if (Zero2Bucket()) BindToBucket(r, blk.layer);
+      r.rebuilt.erase(bi);  // a new step's backward of this block
       RestoreLayer(r, bi);
       ReceiveSharedGrads(r, bi);
       if (received) {
@@ -101,20 +102,19 @@ void Executor::Step(Rank& r) {
     // Producers re-run in topological order (a rebuilt value may feed another).
     std::set<int32_t> rerun;
     if (acts_->eager()) {
-      // Eager: what this op reads that is neither saved nor already
-      // re-made, and what those values' producers read in turn.
+      // Eager: what this op reads by the registry that is neither saved nor
+      // already re-made in this block, and what those values' producers
+      // read in turn.
       std::vector<int32_t> need = planner::BackwardReads(g, op);
+      std::set<int32_t>& made = r.rebuilt[bi];
       while (!need.empty()) {
         const int32_t t = need.back();
         need.pop_back();
         const size_t ts = static_cast<size_t>(t);
-        if (g.tensors[ts].saved || lb.prod[ts] < 0 || lb.share_layer[ts] >= 0) continue;
-        if (rerun.contains(lb.prod[ts]) ||
-            acts_->HasBlockBuffer(r.index, static_cast<int64_t>(bi), BlockBuffer::Role::kRebuilt, t)) {
-          continue;
-        }
+        if (g.tensors[ts].saved || lb.prod[ts] < 0 || lb.share_layer[ts] >= 0 || made.contains(t)) continue;
         rerun.insert(lb.prod[ts]);
         const OpSpec& producer = g.ops[g.TopologicalOrder()[static_cast<size_t>(lb.prod[ts])]];
+        for (const auto& out : producer.outputs) made.insert(static_cast<int32_t>(g.FindTensor(out) - g.tensors.data()));
         for (const auto& in : producer.inputs) need.push_back(static_cast<int32_t>(g.FindTensor(in) - g.tensors.data()));
       }
     } else {

@@ -202,6 +202,9 @@ struct Rank {
   bool routing_seen = false;  // MoE: the skew its forwards saw (MEASURED.json moe_routing)
   double max_expert_load = 0, max_rank_load = 0;
   std::vector<std::vector<int32_t>> produced_at;  // step -> instances produced there
+  // Eager: the values each backward block has re-made so far (a rebuilt
+  // value is made once per block, whatever the allocator has freed).
+  std::map<size_t, std::set<int32_t>> rebuilt;
   size_t block = 0;
   int64_t next_step = 0;
   // Measurement.

@@ -320,11 +320,14 @@ Expected<Buffer> HostDevice::Allocate(int64_t bytes) {
   if (!system_) return arena_.Allocate(bytes);
   MEMPLAN_CHECK(bytes >= 0, "negative allocation size");
   if (bytes == 0) return Buffer{};
-  auto* p = static_cast<std::byte*>(std::malloc(static_cast<size_t>(bytes)));
-  if (p == nullptr) {
+  const int64_t zone = witness_ ? kWitnessRedZone : 0;
+  auto* raw = static_cast<std::byte*>(std::malloc(static_cast<size_t>(bytes + 2 * zone)));
+  if (raw == nullptr) {
     return Error{ErrorCode::kRuntime, arena_.name() + ": the system allocator is exhausted (" +
                                           std::to_string(bytes) + " bytes asked)"};
   }
+  if (witness_) std::memset(raw, kWitnessCanary, static_cast<size_t>(bytes + 2 * zone));
+  std::byte* p = raw + zone;
   heap_[p] = bytes;
   heap_bytes_ += bytes;
   heap_peak_ = std::max(heap_peak_, heap_bytes_);
@@ -338,7 +341,21 @@ void HostDevice::Free(Buffer buffer) {
   MEMPLAN_CHECK(it != heap_.end(), "freeing a buffer that is not live");
   heap_bytes_ -= it->second;
   heap_.erase(it);
-  std::free(buffer.ptr);
+  std::free(buffer.ptr - (witness_ ? kWitnessRedZone : 0));
+}
+
+bool HostDevice::EnableWitness() {
+  if (!system_) return false;
+  MEMPLAN_CHECK(heap_.empty(), "the witness starts before the first allocation");
+  witness_ = true;
+  return true;
+}
+
+std::optional<BufferWitness> HostDevice::Witness(const Buffer& buffer, bool scan) const {
+  if (!witness_ || buffer.empty()) return std::nullopt;
+  auto it = heap_.find(buffer.ptr);
+  MEMPLAN_CHECK(it != heap_.end(), "witness of a buffer that is not live");
+  return ReadWitness(buffer.ptr - kWitnessRedZone, it->second, scan);
 }
 
 Event HostDevice::CopyAsync(void* dst, const void* src, int64_t bytes, Queue queue) {

@@ -106,7 +106,7 @@ Expected<RunResult> Executor::Finish() {
     }
     mr.timeline = std::move(r->timeline);
     for (const auto& e : acts_->allocation_events(r->index)) {
-      mr.allocation_timeline.push_back({e.step, e.bytes, e.name, e.part});
+      mr.allocation_timeline.push_back({e.step, e.bytes, e.name, e.part, e.touched});
     }
     mr.events = r->events;
     if (r->routing_seen) {

@@ -28,19 +28,94 @@ class ExecOpContext final : public OpContext {
   uint64_t seed() const override { return e_.options_.seed; }
 
   // A forward (value_ set: the pass, a rebuild or a recompute) writes its
-  // outputs; a backward only reads values.
+  // outputs; a backward only reads values (each read logged, CheckReads).
   Buffer Value(int32_t t) override {
     const bool output = value_ != nullptr && std::find(op_.outputs.begin(), op_.outputs.end(),
                                                        g_.tensors[static_cast<size_t>(t)].name) != op_.outputs.end();
-    return Stage(value_ ? (*value_)(t) : e_.Value(r_, bi_, t), g_.tensors[static_cast<size_t>(t)].dtype, output);
+    if (value_ == nullptr) reads_.insert(t);
+    return Stage(Raw(t), g_.tensors[static_cast<size_t>(t)].dtype, output);
+  }
+  Buffer ReadDeclaredBy(const planner::OpSpec& other, int32_t t) override {
+    const std::vector<int32_t> declared = planner::BackwardReads(g_, other);
+    if (std::find(declared.begin(), declared.end(), t) == declared.end()) {
+      ThrowError(ErrorCode::kCheckFailed, Describe() + " reads " + g_.tensors[static_cast<size_t>(t)].name +
+                                              " for op " + other.name + ", whose registry entry does not declare it");
+    }
+    return Stage(Raw(t), g_.tensors[static_cast<size_t>(t)].dtype, false);
+  }
+
+  // "op layer1.moe.dispatch (dispatch), layer 1 forward, microbatch 0".
+  std::string Describe() const {
+    return "op " + op_.name + " (" + op_.kind + "), layer " + std::to_string(blk_.layer) +
+           (value_ != nullptr ? " forward" : " backward") + (value_ != nullptr && !blk_.forward ? " (rebuild)" : "") +
+           ", microbatch " + std::to_string(mb_);
+  }
+
+  // The plan's buffers against what the op's kernels state they need
+  // (op_sizes.cc): every output before a forward writes it, the workspace
+  // before a backward. A mismatch is the planner's (or a kernel's) bug,
+  // named before any kernel writes out of bounds.
+  void CheckSizes() {
+    const KernelNeeds needs = StateNeeds(*this);
+    if (value_ != nullptr) {
+      for (size_t i = 0; i < op_.outputs.size() && i < needs.outputs.size(); ++i) {
+        const std::vector<int64_t>& allowed = needs.outputs[i];
+        if (allowed.empty()) continue;
+        const int32_t t = Index(op_.outputs[i]);
+        const planner::TensorSpec& spec = g_.tensors[static_cast<size_t>(t)];
+        const int64_t width = planner::DTypeBytes(spec.dtype);
+        const int64_t planned = Raw(t).bytes;
+        if (std::find(allowed.begin(), allowed.end(), planned / width) != allowed.end() && planned % width == 0) continue;
+        ThrowError(ErrorCode::kCheckFailed,
+                   Describe() + ": the plan gives its output " + spec.name + " " + std::to_string(planned) +
+                       " bytes; its kernel writes " + std::to_string(allowed.front()) + " elements of " +
+                       std::to_string(width) + " bytes (" + std::to_string(allowed.front() * width) + " bytes)");
+      }
+      return;
+    }
+    bool planned_workspace = false;
+    for (const BlockBuffer& b : lb_.backward) planned_workspace |= b.role == BlockBuffer::Role::kWorkspace && b.op == pos_;
+    if (needs.workspace < 0) {
+      if (planned_workspace) {
+        ThrowError(ErrorCode::kCheckFailed, Describe() + ": the plan gives it a workspace its kernels do not use");
+      }
+      return;
+    }
+    const int64_t planned = Workspace().bytes;  // names the op when the plan has none (ActivationManager::BlockBuffer)
+    if (planned != needs.workspace) {
+      ThrowError(ErrorCode::kCheckFailed, Describe() + ": the plan gives its workspace " + std::to_string(planned) +
+                                              " bytes; its kernel uses " + std::to_string(needs.workspace));
+    }
+  }
+
+  // After a backward: the tensors it read against the registry's
+  // BackwardReads, both ways (what the planner keeps resident for it).
+  void CheckReads() {
+    const std::vector<int32_t> declared = planner::BackwardReads(g_, op_);
+    for (int32_t t : declared) {
+      if (!reads_.contains(t)) {
+        ThrowError(ErrorCode::kCheckFailed, Describe() + ": the op registry declares that its backward reads " +
+                                                g_.tensors[static_cast<size_t>(t)].name +
+                                                ", which it never read (the plan keeps it resident for nothing)");
+      }
+    }
+    for (int32_t t : reads_) {
+      if (std::find(declared.begin(), declared.end(), t) == declared.end()) {
+        ThrowError(ErrorCode::kCheckFailed, Describe() + ": its backward read " +
+                                                g_.tensors[static_cast<size_t>(t)].name +
+                                                ", which the op registry does not declare (the plan need not keep it)");
+      }
+    }
   }
   Buffer Grad(int32_t t) override { return Stage(e_.Grad(r_, bi_, t), g_.tensors[static_cast<size_t>(t)].dtype, true); }
   bool FirstWriter(size_t i) override { return FirstWriterOf(Index(op_.inputs[i])); }
   Buffer InputGrad(size_t i) override {
     const int32_t t = Index(op_.inputs[i]);
     if (FirstWriterOf(t) || planner::GradAccumulates(op_.op)) return Grad(t);
+    // Written back at Flush as a GPU kernel writes it (the sum below reads
+    // the working copy), so that the witness sees the temporary used.
     return Stage(e_.BlockBuf(r_, bi_, BlockBuffer::Role::kGradTemp, t, pos_), g_.tensors[static_cast<size_t>(t)].dtype,
-                 false);
+                 true);
   }
   void FinishInputGrad(size_t i) override {
     const int32_t t = Index(op_.inputs[i]);
@@ -135,6 +210,8 @@ class ExecOpContext final : public OpContext {
            !e_.IsShared(lb_, t);
   }
 
+  Buffer Raw(int32_t t) { return value_ ? (*value_)(t) : e_.Value(r_, bi_, t); }
+
   Buffer Stage(Buffer stored, planner::DType dtype, bool write_back) {
     if (dtype != planner::DType::kBF16 || stored.empty()) return stored;
     auto [it, fresh] = staged_.try_emplace(stored.ptr);
@@ -154,6 +231,7 @@ class ExecOpContext final : public OpContext {
     bool write_back = false;
   };
   std::unordered_map<std::byte*, Staged> staged_;
+  std::set<int32_t> reads_;  // backward: the values it read
   std::map<size_t, ParamState> params_;  // bf16 weights' working copies, by role
   Executor& e_;
   Rank& r_;
@@ -171,8 +249,10 @@ void Executor::Forward(Rank& r, size_t bi, int32_t pos, const std::function<Buff
   const OpImpl& impl = GetOpImpl(c.op().op);
   MEMPLAN_CHECK(impl.forward != nullptr, ("op kind " + c.op().kind + " is not executable").c_str());
   if (Zero3()) PrepareParams(r, c.op(), false);
+  c.CheckSizes();
   impl.forward(c);
   c.Flush();
+  if (acts_->eager()) acts_->AfterOp(r.index, c.Describe());
 }
 
 void Executor::Backward(Rank& r, size_t bi, int32_t pos) {
@@ -181,8 +261,11 @@ void Executor::Backward(Rank& r, size_t bi, int32_t pos) {
   const OpImpl& impl = GetOpImpl(c.op().op);
   MEMPLAN_CHECK(impl.backward != nullptr, ("op kind " + c.op().kind + " is not executable").c_str());
   if (Zero3()) PrepareParams(r, c.op(), true);
+  c.CheckSizes();
   impl.backward(c);
   c.Flush();
+  c.CheckReads();
+  if (acts_->eager()) acts_->AfterOp(r.index, c.Describe());
 }
 
 // Re-materializes a recomputed instance at its layer's backward: the

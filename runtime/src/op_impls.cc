@@ -457,12 +457,13 @@ void GroupedGemmBwd(OpContext& c) {
   Dims2 o = RowsCols(c.Spec(comb->outputs[0]));
   Dims2 act = RowsCols(c.InSpec(0));
   if (ExpertParallel(c)) {
-    RouterGradRewriteAcrossRanks(c, c.InputGrad(0), c.In(0), act.cols, c.Value(slot), c.Value(gates), o.rows,
-                                 c.Grad(gates));
+    RouterGradRewriteAcrossRanks(c, c.InputGrad(0), c.In(0), act.cols, c.ReadDeclaredBy(*comb, slot),
+                                 c.ReadDeclaredBy(*comb, gates), o.rows, c.Grad(gates));
     return;
   }
-  c.k().RouterGradRewrite(c.InputGrad(0).as<float>(), c.In(0).as<float>(), c.Value(slot).as<int32_t>(),
-                          c.Value(gates).as<float>(), o.rows, a.moe->top_k, act.cols, c.Grad(gates).as<float>());
+  c.k().RouterGradRewrite(c.InputGrad(0).as<float>(), c.In(0).as<float>(), c.ReadDeclaredBy(*comb, slot).as<int32_t>(),
+                          c.ReadDeclaredBy(*comb, gates).as<float>(), o.rows, a.moe->top_k, act.cols,
+                          c.Grad(gates).as<float>());
 }
 
 void CombineFwd(OpContext& c) {

@@ -40,6 +40,10 @@ class OpContext {
   virtual void FinishInputGrad(size_t i) = 0;
   // Backward: the op's planned workspace (OpSpec::workspace_bytes).
   virtual Buffer Workspace() = 0;
+  // Backward: a value another op of the layer declares as its backward
+  // read (BackwardReads of `other`), read for that op's sake (the router
+  // gradient rewrite reads the combine's gates and slots).
+  virtual Buffer ReadDeclaredBy(const planner::OpSpec& other, int32_t tensor) = 0;
   // The parameter bound to role `role` (OpSpec::params).
   virtual const ParamState& Param(size_t role) = 0;
   // This layer and microbatch's routing (dispatch writes it, the grouped
@@ -139,6 +143,15 @@ float* CpWholeSlot(OpContext& c, int64_t groups, int64_t s, int64_t w, int slot)
 const float* CpWhole(OpContext& c, const Buffer& mine, int64_t groups, int64_t s, int64_t w, int slot);
 void CpKeepMine(OpContext& c, float* whole, int64_t groups, int64_t s, int64_t w, const Buffer& mine);
 void CpKdaBwd(OpContext& c, const kernels::KdaShape& local);
+
+// What an op's kernels need (op_sizes.cc), stated from the op's own
+// arguments: per output, the element counts it may have (usually one;
+// empty: not stated), and the backward's workspace bytes (-1: none).
+struct KernelNeeds {
+  std::vector<std::vector<int64_t>> outputs;
+  int64_t workspace = -1;
+};
+KernelNeeds StateNeeds(OpContext& c);
 
 using OpFn = void (*)(OpContext&);
 

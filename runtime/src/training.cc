@@ -26,6 +26,9 @@ Expected<std::monostate> Executor::MakeRanks() {
                                                      kActivationAlignment);
     if (!dev.ok()) return dev.error();
     rank->dev = std::move(*dev);
+    // Eager: red zones and canaries on every activation buffer (the
+    // witness, docs/runtime.md "What each measurement sees").
+    if (options_.eager) rank->dev->EnableWitness();
     // Each static buffer is padded to the alignment: the plan's buffers and
     // up to six per parameter (weight, gradient, m, v, master, partition).
     int64_t static_buffers = static_cast<int64_t>(p_.statics[static_cast<size_t>(r)].buffer_detail.size()) + 1;

@@ -221,12 +221,17 @@ MeasuredRank ParseRank(const Json& json, const JsonLocation& where) {
     for (size_t i = 0; i < list.size(); ++i) {
       const Json& e = list[i];
       const JsonLocation ei = at.Child(i);
-      if (!e.is_array() || e.size() != 4 || !e[2].is_string() || !e[3].is_string()) {
-        ThrowAt(ei, "expected [step, bytes, \"name\", \"part\"], got " + Brief(e));
+      if (!e.is_array() || e.size() < 4 || e.size() > 5 || !e[2].is_string() || !e[3].is_string()) {
+        ThrowAt(ei, "expected [step, bytes, \"name\", \"part\"] or, for a free, [step, bytes, \"name\", \"part\", "
+                    "touched_bytes], got " + Brief(e));
       }
       StepAllocation s{ExpectInt(e[0], ei.Child(size_t{0}), 0, kMaxBytes),
                        ExpectInt(e[1], ei.Child(size_t{1}), -kMaxBytes, kMaxBytes), e[2].get<std::string>(),
                        e[3].get<std::string>()};
+      if (e.size() == 5) {
+        if (s.bytes >= 0) ThrowAt(ei.Child(size_t{4}), "touched_bytes belongs to a free (negative bytes)");
+        s.touched = ExpectInt(e[4], ei.Child(size_t{4}), 0, -s.bytes);
+      }
       if (!rank.allocation_timeline.empty() && s.step < rank.allocation_timeline.back().step) {
         ThrowAt(ei.Child(size_t{0}), "the allocation timeline goes back in steps");
       }
@@ -386,7 +391,11 @@ OrderedJson MeasuredToJson(const Measured& m) {
     }
     if (!rank.allocation_timeline.empty()) {
       OrderedJson list = OrderedJson::array();
-      for (const auto& e : rank.allocation_timeline) list.push_back({e.step, e.bytes, e.name, e.part});
+      for (const auto& e : rank.allocation_timeline) {
+        OrderedJson entry = {e.step, e.bytes, e.name, e.part};
+        if (e.bytes < 0 && e.touched >= 0) entry.push_back(e.touched);
+        list.push_back(std::move(entry));
+      }
       r["allocation_timeline"] = std::move(list);
     }
     j["ranks"].push_back(std::move(r));

@@ -79,6 +79,9 @@ struct AllocationEvent {
   int64_t bytes = 0;  // > 0 allocated, < 0 freed
   std::string name;   // planner::BufferName's
   std::string part;   // planner::BufferName's
+  // A free under the eager witness (Device::Witness): the bytes the
+  // kernels and copies wrote (-1: not measured).
+  int64_t touched = -1;
 };
 
 // How the manager allocates: the plan's memory program (arena, pool), or
@@ -122,14 +125,13 @@ class ActivationManager {
   // A live block buffer of block `block` of `rank`'s timeline: the entry of
   // its layer's forward/backward list with this role, tensor (and op, for
   // kGradTemp/kWorkspace) whose condition holds in that block. Aborts when
-  // it is not live (a bug in the caller or the planner).
+  // it is not live (a bug in the caller or the planner); throws
+  // ErrorException kCheckFailed naming the op, layer, microbatch and tensor
+  // when the plan has no such buffer at all.
   // Eager: the buffer of (block, role, tensor, op), allocated at its first
   // use.
   Buffer BlockBuffer(int32_t rank, int64_t block, planner::BlockBuffer::Role role, int32_t tensor,
                      int32_t op = -1);
-  // Eager: whether that buffer is live (a rebuilt value already re-made).
-  bool HasBlockBuffer(int32_t rank, int64_t block, planner::BlockBuffer::Role role, int32_t tensor,
-                      int32_t op = -1) const;
   // Cross buffer `index` of `rank` (problem.cross[rank][index]), live. The
   // manager only binds them; the executor fills, zeroes and sends them.
   // Eager: allocated at its first use, which sets *fresh.
@@ -167,6 +169,10 @@ class ActivationManager {
   const EagerAccessLog& access_log() const { return log_; }
   const std::vector<AllocationEvent>& allocation_events(int32_t rank) const;
   bool eager() const { return mode_.eager; }
+  // Eager, after each op (`what` names it): the red zones of every buffer
+  // the op was handed are intact, else throws ErrorException kCheckFailed
+  // naming the op, the buffer and how far it wrote past it.
+  void AfterOp(int32_t rank, const std::string& what);
 
  private:
   struct Instance;
@@ -183,6 +189,9 @@ class ActivationManager {
   void Fence(Rank& r, const EagerKey& key, const Event& e);  // a copy reading or writing it
   void EagerEndStep(Rank& r);
   void EagerFree(Rank& r, const EagerKey& key);
+  // The witness's reading of a buffer; throws when its red zones were hit.
+  int64_t Witnessed(Rank& r, const Buffer& buf, bool scan, const std::string& name, const std::string& part,
+                    const std::string& when);
   std::pair<std::string, std::string> EagerName(const Rank& r, const EagerKey& key) const;
 
   const planner::PlanningProblem& p_;

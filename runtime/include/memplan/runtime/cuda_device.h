@@ -130,6 +130,11 @@ class CudaDevice final : public Device {
   void Wait(const Event& event) override;
   // Blocks until the compute stream and the three copy streams are idle.
   void Synchronize() override;
+  // Pool mode only (eager execution): red zones and the canary are set with
+  // cudaMemsetAsync on the compute stream; Witness synchronizes it and
+  // copies the buffer (or its red zones) back.
+  bool EnableWitness() override;
+  std::optional<BufferWitness> Witness(const Buffer& buffer, bool scan) const override;
 
   // The pool's cudaMemPoolAttrUsedMemHigh: the most bytes its live buffers
   // occupied at once, after the driver's rounding.

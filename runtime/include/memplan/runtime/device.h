@@ -33,6 +33,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <mutex>
 #include <string_view>
 
@@ -113,6 +114,23 @@ class Event {
   std::shared_ptr<internal::EventState> state_;
 };
 
+// The eager witness's reading of one live buffer (Device::Witness): what
+// the kernels did to it, seen through a canary pattern written at its
+// allocation and red zones either side (docs/runtime.md, "What each
+// measurement sees").
+struct BufferWitness {
+  // One past the highest byte that no longer holds the canary (0: nothing
+  // written). A value that happens to equal the canary byte at the very end
+  // reads as untouched: at most a few bytes, 1 in 256 per byte.
+  int64_t touched_bytes = 0;
+  int64_t overrun_bytes = 0;   // red-zone bytes written after the buffer's end
+  int64_t underrun_bytes = 0;  // ... before its start
+};
+
+// The canary byte and the red zone of the eager witness.
+inline constexpr unsigned char kWitnessCanary = 0xA5;
+inline constexpr int64_t kWitnessRedZone = 256;
+
 // The memory and copy engines of one (emulated) pipeline rank.
 class Device {
  public:
@@ -161,6 +179,25 @@ class Device {
   // Blocks the calling thread until every queue (and, on the CUDA backend,
   // the compute stream) is empty.
   virtual void Synchronize() = 0;
+
+  // The eager witness: from now on every allocation is filled with
+  // kWitnessCanary and carries kWitnessRedZone guard bytes either side,
+  // outside its bytes (allocated_bytes and the peaks count what was asked
+  // for; a pool's own marks see the red zones). A device without it
+  // returns false.
+  virtual bool EnableWitness() { return false; }
+  // The witness's reading of a live buffer allocated under it (nullopt
+  // otherwise). `scan`: also find its touched bytes (reads the whole
+  // buffer); else only the red zones. Waits for the compute stream.
+  virtual std::optional<BufferWitness> Witness(const Buffer& buffer, bool scan) const {
+    (void)buffer;
+    (void)scan;
+    return std::nullopt;
+  }
 };
+
+// The witness's reading of `raw` (red zone, payload of `bytes`, red zone),
+// host memory: shared by the devices.
+BufferWitness ReadWitness(const std::byte* raw, int64_t bytes, bool scan);
 
 }  // namespace memplan::runtime

@@ -141,6 +141,10 @@ class HostDevice final : public Device {
   Event CopyAsync(void* dst, const void* src, int64_t bytes, Queue queue) override;
   void Wait(const Event& event) override { event.Wait(); }
   void Synchronize() override;
+  // The system allocator only (eager execution): the arena's buffers are
+  // the planner's placement, not the kernels' statement.
+  bool EnableWitness() override;
+  std::optional<BufferWitness> Witness(const Buffer& buffer, bool scan) const override;
 
   HostArena& arena() { return arena_; }
   const HostArena& arena() const { return arena_; }
@@ -158,6 +162,7 @@ class HostDevice final : public Device {
   bool system_ = false;
   std::map<const std::byte*, int64_t> heap_;
   int64_t heap_bytes_ = 0, heap_peak_ = 0;
+  bool witness_ = false;  // EnableWitness: red zones either side of each buffer
   // Declared after the arena: destroyed (drained, joined) before it.
   std::unique_ptr<internal::CopyEngine> engines_[kQueueCount];
 };

@@ -69,6 +69,9 @@ struct StepAllocation {
   int64_t step = 0;
   int64_t bytes = 0;
   std::string name, part;
+  // A free: the bytes the kernels wrote (the eager witness's canary;
+  // JSON: the entry's optional fifth element); -1 when not measured.
+  int64_t touched = -1;
 };
 
 struct PoolMarks {
