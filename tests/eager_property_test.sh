@@ -132,7 +132,7 @@ for seed in seeds:
     r = run([memplan, "check", plan, measured])
     if r.returncode != 0:
         failed += 1
-        lines = [l for l in r.stdout.splitlines() if "FAIL" in l][:3]
+        lines = [l for l in r.stdout.splitlines() if "FAIL" in l or "over-predicted:" in l][:3]
         print(f"FAIL {what}\n  check exit {r.returncode}: " + " | ".join(lines)[:800] + r.stderr.strip()[:300])
         continue
     passed += 1

@@ -253,25 +253,34 @@ Expected<bool> CheckEagerTimelines(const Json& plan_json, const std::string& pla
 // and copies wrote. A buffer the plan makes larger than anything wrote is
 // an over-prediction, named per tensor (its microbatches together). A
 // tail of kCanarySlack bytes may hold values equal to the canary by chance.
-bool CheckTouchedBytes(const traces::Measured& m) {
+bool CheckTouchedBytes(const traces::Measured& m, const std::vector<planner::RankProgram>& programs) {
   constexpr int64_t kCanarySlack = 4;
   struct Over {
     int64_t buffers = 0, planned = 0, touched = 0;
   };
-  Table t({"pp_rank", "dp_rank", "cp_rank", "tp_rank", "buffers", "planned(MiB)", "touched(MiB)", "over-predicted"});
+  Table t({"pp_rank", "dp_rank", "cp_rank", "tp_rank", "buffers", "planned(MiB)", "touched(MiB)", "routed_reserve(MiB)",
+           "over-predicted"});
   std::map<std::pair<std::string, std::string>, Over> over;
   int64_t measured = 0;
   for (const auto& mr : m.ranks) {
-    int64_t buffers = 0, planned = 0, touched = 0, bad = 0;
+    int64_t buffers = 0, planned = 0, touched = 0, bad = 0, reserve = 0;
+    const std::set<std::string>* routed = mr.pp_rank >= 0 && static_cast<size_t>(mr.pp_rank) < programs.size()
+                                              ? &programs[static_cast<size_t>(mr.pp_rank)].routed_reserve
+                                              : nullptr;
     for (const auto& e : mr.allocation_timeline) {
       if (e.bytes >= 0 || e.touched < 0) continue;
       ++buffers;
       planned += -e.bytes;
       touched += e.touched;
       if (-e.bytes - e.touched <= kCanarySlack) continue;
-      ++bad;
       const size_t at = e.name.find("@mb");
-      Over& o = over[{at == std::string::npos ? e.name : e.name.substr(0, at), e.part}];
+      const std::string base = at == std::string::npos ? e.name : e.name.substr(0, at);
+      if (routed != nullptr && routed->contains(base)) {  // rows the routing did not send here
+        reserve += -e.bytes - e.touched;
+        continue;
+      }
+      ++bad;
+      Over& o = over[{base, e.part}];
       ++o.buffers;
       o.planned = std::max(o.planned, -e.bytes);
       o.touched = std::max(o.touched, e.touched);
@@ -279,7 +288,8 @@ bool CheckTouchedBytes(const traces::Measured& m) {
     measured += buffers;
     auto mib = [](int64_t b) { return FormatFixed(static_cast<double>(b) / (1 << 20), 3); };
     t.AddRow({std::to_string(mr.pp_rank), std::to_string(mr.dp_rank), std::to_string(mr.cp_rank),
-              std::to_string(mr.tp_rank), std::to_string(buffers), mib(planned), mib(touched), std::to_string(bad)});
+              std::to_string(mr.tp_rank), std::to_string(buffers), mib(planned), mib(touched), mib(reserve),
+              std::to_string(bad)});
   }
   if (measured == 0) {
     std::printf("\nbytes touched: not measured (a run without the eager witness)\n");
@@ -323,7 +333,9 @@ int RunCheck(const Command& c) {
       return Fail({ErrorCode::kCheckFailed, "check failed: the eager run's allocation timeline diverges from the plan "
                                             "(first divergence above)"});
     }
-    if (!CheckTouchedBytes(*measured)) {
+    auto programs = planner::ReplayPrograms(*plan_json, c.input);
+    if (!programs) return Fail(programs.error());
+    if (!CheckTouchedBytes(*measured, *programs)) {
       return Fail({ErrorCode::kCheckFailed, "check failed: the plan gives buffers more bytes than the kernels wrote "
                                             "(over-predicted tensors above)"});
     }

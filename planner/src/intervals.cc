@@ -112,6 +112,16 @@ void PerturbLiveness(const std::string& tensor, IntervalPart part, int64_t steps
   TestPerturbation() = {tensor, part, steps};
 }
 void ClearLivenessPerturbation() { TestPerturbation() = {}; }
+
+namespace {
+PlannerMutation& Mutation() {
+  static PlannerMutation m;
+  return m;
+}
+}  // namespace
+void SetPlannerMutation(const PlannerMutation& m) { Mutation() = m; }
+void ClearPlannerMutation() { Mutation() = {}; }
+const PlannerMutation& ActivePlannerMutation() { return Mutation(); }
 }  // namespace testing
 
 void InstanceIntervals(const PlanningProblem& p, const Assignment& a, int32_t rank, std::vector<Interval>* out,

@@ -113,6 +113,13 @@ Expected<std::vector<RankProgram>> ReplayPrograms(const Json& plan, const std::s
   std::vector<RankProgram> out(p.timelines.size());
   for (size_t r = 0; r < out.size(); ++r) {
     out[r].buffers = PredictedBuffers(p, static_cast<int32_t>(r), eval.intervals);
+    if (model->arch.moe && model->arch.moe->RoutedRowsFactor(model->parallel.ep) > 1.0) {
+      for (const LayerGraph& g : p.layers) {
+        for (const TensorSpec& t : g.tensors) {
+          if (t.sharding == "ep") out[r].routed_reserve.insert(t.name);
+        }
+      }
+    }
     const RankTimeline& tl = p.timelines[r];
     out[r].steps.reserve(static_cast<size_t>(tl.steps));
     size_t bi = 0;

@@ -1,5 +1,7 @@
 #include "memplan/planner/liveness.h"
 
+#include "memplan/planner/program.h"
+
 #include <algorithm>
 #include <limits>
 #include <map>
@@ -755,6 +757,12 @@ std::vector<int32_t> BackwardReads(const LayerGraph& g, const OpSpec& op) {
       int32_t t = idx(names[k]);
       if (t < 0 || (s.only_if_saved && !g.tensors[static_cast<size_t>(t)].saved)) continue;
       r.push_back(t);
+    }
+  }
+  if (const auto& m = testing::ActivePlannerMutation(); !m.spurious_read_kind.empty() && op.kind == m.spurious_read_kind) {
+    for (const auto& name : op.inputs) {  // tests only: a registry entry declaring reads its backward never makes
+      const int32_t t = idx(name);
+      if (t >= 0 && std::find(r.begin(), r.end(), t) == r.end()) r.push_back(t);
     }
   }
   return r;

@@ -12,6 +12,7 @@
 #include "memplan/common/check.h"
 #include "memplan/common/units.h"
 #include "memplan/planner/graph.h"
+#include "memplan/planner/program.h"
 #include "memplan/planner/model.h"
 
 namespace memplan::planner::templates_internal {
@@ -118,7 +119,13 @@ class Builder {
 
   // Workspace of the op declared last (its backward's scratch, from
   // common/workspace.h, the formulas the kernels use).
-  void SetWorkspace(int64_t bytes) { g_->ops.back().workspace_bytes = bytes; }
+  void SetWorkspace(int64_t bytes) {
+    const testing::PlannerMutation& m = testing::ActivePlannerMutation();  // tests only
+    if (!m.workspace_kind.empty() && g_->ops.back().kind == m.workspace_kind) {
+      bytes = static_cast<int64_t>(static_cast<double>(bytes) * m.workspace_factor);
+    }
+    g_->ops.back().workspace_bytes = bytes;
+  }
 
   // Parameters of the op declared last, in its kind's role order
   // (op_registry.h), where its name does not give them.

@@ -9,6 +9,7 @@
 #include "memplan/common/check.h"
 #include "memplan/common/units.h"
 #include "memplan/common/workspace.h"
+#include "memplan/planner/program.h"
 #include "memplan/planner/target.h"
 #include "template_builder.h"
 
@@ -298,7 +299,8 @@ std::string AddMoe(Builder& B, const Dims& d, const std::string& x_in) {
   // Each EP rank receives tokens*top_k rows on average; its buffers hold
   // the capacity, or the worst rank's share under the assumed skew.
   int64_t routed = static_cast<int64_t>(std::ceil(static_cast<double>(CheckedMul(d.tokens_r, m.top_k, "routed tokens")) *
-                                                  m.RoutedRowsFactor(model.parallel.ep)));
+                                                  m.RoutedRowsFactor(model.parallel.ep) *
+                                                  testing::ActivePlannerMutation().routed_capacity));
   // With dispatch recompute, only the dispatch input is saved; the grouped
   // GEMM input is rebuilt in backward by re-running the dispatch.
   std::string fc1_in = B.Act("moe", "fc1_in", {routed, width}, !model.options.moe_recompute_dispatch, "ep");

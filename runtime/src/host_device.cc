@@ -313,7 +313,7 @@ HostDevice::HostDevice(Options options)
 
 HostDevice::~HostDevice() {
   for (auto& e : engines_) e.reset();  // drains: a running copy never outlives the arena
-  for (auto& [ptr, bytes] : heap_) std::free(const_cast<std::byte*>(ptr));
+  for (auto& [ptr, bytes] : heap_) std::free(const_cast<std::byte*>(ptr) - (witness_ ? kWitnessRedZone : 0));
 }
 
 Expected<Buffer> HostDevice::Allocate(int64_t bytes) {

@@ -126,6 +126,21 @@ void SkewPeriodicExpansion(int64_t steps);
 // How many times the periodic placement has found its best-fit state
 // recurring and jumped over the repeating copies (bounds.cc), in this process.
 int64_t PeriodicJumps();
+// Test-only: planner bugs the eager witness must catch (tests/
+// eager_witness_test.cc), while set: the templates' routed rows times
+// `routed_capacity`; the backward workspace of every op of kind
+// `workspace_kind` times `workspace_factor` (0: left out of the plan); the
+// ops of kind `spurious_read_kind` declaring that their backward reads
+// their inputs (BackwardReads). Not a user setting.
+struct PlannerMutation {
+  double routed_capacity = 1.0;
+  std::string workspace_kind;
+  double workspace_factor = 1.0;
+  std::string spurious_read_kind;
+};
+void SetPlannerMutation(const PlannerMutation& m);
+void ClearPlannerMutation();
+const PlannerMutation& ActivePlannerMutation();
 }  // namespace testing
 
 }  // namespace memplan::planner

@@ -3,6 +3,7 @@
 // give (runtime/src/plan_binding.cc); `memplan viz` draws it.
 #pragma once
 
+#include <set>
 #include <string>
 #include <vector>
 
@@ -36,6 +37,11 @@ std::string ExecutionDigest(const std::string& model_digest, const Assignment& a
 struct RankProgram {
   std::vector<PredictedBuffer> buffers;
   std::vector<std::string> steps;
+  // The routed tensors whose rows the plan holds at capacity above the mean
+  // (Moe::RoutedRowsFactor > 1: the EP skew, a capacity factor): how many
+  // rows a rank receives depends on the routing, so their kernels may leave
+  // the reserve unwritten (the eager witness's check knows them).
+  std::set<std::string> routed_reserve;
 };
 Expected<std::vector<RankProgram>> ReplayPrograms(const Json& plan, const std::string& file);
 
