@@ -320,7 +320,7 @@ expect_exit 0 "export torchtitan to stdout" "$memplan" export torchtitan "$tmp/l
 grep -q '^\[activation_checkpoint\]' "$tmp/out" && ok || bad "export torchtitan printed: $(cat "$tmp/out")"
 expect_exit 2 "export a model file (not a plan)" "$memplan" export megatron "$root/examples/models/tiny-gpt.json" \
   -o "$tmp/never.args"
-[ "$(wc -l <"$tmp/err")" -eq 1 ] && grep -q "tiny-gpt.json: not a memplan plan (expected an object with /model and /tensors)" "$tmp/err" \
+[ "$(wc -l <"$tmp/err")" -eq 1 ] && grep -q "tiny-gpt.json: this is a model file, not a plan; run .memplan plan .*tiny-gpt.json -o PLAN.json. first" "$tmp/err" \
   && [ ! -e "$tmp/never.args" ] && ok || bad "export error: $(cat "$tmp/err")"
 python3 -c "
 import json; p=json.load(open('$tmp/l70.plan.json')); p['model']['arch']['layers']=10**9; json.dump(p,open('$tmp/huge.plan.json','w'))"

@@ -12,7 +12,8 @@
 #  10. SIGTERM to `memplan profile`: forwarded, waited for, cleaned up
 # and the minor ones: check's one-line reason when only the process total
 # fails; profile keeps its program's exit status.
-# Usage: hostile_surfaces_test.sh MEMPLAN [inputs|signals] (default: both).
+# Section rules: the third round's classes (issue 41: search, export, import).
+# Usage: hostile_surfaces_test.sh MEMPLAN [inputs|signals|rules] (default: all).
 set -u
 memplan="$1"
 section="${2:-all}"
@@ -195,6 +196,18 @@ sleep 0.2
 child=$(cat "$tmp/child.pid" 2>/dev/null)
 [ "$rc" -eq 124 ] && [ -n "$child" ] && ! kill -0 "$child" 2>/dev/null && [ -z "$(ls -A "$profile_tmp")" ] \
   && [ ! -e "$tmp/p.json" ] && ok || bad "SIGTERM to profile: exit $rc, child ${child:-?} alive: $(kill -0 "$child" 2>&1 && echo yes), left: $(ls -A "$profile_tmp")"
+# 8. (issue 41) The signal reaches the program's children too: a shell's
+#    background job ends with it (its process group).
+#    (--foreground: timeout signals memplan alone, not its own process group.)
+TMPDIR=$profile_tmp timeout --foreground -s TERM 1 "$memplan" profile -o "$tmp/p.json" -- \
+  sh -c "sleep 30 & echo \$! > '$tmp/grandchild.pid'; wait" >"$tmp/out" 2>"$tmp/err"
+rc=$?
+sleep 0.3
+grandchild=$(cat "$tmp/grandchild.pid" 2>/dev/null)
+# Ended: gone, or a zombie nobody has reaped yet (its shell is gone too).
+state=$(ps -o stat= -p "$grandchild" 2>/dev/null | tr -d ' ')
+[ "$rc" -eq 124 ] && [ -n "$grandchild" ] && { [ -z "$state" ] || [ "${state#Z}" != "$state" ]; } && ok \
+  || { bad "SIGTERM to profile of a shell: exit $rc, its child ${grandchild:-?} alive"; kill "$grandchild" 2>/dev/null; }
 # 3. A program that replaces its profile file by a FIFO: refused, not a hang.
 TMPDIR=$profile_tmp timed 20 "$memplan" profile -o "$tmp/p.json" -- sh -c 'mkfifo "$MEMPLAN_PROFILE_OUT"'
 [ "$rc" -eq 5 ] && grep -q "replaced its profile or trace file by something other than a regular file" "$tmp/err" \
@@ -205,6 +218,80 @@ TMPDIR=$profile_tmp timed 20 "$memplan" profile -o "$tmp/p.json" -- sh -c 'mkfif
 TMPDIR=$profile_tmp timed 20 "$memplan" profile -o "$tmp/p.json" --trace "$tmp/t.json" -- \
   sh -c "cp '$tmp/any.m.json' \"\$MEMPLAN_PROFILE_OUT\"; exit 3"
 [ "$rc" -eq 3 ] && ok || bad "profile --trace of a failing program: exit $rc: $(cat "$tmp/err")"
+fi
+
+if want rules; then
+# The third fuzzing round (issue 41), one case per class that reproduced.
+# 1. search writes ZeRO-3 layouts with -o (the schema took zero 0-2).
+timed 60 "$memplan" search "$root/examples/models/tiny-gpt.json" --gpus 8 --space zero=3 -q -o "$tmp/s3.json"
+[ "$rc" -eq 0 ] && python3 -c "import json,sys; d=json.load(open(sys.argv[1])); assert any(l['layout']['zero']==3 for l in d['layouts'])" "$tmp/s3.json" \
+  && ok || bad "search --space zero=3 -o: exit $rc: $(cat "$tmp/err")"
+# 3. export refuses an edited plan, as run does.
+"$memplan" plan "$root/examples/models/tiny-llama.json" -q -o "$tmp/x.plan.json" 2>/dev/null
+python3 - "$tmp/x.plan.json" "$tmp/x.edited.json" "$tmp/x.peak.json" <<'PY'
+import json, sys
+p = json.load(open(sys.argv[1]))
+e = json.loads(json.dumps(p))
+e["tensors"][0]["effective"] = ["recompute"] if e["tensors"][0]["effective"] != ["recompute"] else ["keep"]
+json.dump(e, open(sys.argv[2], "w"))
+k = json.loads(json.dumps(p))
+k["ranks"][0]["peak"] += 4096
+json.dump(k, open(sys.argv[3], "w"))
+PY
+for edited in x.edited x.peak; do
+  timed 60 "$memplan" export megatron "$tmp/$edited.json" -q -o "$tmp/$edited.args"
+  [ "$rc" -eq 2 ] && grep -q "export re-plans the embedded model" "$tmp/err" && [ ! -e "$tmp/$edited.args" ] \
+    && ok || bad "export of $edited: exit $rc: $(cat "$tmp/err")"
+done
+timed 60 "$memplan" export megatron "$tmp/x.plan.json" -q -o "$tmp/x.args"
+[ "$rc" -eq 0 ] && ok || bad "export of the plan itself: exit $rc: $(cat "$tmp/err")"
+# A model file given to export: say what to do.
+timed 20 "$memplan" export megatron "$root/examples/models/tiny-llama.json" -q
+[ "$rc" -eq 2 ] && grep -q "this is a model file, not a plan; run .memplan plan" "$tmp/err" && ok \
+  || bad "export of a model file: exit $rc: $(cat "$tmp/err")"
+# 4. export's round-trip line runs for a host-preset model.
+timed 60 "$memplan" export megatron "$tmp/x.plan.json" -o "$tmp/x.args"
+line=$(grep -o "memplan import megatron ARGS --gpus [0-9]* --hardware [a-z0-9]* --as-written" "$tmp/out")
+hw=$(echo "$line" | sed 's/.*--hardware \([a-z0-9]*\).*/\1/')
+gpus=$(echo "$line" | sed 's/.*--gpus \([0-9]*\).*/\1/')
+[ "$hw" = host ] && timed 60 "$memplan" import megatron "$tmp/x.args" --gpus "$gpus" --hardware "$hw" --as-written -o "$tmp/x.rt.json" \
+  && [ "$rc" -eq 0 ] && ok || bad "export's round trip ($line): exit $rc: $(cat "$tmp/err")"
+# 5. No layout exists: say which rule, exit 2, not the budget.
+check_none() {  # pattern args...
+  local pattern=$1
+  shift
+  timed 60 "$memplan" search "$@" -q
+  [ "$rc" -eq 2 ] && grep -q "$pattern" "$tmp/err" && ! grep -q "fits the budget" "$tmp/err" && ok \
+    || bad "search $*: exit $rc: $(cat "$tmp/err")"
+}
+check_none "global batch 64 is not a multiple of micro_batch x dp" "$root/examples/models/tiny-gpt.json" --gpus 1048576 --global-batch 64
+check_none "is not a multiple of any tp x pp x cp" "$root/examples/models/tiny-k3-fp32.json" --gpus 5 --space tp=2,4 pp=2
+check_none "lighter_ends={2}" "$root/examples/models/tiny-gpt.json" --gpus 4 --space lighter_ends=2
+check_none "none of 2 layouts is a valid model; 2 of them: /parallel/tp: arch.heads (4) is not divisible by tp (3)" "$root/examples/models/tiny-gpt.json" --gpus 3 --space tp=3 pp=1 cp=1
+# 6. plan says what run would refuse (one rule, planner/runtime_limits.h).
+model "$root/examples/models/tiny-moe.json" "$tmp/moe-tp.json" 'm["parallel"].update({"tp": 2, "sp": False})'
+timed 60 "$memplan" plan "$tmp/moe-tp.json" -q -o "$tmp/moe-tp.plan.json"
+[ "$rc" -eq 0 ] && grep -q "warning: memplan run does not execute this layout yet: /parallel/sp: MoE under tp > 1" "$tmp/err" \
+  && ok || bad "plan of MoE at tp 2 without sp: exit $rc: $(cat "$tmp/err")"
+# 8. Minor: a bare --budget below a MiB warns; --global-batch in hex is refused;
+#    import hf names the config's key; a multi-step dump is replaced.
+timed 60 "$memplan" plan "$root/examples/models/tiny-gpt.json" --budget 80 -q
+grep -q "warning: --budget 80 is 80 bytes" "$tmp/err" && ok || bad "--budget 80: $(cat "$tmp/err")"
+timed 20 "$memplan" search "$root/examples/models/tiny-gpt.json" --gpus 8 --global-batch 0x10 -q
+[ "$rc" -eq 2 ] && grep -q "expected a decimal integer, got 0x10" "$tmp/err" && ok || bad "--global-batch 0x10: exit $rc: $(cat "$tmp/err")"
+python3 - "$tmp/cfg.json" <<'PY'
+import json, sys
+json.dump({"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 8,
+           "num_key_value_heads": 3, "intermediate_size": 512, "vocab_size": 1000,
+           "max_position_embeddings": 256}, open(sys.argv[1], "w"))
+PY
+timed 20 "$memplan" import hf "$tmp/cfg.json" --gpus 1 --global-batch 1 --seq 128 -o "$tmp/cfg.model.json"
+[ "$rc" -eq 2 ] && grep -q "cfg.json: /num_key_value_heads (the imported model's /arch/kv_heads)" "$tmp/err" && ok \
+  || bad "import hf kv_heads: exit $rc: $(cat "$tmp/err")"
+"$memplan" plan "$root/examples/models/tiny-gpt.json" -q -o "$tmp/d.plan.json" 2>/dev/null
+"$memplan" run "$tmp/d.plan.json" -q --steps 2 --dump "$tmp/dumpdir" -o "$tmp/d1.json" 2>"$tmp/err" \
+  && "$memplan" run "$tmp/d.plan.json" -q --steps 2 --dump "$tmp/dumpdir" -o "$tmp/d2.json" 2>"$tmp/err" && ok \
+  || bad "a multi-step dump replaced: $(cat "$tmp/err")"
 fi
 
 echo "hostile_surfaces_$section: $pass passed, $fail failed"

@@ -347,7 +347,7 @@ TEST_CASE("import megatron: arguments it cannot translate are refused by name") 
   CHECK(MegatronError(s + "--num-experts 8 --moe-layer-freq ([0]*3+[1]*2)").find("the pattern has 5 layers") !=
         std::string::npos);
   CHECK(MegatronError(s + "--num-experts 8 --moe-layer-freq ([0]*").find("--moe-layer-freq") != std::string::npos);
-  CHECK(MegatronError(s + "--tensor-model-parallel-size 2", 3) == "--gpus: 3 is not divisible by tp * pp * cp = 2");
+  CHECK(MegatronError(s + "--tensor-model-parallel-size 2", 3) == "args.txt: --gpus 3 is not divisible by the arguments' tp * pp * cp = 2");
   CHECK(MegatronError(s, 32).find("--global-batch-size: global batch size (16) is not divisible by micro batch size "
                                   "(1) times data parallel size (32)") != std::string::npos);
   CHECK(MegatronError(s + "--num-layers 99999999999").find("--num-layers: expected an integer") != std::string::npos);

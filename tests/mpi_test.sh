@@ -484,6 +484,32 @@ took=$(($(date +%s) - start))
   && grep -q "rank 1 runs a plan of the same model with other storage decisions than rank 0's" "$tmp/err" && ok \
   || bad "equal digests, other decisions: exit $rc after $took s: $(cat "$tmp/err")"
 
+# 11b. (issue 41) search under mpirun: a process started with another model
+#     or another --budget is refused by every process at start-up, said once
+#     by rank 0, exit 2, nothing written (rank 0 merged the other's verdicts).
+for other in "$root/examples/models/tiny-llama.json --gpus 8" "$root/examples/models/tiny-gpt.json --gpus 8 --budget 40MiB" \
+             "$root/examples/models/tiny-gpt.json --gpus 16"; do
+  rm -f "$tmp/search.mpi.json"
+  MEMPLAN_COMM_TIMEOUT_S=30 timeout 60 "${mpi[@]}" -np 1 "$memplan" search "$root/examples/models/tiny-gpt.json" --gpus 8 -q \
+    -o "$tmp/search.mpi.json" : -np 1 "$memplan" search $other -q >"$tmp/out" 2>"$tmp/err"
+  rc=$?
+  [ "$rc" -eq 2 ] && [ "$(grep -c '^memplan:' "$tmp/err")" -eq 1 ] && grep -q "search under mpirun: rank 1 was started with" "$tmp/err" \
+    && [ ! -e "$tmp/search.mpi.json" ] && ok || bad "search with $other on rank 1: exit $rc: $(cat "$tmp/err")"
+done
+# A usage error under mpirun is said once.
+timeout 60 "${mpi[@]}" -np 2 "$memplan" search "$root/examples/models/tiny-gpt.json" -q >"$tmp/out" 2>"$tmp/err"
+rc=$?
+[ "$rc" -ne 0 ] && [ "$(grep -c '^memplan:' "$tmp/err")" -eq 1 ] && ok || bad "usage error under mpirun: exit $rc: $(cat "$tmp/err")"
+# A process that exits before MPI starts (here: another command) no longer
+# holds the others inside MPI_Init: they end within MEMPLAN_COMM_TIMEOUT_S.
+start=$(date +%s)
+MEMPLAN_COMM_TIMEOUT_S=4 timeout 60 "${mpi[@]}" -np 1 "$memplan" search "$root/examples/models/tiny-gpt.json" --gpus 8 -q : \
+  -np 1 "$memplan" plan "$root/examples/models/tiny-gpt.json" -q >"$tmp/out" 2>"$tmp/err"
+rc=$?
+took=$(($(date +%s) - start))
+[ "$rc" -ne 0 ] && [ "$took" -le 30 ] && grep -q "MPI start-up did not finish within 4 s" "$tmp/err" && ok \
+  || bad "a rank that never starts MPI: exit $rc after $took s: $(cat "$tmp/err")"
+
 # 12. --dump when another rank dies: mpirun ends rank 0 (SIGTERM), which
 #     removes its staging directory; nothing is left beside the target.
 model "$root/examples/models/tiny-llama.json" "$tmp/long.json" 'm["train"]["microbatches"] = 64; m.pop("budget", None)'

@@ -8,6 +8,19 @@
 
 namespace memplan::cli {
 
+namespace {
+
+// Integers as a person writes them: decimal digits only (CLI11 would read
+// 0x10 as 16 and 1e3 as 1000).
+const CLI::Validator kDecimal(
+    [](std::string& s) -> std::string {
+      const bool digits = !s.empty() && std::all_of(s.begin(), s.end(), [](char ch) { return ch >= '0' && ch <= '9'; });
+      return digits ? std::string() : "expected a decimal integer, got " + s.substr(0, 40);
+    },
+    "INT");
+
+}  // namespace
+
 Expected<Command> ParseCommandLine(const std::vector<std::string>& args) {
   Command c;
   CLI::App app{"memplan: plan, execute and verify the GPU memory of LLM training", "memplan"};
@@ -43,7 +56,7 @@ Expected<Command> ParseCommandLine(const std::vector<std::string>& args) {
   plan->add_option("--threads", c.threads,
                    "threads for the per-rank stages (default: MEMPLAN_THREADS, else every core); any count gives the "
                    "same plan")
-      ->check(CLI::Range(1, 1024));
+      ->check(kDecimal)->check(CLI::Range(1, 1024));
   bool plan_quiet = false;
   plan->add_flag("-q,--quiet", plan_quiet, "no table");
 
@@ -53,22 +66,22 @@ Expected<Command> ParseCommandLine(const std::vector<std::string>& args) {
       "search", "Find the fastest parallel layout of MODEL.json that fits on N GPUs; print the top layouts, the "
                 "Pareto front and why layouts were rejected (under mpirun: layouts shared among the processes)");
   search->add_option("model", search_model, "model file (memplan.model/1)")->required();
-  search->add_option("--gpus", c.gpus, "GPUs in the job (tp x pp x cp x dp)")->required()->check(CLI::Range(1, 1 << 20));
+  search->add_option("--gpus", c.gpus, "GPUs in the job (tp x pp x cp x dp)")->required()->check(kDecimal)->check(CLI::Range(1, 1 << 20));
   search->add_option("--budget", c.budget, "device budget, e.g. 120GiB (default: the model's)");
   target_options(search);
   search->add_option("--global-batch", c.global_batch,
                      "sequences per step (default: the model's micro_batch x microbatches x dp)")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
+      ->check(kDecimal)->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
   search->add_option("--space", c.space,
                      "values to try, e.g. pp=1,2,4 vp=1,2 tp=1,2 cp=1 ep=1,8 dp=... micro_batch=1,2 zero=0,1 sp=0,1 "
                      "pipeline_zero2=0,1 grad_offload=none,host lighter_ends=0,1,2 (default: from the model and --gpus)")
       ->expected(1, 64);
-  search->add_option("--top", c.top, "layouts in the table (default 10)")->check(CLI::Range(1, 1000));
+  search->add_option("--top", c.top, "layouts in the table (default 10)")->check(kDecimal)->check(CLI::Range(1, 1000));
   search->add_option("-o,--output", search_out, "write SEARCH.json (memplan.search/1)");
   search->add_option("--best-model", c.best_model, "write the best layout as a model file for memplan plan");
   search->add_option("--threads", c.threads, "threads (default: MEMPLAN_THREADS, else every core); any count gives "
                                              "the same result")
-      ->check(CLI::Range(1, 1024));
+      ->check(kDecimal)->check(CLI::Range(1, 1024));
   search->add_flag("--exhaustive", c.exhaustive,
                    "plan every layout (default: stop planning layouts whose base step exceeds the top K's steps; "
                    "the best K are the same, the Pareto front then covers every layout)");
@@ -80,20 +93,21 @@ Expected<Command> ParseCommandLine(const std::vector<std::string>& args) {
   import->require_subcommand(1);
   auto* hf = import->add_subcommand("hf", "From a Hugging Face config.json and the run's layout");
   hf->add_option("config", import_in, "config.json")->required();
-  hf->add_option("--gpus", c.gpus, "GPUs in the run (tp x pp x cp x dp)")->required()->check(CLI::Range(1, 1 << 20));
+  hf->add_option("--gpus", c.gpus, "GPUs in the run (tp x pp x cp x dp)")->required()->check(kDecimal)->check(CLI::Range(1, 1 << 20));
   hf->add_option("--global-batch", c.global_batch, "sequences per optimizer step")
       ->required()
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
-  hf->add_option("--seq", c.seq, "sequence length")->required()->check(CLI::Range(1, 1 << 24));
-  hf->add_option("--micro-batch", c.micro_batch, "sequences per microbatch (default 1)")->check(CLI::Range(1, 1 << 16));
+      ->check(kDecimal)->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
+  hf->add_option("--seq", c.seq, "sequence length")->required()->check(kDecimal)->check(CLI::Range(1, 1 << 24));
+  hf->add_option("--micro-batch", c.micro_batch, "sequences per microbatch (default 1)")->check(kDecimal)->check(CLI::Range(1, 1 << 16));
   for (auto [flag, field] : {std::pair{"--tp", &c.tp}, {"--pp", &c.pp}, {"--vp", &c.vp}, {"--ep", &c.ep}, {"--cp", &c.cp}}) {
-    hf->add_option(flag, *field, std::string(flag + 2) + " size (default 1)")->check(CLI::Range(1, 1 << 20));
+    hf->add_option(flag, *field, std::string(flag + 2) + " size (default 1)")->check(kDecimal)->check(CLI::Range(1, 1 << 20));
   }
   hf->add_flag("--sp", c.sp, "sequence parallelism with tp");
   hf->add_option("--zero", c.zero, "ZeRO stage 0, 1 (default: the distributed optimizer), 2 or 3 (FSDP)")
-      ->check(CLI::Range(0, 3));
+      ->check(kDecimal)->check(CLI::Range(0, 3));
   hf->add_option("--optimizer", c.optimizer, "adam (default) or muon")->check(CLI::IsMember({"adam", "muon"}));
-  hf->add_option("--hardware", c.hardware, "h100 (default), a100, h800, h200, b200")->check(CLI::IsMember({"a100", "h100", "h800", "h200", "b200"}));
+  hf->add_option("--hardware", c.hardware, "h100 (default), a100, h800, h200, b200, host (the CPU backend's)")
+      ->check(CLI::IsMember({"a100", "h100", "h800", "h200", "b200", "host"}));
   hf->add_flag("--no-mtp", c.no_mtp, "plan without the checkpoint's multi-token-prediction layers");
   hf->add_option("--name", c.name, "the model's name (default: the config's _name_or_path, else the file's)");
   hf->add_option("-o,--output", import_out, "write MODEL.json (default: stdout)");
@@ -101,9 +115,9 @@ Expected<Command> ParseCommandLine(const std::vector<std::string>& args) {
   megatron->add_option("args", import_in, "a file of arguments")->required();
   megatron->add_option("--gpus", c.gpus, "the world size (Megatron takes it from its launcher)")
       ->required()
-      ->check(CLI::Range(1, 1 << 20));
-  megatron->add_option("--hardware", c.hardware, "h100 (default), a100, h800, h200, b200")
-      ->check(CLI::IsMember({"a100", "h100", "h800", "h200", "b200"}));
+      ->check(kDecimal)->check(CLI::Range(1, 1 << 20));
+  megatron->add_option("--hardware", c.hardware, "h100 (default), a100, h800, h200, b200, host (the CPU backend's)")
+      ->check(CLI::IsMember({"a100", "h100", "h800", "h200", "b200", "host"}));
   megatron->add_option("--name", c.name, "the model's name (default: the file's)");
   megatron->add_flag("--as-written", c.as_written,
                      "store every tensor as the arguments say (their recompute and offload modules, the rest "
@@ -174,7 +188,7 @@ Expected<Command> ParseCommandLine(const std::vector<std::string>& args) {
                   "N > 1: DIR/step<k>/ per step)");
   run->add_option("--steps", c.steps, "optimizer steps, each on fresh microbatches (default 1); MEASURED.json lists "
                                       "each step's loss and peaks")
-      ->check(CLI::Range(int64_t{1}, int64_t{10000}));
+      ->check(kDecimal)->check(CLI::Range(int64_t{1}, int64_t{10000}));
   run->add_flag("-q,--quiet", run_quiet, "no table, no progress");
 
   std::string calibrate_out;
@@ -282,6 +296,25 @@ std::string LaunchOptions(const Command& c) {
       {"--backend", c.backend},  {"--allocator", c.allocator},      {"--no-cupti", given(c.no_cupti)},
       {"-o", given(!c.output.empty())}, {"--trace", given(!c.trace.empty())}, {"--dump", given(!c.dump.empty())},
       {"--steps", std::to_string(c.steps)}};
+  std::string out;
+  for (const auto& [name, value] : options) out += std::string(name) + "=" + value + "\n";
+  return out;
+}
+
+std::string SearchLaunchOptions(const Command& c, const std::string& model_digest) {
+  std::string space;
+  for (const auto& a : c.space) space += (space.empty() ? "" : " ") + a;
+  const std::pair<const char*, std::string> options[] = {
+      {"model digest", model_digest},
+      {"--gpus", std::to_string(c.gpus)},
+      {"--budget", c.budget.empty() ? "the model's" : c.budget},
+      {"--global-batch", c.global_batch > 0 ? std::to_string(c.global_batch) : "the model's"},
+      {"--space", space.empty() ? "the default" : space},
+      {"--top", std::to_string(c.top)},
+      {"--exhaustive", c.exhaustive ? "given" : "not given"},
+      {"--target", c.target.empty() ? "the model's" : c.target},
+      {"--headroom", c.headroom.empty() ? "the default" : c.headroom},
+      {"--expandable-segments", c.expandable_segments ? "given" : "not given"}};
   std::string out;
   for (const auto& [name, value] : options) out += std::string(name) + "=" + value + "\n";
   return out;

@@ -91,6 +91,10 @@ Expected<Command> ParseCommandLine(const std::vector<std::string>& args);
 // all agree. Lines from another memplan (garbage included) are a mismatch,
 // never an exception.
 std::string LaunchOptions(const Command& command);
+// A `search` command's: the model's digest (after --target options) and
+// every option that changes which layouts exist or how they rank (the
+// processes split the layouts by index and rank 0 merges their verdicts).
+std::string SearchLaunchOptions(const Command& command, const std::string& model_digest);
 std::optional<std::string> LaunchMismatch(const std::vector<std::string>& gathered);
 
 // Executes `command`; returns the process exit status (design: 0 success,

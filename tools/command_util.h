@@ -16,6 +16,9 @@ namespace memplan::cli {
 
 // Prints "memplan: MESSAGE" on stderr; returns the error's exit code.
 int Fail(const Error& e);
+// --budget SIZE; warns on stderr when a bare number is below a MiB (meant
+// in GiB, surely).
+Expected<int64_t> ParseBudget(const std::string& text);
 
 // Every bad-input message names the file and a JSON pointer: a library
 // error raised where no location was known (a total overflowing deep in

@@ -44,6 +44,18 @@ int Fail(const Error& e) {
   return static_cast<int>(e.code);
 }
 
+Expected<int64_t> ParseBudget(const std::string& text) {
+  auto bytes = ParseBytes(text);
+  if (!bytes) return Error{ErrorCode::kBadInput, "--budget: " + bytes.error().message};
+  // A bare number is bytes; below a MiB it is almost surely meant in GiB.
+  const bool bare = !text.empty() && std::all_of(text.begin(), text.end(), [](char ch) { return ch >= '0' && ch <= '9'; });
+  if (bare && *bytes < (int64_t{1} << 20)) {
+    std::fprintf(stderr, "memplan: warning: --budget %s is %s bytes (a number without a unit is bytes; for gibibytes "
+                 "write %sGiB)\n", text.c_str(), text.c_str(), text.c_str());
+  }
+  return bytes;
+}
+
 Error Located(Error e, const std::string& file) {
   if (e.code == ErrorCode::kBadInput && e.message.rfind(file + ": ", 0) != 0 &&
       e.message.rfind(file + " /", 0) != 0 && e.message.rfind("rank ", 0) != 0) {  // rank N: another rank's
@@ -114,8 +126,8 @@ int RunPlan(const Command& c) {
   if (auto ok = ApplyTargetOptions(c, &*model); !ok) return Fail(ok.error());
   planner::PlanOptions options;
   if (!c.budget.empty()) {
-    auto bytes = ParseBytes(c.budget);
-    if (!bytes) return Fail({ErrorCode::kBadInput, "--budget: " + bytes.error().message});
+    auto bytes = ParseBudget(c.budget);
+    if (!bytes) return Fail(bytes.error());
     options.budget = *bytes;
   }
   options.solver = c.solver == "exact" ? planner::SolverKind::kExact : planner::SolverKind::kHeuristic;
@@ -515,7 +527,8 @@ int ChildStatus(int status) {
 // no profile or trace: memplan says so on stderr); 5 when it succeeded but
 // left no profile (it never allocated device memory, or CUPTI could not
 // attach, which the library says on stderr); 127 when it could not be run.
-// SIGTERM, SIGINT or SIGHUP is forwarded to the program; once it ended,
+// SIGTERM, SIGINT or SIGHUP is forwarded to the program and every process
+// it started (its own process group); once it ended,
 // memplan removes its temporary directory and ends by the same signal.
 int RunProfile(const Command& c) {
   namespace fs = std::filesystem;
@@ -550,6 +563,7 @@ int RunProfile(const Command& c) {
     return Fail({ErrorCode::kRuntime, "profile: fork failed: " + std::string(std::strerror(errno))});
   }
   if (pid == 0) {
+    ::setpgid(0, 0);  // its own process group: a forwarded signal reaches its children too
     ::sigprocmask(SIG_SETMASK, &previous, nullptr);
     ::setenv("CUDA_INJECTION64_PATH", lib.c_str(), 1);
     ::setenv("MEMPLAN_PROFILE_OUT", profile.c_str(), 1);
@@ -561,6 +575,7 @@ int RunProfile(const Command& c) {
     std::fprintf(stderr, "memplan: profile: cannot run %s: %s\n", OneLine(c.child[0]).c_str(), std::strerror(errno));
     std::_Exit(127);
   }
+  ::setpgid(pid, pid);  // as the child does, whichever runs first
   ForwardSignalsTo(pid);
   ::sigprocmask(SIG_SETMASK, &previous, nullptr);
   int status = 0;

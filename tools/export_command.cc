@@ -14,6 +14,50 @@
 
 namespace memplan::cli {
 
+namespace {
+
+// Export re-plans the embedded model and exports that plan's decisions, so
+// the file must be what this planner makes of its model: a decision or a
+// peak edited by hand (or written by another memplan) is refused, as `run`
+// refuses it (docs/export.md).
+Expected<std::monostate> SameAsReplan(const Json& doc, const planner::Model& model, const std::string& file) {
+  auto plan = planner::BuildPlan(model);
+  if (!plan) return plan.error();
+  const Json mine = Json::parse(planner::PlanToJson(*plan).dump());
+  const std::string why = ": export re-plans the embedded model and exports that plan's decisions, so it refuses a "
+                          "plan edited by hand or made by another memplan (re-plan it: memplan plan MODEL -o PLAN.json)";
+  const Json* tensors = doc.contains("tensors") ? &doc["tensors"] : nullptr;
+  if (tensors == nullptr || !tensors->is_array() || tensors->size() != mine["tensors"].size()) {
+    return Error{ErrorCode::kBadInput, file + ": /tensors: " + std::to_string(mine["tensors"].size()) +
+                                           " saved tensors expected" + why};
+  }
+  for (size_t i = 0; i < tensors->size(); ++i) {
+    const Json& t = (*tensors)[i];
+    const Json& m = mine["tensors"][i];
+    for (const char* key : {"name", "effective"}) {
+      if (!t.is_object() || !t.contains(key) || t[key] != m[key]) {
+        return Error{ErrorCode::kBadInput, file + ": /tensors/" + std::to_string(i) + "/" + key + ": " +
+                                               (t.is_object() && t.contains(key) ? t[key].dump() : "missing") +
+                                               ", this planner's " + m[key].dump() + why};
+      }
+    }
+  }
+  const Json* ranks = doc.contains("ranks") ? &doc["ranks"] : nullptr;
+  for (size_t r = 0; r < mine["ranks"].size(); ++r) {
+    for (const char* key : {"peak", "lower_bound"}) {
+      const Json& m = mine["ranks"][r][key];
+      if (ranks == nullptr || !ranks->is_array() || r >= ranks->size() || !(*ranks)[r].is_object() ||
+          !(*ranks)[r].contains(key) || (*ranks)[r][key] != m) {
+        return Error{ErrorCode::kBadInput, file + ": /ranks/" + std::to_string(r) + "/" + key + ": differs from this "
+                                               "planner's " + m.dump() + why};
+      }
+    }
+  }
+  return std::monostate{};
+}
+
+}  // namespace
+
 int RunExport(const Command& c) {
   if (auto ok = CheckOutputs({c.output}, c.input); !ok) return Fail(ok.error());
   auto doc = ReadJsonFile(c.input);
@@ -21,6 +65,7 @@ int RunExport(const Command& c) {
   // The embedded model, read as `run` reads it (schema, digest).
   auto model = planner::ReadPlanModel(*doc, c.input);
   if (!model) return Fail(model.error());
+  if (auto same = SameAsReplan(*doc, *model, c.input); !same) return Fail(same.error());
   if (c.import_kind == "megatron") {
     // What Megatron's plan keeps free (the plan's own target is the one
     // compared; the settings are chosen for Megatron).

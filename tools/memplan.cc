@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "cli.h"
+#include "memplan/runtime/comm.h"
 
 int main(int argc, char** argv) {
   // A reader that goes away (`memplan plan ... -o /dev/stdout | head`) is a
@@ -14,7 +15,10 @@ int main(int argc, char** argv) {
   std::vector<std::string> args(argv + 1, argv + argc);
   auto command = memplan::cli::ParseCommandLine(args);
   if (!command) {
-    std::fprintf(stderr, "memplan: %s\n", memplan::OneLine(command.error().message).c_str());
+    // Under mpirun every process parses the same arguments: rank 0 says it.
+    if (memplan::runtime::LaunchRank() <= 0) {
+      std::fprintf(stderr, "memplan: %s\n", memplan::OneLine(command.error().message).c_str());
+    }
     return static_cast<int>(command.error().code);
   }
   return memplan::cli::RunCommand(*command);

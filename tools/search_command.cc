@@ -1,10 +1,12 @@
 // `memplan search`: layouts spread over threads, and under mpirun over
 // processes (layout i on process i mod P); rank 0 gathers every verdict in
 // enumeration order, so the output is the single-process one.
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
+#include <map>
 #include <mutex>
 #include <thread>
 
@@ -60,8 +62,8 @@ int RunSearch(const Command& c) {
   options.top = c.top;
   options.exhaustive = c.exhaustive;
   if (!c.budget.empty()) {
-    auto bytes = ParseBytes(c.budget);
-    if (!bytes) return Fail({ErrorCode::kBadInput, "--budget: " + bytes.error().message});
+    auto bytes = ParseBudget(c.budget);
+    if (!bytes) return Fail(bytes.error());
     options.budget = *bytes;
   }
   if (c.global_batch > 0) options.global_batch = c.global_batch;
@@ -80,6 +82,14 @@ int RunSearch(const Command& c) {
   }
   const size_t rank = comm ? static_cast<size_t>(comm->rank()) : 0;
   const size_t procs = comm ? static_cast<size_t>(comm->size()) : 1;
+  if (comm) {
+    // Each process searches its share by index and rank 0 merges them: all
+    // must enumerate the same layouts of the same model and rank them alike.
+    if (auto why = LaunchMismatch(comm->AllGather(SearchLaunchOptions(c, planner::ModelDigest(*model))))) {
+      if (rank != 0) return static_cast<int>(ErrorCode::kBadInput);  // rank 0 says it, once
+      return Fail({ErrorCode::kBadInput, "search under mpirun: " + *why});
+    }
+  }
   std::vector<size_t> mine;
   for (size_t i = rank; i < layouts->size(); i += procs) mine.push_back(i);
 
@@ -157,6 +167,20 @@ int RunSearch(const Command& c) {
   }
   if (auto st = out.Commit(); !st) return Fail(st.error());
   if (!c.quiet) std::fputs(planner::RenderSearchTable(result).c_str(), stdout);
+  if (result.ranked.empty() && !result.candidates.empty() &&
+      std::all_of(result.candidates.begin(), result.candidates.end(),
+                  [](const Candidate& k) { return k.verdict == planner::Verdict::kInvalid; })) {
+    // No layout is a valid model: say why (the most frequent refusal), not
+    // the budget.
+    std::map<std::string, size_t> reasons;
+    for (const Candidate& k : result.candidates) ++reasons[k.detail.empty() ? k.reason : k.detail];
+    auto most = std::max_element(reasons.begin(), reasons.end(),
+                                 [](const auto& a, const auto& b) { return a.second < b.second; });
+    return Fail({ErrorCode::kBadInput, "search: none of " + std::to_string(result.candidates.size()) +
+                                           " layouts is a valid model; " + std::to_string(most->second) + " of them: " +
+                                           most->first + (reasons.size() > 1 ? " (and " + std::to_string(reasons.size() - 1) +
+                                           " other reasons: -o SEARCH.json lists each)" : "")});
+  }
   if (result.ranked.empty()) {
     return Fail({ErrorCode::kInfeasible, "search: none of " + std::to_string(result.candidates.size()) +
                                              " layouts fits the budget " + FormatBytes(result.budget) +

@@ -73,7 +73,9 @@ void OnSignal(int sig) {
   const int saved = errno;
   if (const pid_t child = g_child.load(); child > 0) {
     g_forwarded.store(sig);
-    (void)::kill(child, sig);
+    // The child leads its own process group (memplan profile): the whole
+    // group gets it, so a shell's children end with the shell.
+    if (::kill(-child, sig) != 0) (void)::kill(child, sig);
     errno = saved;
     return;
   }

@@ -130,12 +130,14 @@ Expected<Target> Classify(std::string path, bool want_directory) {
   return t;
 }
 
-// A directory a previous dump wrote: only directories and *.npy files.
+// A directory a previous dump wrote: only directories and *.npy files, in
+// a one-step dump's folders (DIR/initial/*.npy) or a multi-step dump's
+// (DIR/step2/updated/*.npy).
 bool LooksLikeDump(const std::string& dir) {
   std::error_code ec;
   for (auto it = fs::recursive_directory_iterator(dir, ec); !ec && it != fs::recursive_directory_iterator();
        it.increment(ec)) {
-    if (it.depth() > 1) return false;
+    if (it.depth() > 2) return false;
     if (it->is_directory(ec)) continue;
     if (!it->is_regular_file(ec) || it->path().extension() != ".npy") return false;
   }

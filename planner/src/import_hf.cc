@@ -1,5 +1,7 @@
 // `memplan import hf` (import.h, docs/import.md): a Hugging Face
 // config.json to a memplan.model/1 document.
+#include <utility>
+#include <vector>
 #include <algorithm>
 #include <filesystem>
 #include <map>
@@ -295,6 +297,35 @@ Json ArchOf(const Json& config, const std::string& file, Family family, const st
   return a;
 }
 
+// An error the imported model raised at an /arch field the config gave,
+// said at the config's own key (the user edits config.json, not the
+// generated model): "/arch/kv_heads" -> "/num_key_value_heads".
+Error ToConfigKeys(Error e, const Json& config, const std::string& file) {
+  static const std::pair<const char*, std::vector<const char*>> kKeys[] = {
+      {"/arch/kv_heads", {"num_key_value_heads"}},
+      {"/arch/heads", {"num_attention_heads", "n_head"}},
+      {"/arch/hidden", {"hidden_size", "n_embd"}},
+      {"/arch/layers", {"num_hidden_layers", "n_layer"}},
+      {"/arch/vocab", {"vocab_size"}},
+      {"/arch/head_dim", {"head_dim"}},
+      {"/arch/ffn_hidden", {"intermediate_size", "n_inner"}},
+      {"/arch/moe/experts", {"num_local_experts", "n_routed_experts", "num_experts"}},
+      {"/arch/moe/top_k", {"num_experts_per_tok", "moe_topk"}},
+  };
+  const std::string prefix = file + " (imported): ";
+  if (e.message.rfind(prefix, 0) != 0) return e;
+  for (const auto& [generated, keys] : kKeys) {
+    const std::string at = prefix + generated;
+    if (e.message.rfind(at, 0) != 0 || (e.message.size() > at.size() && e.message[at.size()] != ':')) continue;
+    for (const char* key : keys) {
+      if (!config.contains(key)) continue;
+      e.message = file + ": /" + key + " (the imported model's " + generated + ")" + e.message.substr(at.size());
+      return e;
+    }
+  }
+  return e;
+}
+
 }  // namespace
 
 Expected<OrderedJson> ImportHuggingFace(const Json& config, const std::string& file, const ImportOptions& o) {
@@ -347,7 +378,7 @@ Expected<OrderedJson> ImportHuggingFace(const Json& config, const std::string& f
     // The document must be one the planner reads; its errors name the
     // imported model's pointer (the layout flags map onto /parallel).
     auto parsed = ParseModel(Json::parse(model.dump()), file + " (imported)");
-    if (!parsed) throw ErrorException(parsed.error());
+    if (!parsed) throw ErrorException(ToConfigKeys(parsed.error(), config, file));
     return model;
   });
 }

@@ -478,7 +478,8 @@ OrderedJson Build(const Args& args, const ImportOptions& o) {
   m.fine_grained_offloading = args.Flag("--fine-grained-activation-offloading");
   m.offload_modules = words(args.String("--offload-modules", ""));
   if (o.gpus % (tp * pp * cp) != 0) {
-    ThrowError(ErrorCode::kBadInput, "--gpus: " + std::to_string(o.gpus) + " is not divisible by tp * pp * cp = " +
+    ThrowError(ErrorCode::kBadInput, args.file() + ": --gpus " + std::to_string(o.gpus) +
+                                         " is not divisible by the arguments' tp * pp * cp = " +
                                          std::to_string(tp * pp * cp));
   }
   if (auto why = ValidateMegatronArgs(m)) {

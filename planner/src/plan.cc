@@ -1,4 +1,5 @@
 #include "memplan/planner/plan.h"
+#include "memplan/planner/runtime_limits.h"
 
 #include <fnmatch.h>
 
@@ -231,6 +232,12 @@ Plan BuildPlanOrThrow(const Model& input, const PlanOptions& options) {
   if (model.budget > model.hardware.device_memory) {
     plan.warnings.push_back("budget " + FormatBytes(model.budget) + " exceeds device memory " +
                             FormatBytes(model.hardware.device_memory) + " (what-if plan)");
+  }
+  if (model.target.kind == TargetKind::kMemplan) {
+    // What `memplan run` would refuse, said now (planner/runtime_limits.h).
+    std::string gaps;
+    for (const std::string& g : RuntimeLayoutGaps(model)) gaps += (gaps.empty() ? "" : "; ") + g;
+    if (!gaps.empty()) plan.warnings.push_back("memplan run does not execute this layout yet: " + gaps);
   }
   plan.digest = ModelDigest(model);
   plan.solver = options.solver;

@@ -16,6 +16,9 @@ Error Bad(const std::string& message) { return Error{ErrorCode::kBadInput, messa
 }  // namespace
 
 Expected<Model> ReadPlanModel(const Json& plan, const std::string& file) {
+  if (plan.is_object() && plan.contains("arch") && !plan.contains("model")) {
+    return Bad(file + ": this is a model file, not a plan; run `memplan plan " + file + " -o PLAN.json` first");
+  }
   if (!plan.is_object() || !plan.contains("model") || !plan.contains("tensors")) {
     return Bad(file + ": not a memplan plan (expected an object with /model and /tensors)");
   }

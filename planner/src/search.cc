@@ -3,6 +3,7 @@
 #include "memplan/planner/search.h"
 
 #include <algorithm>
+#include <set>
 #include <atomic>
 #include <limits>
 #include <mutex>
@@ -217,6 +218,10 @@ Expected<std::vector<Layout>> EnumerateLayouts(const Model& base, const SearchOp
                                            FormatFixed(kMaxCombinations, 0) + " (narrow the lists)"};
   }
   std::vector<Layout> out;
+  // Why layouts were left out, by the first rule each failed: when none is
+  // left the error says which rule removed them (exit 2, not a budget).
+  std::set<int64_t> grids, dps;
+  int64_t shapes = 0, dividing = 0, dp_listed = 0, batch_ok = 0, offload_ok = 0;
   for (int64_t tp : s.tp)
     for (int64_t sp : s.sp) {
       if (sp && tp == 1) continue;  // sequence parallelism is over the TP group
@@ -224,17 +229,24 @@ Expected<std::vector<Layout>> EnumerateLayouts(const Model& base, const SearchOp
         for (int64_t vp : s.vp) {
           if (vp > 1 && pp == 1) continue;  // interleaving is across pipeline ranks
           for (int64_t cp : s.cp) {
+            ++shapes;
             const int64_t grid = tp * pp * cp;
+            grids.insert(grid);
             if (o.gpus % grid != 0) continue;
+            ++dividing;
             const int64_t dp = o.gpus / grid;
+            dps.insert(dp);
             if (!s.dp.empty() && !Contains(s.dp, dp)) continue;
+            ++dp_listed;
             for (int64_t ep : s.ep)
               for (int64_t mb : s.micro_batch) {
                 if (g % (mb * dp) != 0) continue;
+                ++batch_ok;
                 for (int64_t zero : s.zero)
                   for (int64_t pz2 : s.pipeline_zero2)
                     for (int64_t off : s.grad_offload) {
                       if (off && !pz2) continue;  // host gradient offload is pipeline ZeRO-2's
+                      ++offload_ok;
                       for (int64_t ends : s.lighter_ends) {
                       if (ends > 0 && !LighterEndsLayout(base.arch.layers, pp, vp, ends)) continue;
                       Layout l;
@@ -253,7 +265,32 @@ Expected<std::vector<Layout>> EnumerateLayouts(const Model& base, const SearchOp
           }
         }
     }
-  return out;
+  if (!out.empty()) return out;
+  auto list = [](const auto& values) {
+    std::string text;
+    for (int64_t v : values) text += (text.empty() ? "" : ",") + std::to_string(v);
+    return "{" + text + "}";
+  };
+  std::string why;
+  if (shapes == 0) {
+    why = "the space pairs sp only with tp 1 or vp > 1 only with pp 1 (sequence parallelism needs tp > 1, "
+          "interleaving pp > 1)";
+  } else if (dividing == 0) {
+    why = "--gpus " + std::to_string(o.gpus) + " is not a multiple of any tp x pp x cp of the space (products " +
+          list(grids) + ")";
+  } else if (dp_listed == 0) {
+    why = "--space dp=" + list(s.dp) + ": --gpus " + std::to_string(o.gpus) + " over the space's tp x pp x cp gives dp " +
+          list(dps) + " only";
+  } else if (batch_ok == 0) {
+    why = "the global batch " + std::to_string(g) + " is not a multiple of micro_batch x dp for any layout (micro_batch " +
+          list(s.micro_batch) + ", dp " + list(dps) + ")";
+  } else if (offload_ok == 0) {
+    why = "grad_offload=1 needs pipeline_zero2=1, which the space leaves out";
+  } else {
+    why = "lighter_ends=" + list(s.lighter_ends) + " divides the " + std::to_string(base.arch.layers) +
+          " layers over no pp x vp of the space with lighter first and last stages";
+  }
+  return Error{ErrorCode::kBadInput, "search: no layout exists: " + why};
 }
 
 std::string_view VerdictName(Verdict v) {

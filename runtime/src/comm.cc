@@ -5,6 +5,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <cstdio>
+#include <mutex>
+#include <condition_variable>
 #include <deque>
 #include <string>
 #include <thread>
@@ -19,6 +22,17 @@
 #endif
 
 namespace memplan::runtime {
+
+int LaunchRank() {
+  for (const char* v : {"OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"}) {
+    if (const char* r = std::getenv(v)) {
+      char* end = nullptr;
+      const long rank = std::strtol(r, &end, 10);
+      if (end != r && *end == '\0' && rank >= 0) return static_cast<int>(rank);
+    }
+  }
+  return -1;
+}
 
 bool LaunchedByMpi() {
   for (const char* v : {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE"}) {
@@ -205,11 +219,34 @@ Expected<std::unique_ptr<Communicator>> MakeMpiCommunicator(double timeout_s) {
   int initialized = 0;
   MPI_Initialized(&initialized);
   if (!initialized) {
+    // MPI's start-up waits for every process of the launch; one that exits
+    // first (a usage error, another program) would hold this one there for
+    // ever. A watchdog bounds it: MEMPLAN_COMM_TIMEOUT_S, or 120 s.
+    const double bound = std::getenv("MEMPLAN_COMM_TIMEOUT_S") != nullptr ? timeout_s : std::min(timeout_s, 120.0);
+    std::mutex m;
+    std::condition_variable cv;
+    bool started = false;
+    std::thread watchdog([&] {
+      std::unique_lock<std::mutex> lock(m);
+      if (cv.wait_for(lock, std::chrono::duration<double>(bound), [&] { return started; })) return;
+      std::fprintf(stderr,
+                   "memplan: rank %d: MPI start-up did not finish within %.0f s: another process of this launch "
+                   "exited before starting MPI (see its message) or is not memplan (MEMPLAN_COMM_TIMEOUT_S sets "
+                   "the bound)\n",
+                   LaunchRank(), bound);
+      std::fflush(stderr);
+      std::_Exit(static_cast<int>(ErrorCode::kRuntime));
+    });
     int provided = 0;
     // Only the main thread calls MPI (copy engines never do).
-    if (MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided) != MPI_SUCCESS) {
-      return Error{ErrorCode::kRuntime, "MPI_Init_thread failed"};
+    const int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided);
+    {
+      std::lock_guard<std::mutex> lock(m);
+      started = true;
     }
+    cv.notify_all();
+    watchdog.join();
+    if (rc != MPI_SUCCESS) return Error{ErrorCode::kRuntime, "MPI_Init_thread failed"};
   }
   return std::unique_ptr<Communicator>(new MpiCommunicator(timeout_s, MPI_COMM_WORLD));
 }

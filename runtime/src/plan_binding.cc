@@ -2,6 +2,7 @@
 // plan's storage decisions, Check verifies them, and tensors bind to buffers
 // (executor_impl.h).
 #include "executor_impl.h"
+#include "memplan/planner/runtime_limits.h"
 #include "op_impls.h"
 
 namespace memplan::runtime::exec {
@@ -26,18 +27,9 @@ Expected<std::monostate> Executor::Setup() {
   // each reason with its JSON path or op).
   std::vector<std::string> why;
   const auto& par = model_.parallel;
-  if (par.cp > 1) {
-    // Context parallelism (docs/runtime.md, "Context parallelism"); not yet with:
-    const auto& a = model_.arch;
-    bool kda = false;
-    for (int64_t l = 0; l < a.layers; ++l) kda = kda || a.IsLinearAttentionLayer(l);
-    const int64_t half = model_.train.seq_len / (2 * par.cp);
-    if (kda && half % a.linear_attention->chunk != 0) {
-      why.push_back("/model/arch/linear_attention/chunk: KDA under cp > 1 needs whole chunks in each of a rank's two "
-                    "parts of the sequence (seq_len / (2 cp) = " + std::to_string(half) + " is not a multiple of " +
-                    std::to_string(a.linear_attention->chunk) + ")");
-    }
-  }
+  // The layouts the runtime does not execute yet: `plan` warns of the same
+  // rule (planner/runtime_limits.h).
+  for (const std::string& gap : planner::RuntimeLayoutGaps(model_)) why.push_back("/model" + gap);
   // Data, expert and tensor parallelism run one process per rank: their
   // reductions and exchanges are real.
   struct Dim {
@@ -53,52 +45,13 @@ Expected<std::monostate> Executor::Setup() {
                     std::to_string(par.Processes()) + " memplan run ...)");
     }
   }
-  if (par.tp > 1) {
-    // Tensor parallelism (docs/runtime.md, "Tensor parallelism"); not yet with:
-    const std::string tp = std::to_string(par.tp);
-    if (model_.arch.vocab % par.tp != 0) {
-      why.push_back("/model/arch/vocab (" + std::to_string(model_.arch.vocab) + ") is not divisible by tp (" + tp +
-                    "): the runtime splits the vocabulary evenly (Megatron pads it: --make-vocab-size-divisible-by)");
-    }
-    if (model_.arch.moe && par.dp == 1 && (par.zero >= 1 || par.pipeline_zero2)) {
-      why.push_back("/model/parallel/zero: routed experts under tp > 1 with dp 1 and a sharded optimizer (the plan "
-                    "shards them over tp / ep replicas) are not executed yet");
-    }
-    if (model_.arch.moe && !par.sp) {
-      why.push_back("/model/parallel/sp: MoE under tp > 1 needs sequence parallelism (each tensor-parallel rank "
-                    "routes its own tokens, as Megatron requires)");
-    }
-  }
   if (model_.arch.position_embeddings > 0) {
     why.push_back("/model/arch/position_embeddings: learned positions are planned (their table, gradient and "
                   "optimizer state) but not executed yet");
   }
-  if (par.zero >= 3) {
-    // ZeRO-3 executes unit by unit (docs/runtime.md, "ZeRO-3"); not yet with:
-    if (par.pipeline_zero2) why.push_back("/model/parallel/pipeline_zero2: not executed together with ZeRO-3");
-    if (model_.train.grad_dtype != planner::DType::kFP32) {
-      why.push_back("/model/train/grad_dtype: ZeRO-3 executes fp32 gradients");
-    }
-  }
   if (model_.arch.mtp_layers > 0) {
     why.push_back("/model/arch/mtp_layers: multi-token prediction is planned but not executed yet");
   }
-  if (model_.arch.moe && model_.arch.moe->RoutedRowsFactor(model_.parallel.ep) < 1) {
-    why.push_back("/model/arch/moe/capacity_factor is below 1: the runtime drops routed tokens only past an "
-                  "expert rank's capacity, never a rank's own");
-  }
-  if (par.dp > 1 && par.zero >= 2 && !par.pipeline_zero2 && model_.train.grad_dtype != planner::DType::kFP32) {
-    why.push_back("/model/train/grad_dtype: ZeRO-2 with dp > 1 executes fp32 gradients (its partitions add fp32 "
-                  "ranges)");
-  }
-  if (par.pipeline_zero2 && par.pp == 1 && par.vp > 1 && model_.arch.tied_embeddings) {
-    why.push_back("/model/parallel/pipeline_zero2: a tied head in another chunk than its embedding on one pipeline "
-                  "rank (their gradient is one buffer, bound chunk by chunk)");
-  }
-  if (par.pipeline_zero2 && model_.train.grad_dtype != planner::DType::kFP32) {
-    why.push_back("/model/parallel/pipeline_zero2: its double buffer executes fp32 gradients");
-  }
-
   // Activations and weights in fp32 or bf16 (bf16: on the host backend, the
   // kernels computing in fp32 on each op's widened operands); gradients and
   // optimizer state in fp32.

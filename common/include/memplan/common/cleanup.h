@@ -30,8 +30,8 @@ void DropCleanupPath(int slot);
 void RemoveCleanupPaths();
 
 // Until ForwardSignalsTo(0): a terminating signal is sent on to `child`
-// (which then ends, and the caller's waitpid returns) instead of ending
-// this process. ForwardedSignal() is the last signal forwarded, or 0.
+// and its process group when it leads one (which then ends, and the
+// caller's waitpid returns) instead of ending this process. ForwardedSignal() is the last signal forwarded, or 0.
 void ForwardSignalsTo(pid_t child);
 int ForwardedSignal();
 // Ends this process by `sig` as if it had not been caught (after the

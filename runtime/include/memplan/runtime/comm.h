@@ -92,6 +92,9 @@ Expected<std::unique_ptr<DeviceCommunicator>> MakeNcclCommunicator(Communicator&
 
 // Whether this process was started by an MPI launcher (mpirun, srun with
 // PMIx): OpenMPI's, PMIx's or PMI's rank variables are set.
+// This process's rank in its mpirun launch (from the launcher's
+// environment, before MPI starts), or -1 outside one.
+int LaunchRank();
 bool LaunchedByMpi();
 
 // MPI_Init and the world communicator; MPI_Finalize when it is destroyed.
