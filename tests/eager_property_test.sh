@@ -16,8 +16,7 @@ command -v mpirun >/dev/null || { echo "eager property: mpirun not found"; exit 
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-"$memplan" plan "$root/examples/models/tiny-llama.json" -o "$tmp/probe.json" -q || exit 1
-if mpirun --oversubscribe -np 2 "$memplan" run "$tmp/probe.json" -q 2>&1 | grep -q "built without MPI"; then
+if ! ldd "$memplan" 2>/dev/null | grep -q "libmpi"; then
   echo "eager property: memplan was built without MPI"; exit 77
 fi
 

@@ -33,7 +33,9 @@ PY
 }
 
 "$memplan" plan "$root/examples/models/tiny-llama.json" -o "$tmp/llama.plan.json" -q || { echo "plan failed"; exit 1; }
-if "${mpi[@]}" -np 2 "$memplan" run "$tmp/llama.plan.json" -q 2>&1 | grep -q "built without MPI"; then
+# Built with MPI: it links libmpi (cheaper than a two-process probe run,
+# which every section paid).
+if ! ldd "$memplan" 2>/dev/null | grep -q "libmpi"; then
   echo "mpi: memplan was built without MPI"; exit 77
 fi
 
@@ -502,12 +504,14 @@ rc=$?
 [ "$rc" -ne 0 ] && [ "$(grep -c '^memplan:' "$tmp/err")" -eq 1 ] && ok || bad "usage error under mpirun: exit $rc: $(cat "$tmp/err")"
 # A process that exits before MPI starts (here: another command) no longer
 # holds the others inside MPI_Init: they end within MEMPLAN_COMM_TIMEOUT_S.
+# (The issue's launch: rank 0 starts a second late; rank 1 has exited by
+# then. Before the watchdog rank 0 waited in MPI_Init for ever.)
 start=$(date +%s)
-MEMPLAN_COMM_TIMEOUT_S=4 timeout 60 "${mpi[@]}" -np 1 "$memplan" search "$root/examples/models/tiny-gpt.json" --gpus 8 -q : \
+MEMPLAN_COMM_TIMEOUT_S=2 timeout 60 "${mpi[@]}" -np 1 sh -c "sleep 1; exec '$memplan' search '$root/examples/models/tiny-gpt.json' --gpus 8 -q" : \
   -np 1 "$memplan" plan "$root/examples/models/tiny-gpt.json" -q >"$tmp/out" 2>"$tmp/err"
 rc=$?
 took=$(($(date +%s) - start))
-[ "$rc" -ne 0 ] && [ "$took" -le 30 ] && grep -q "MPI start-up did not finish within 4 s" "$tmp/err" && ok \
+[ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && [ "$took" -le 40 ] && grep -q "MPI start-up did not finish within 2 s" "$tmp/err" && ok \
   || bad "a rank that never starts MPI: exit $rc after $took s: $(cat "$tmp/err")"
 
 # 12. --dump when another rank dies: mpirun ends rank 0 (SIGTERM), which
