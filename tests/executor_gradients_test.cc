@@ -190,8 +190,8 @@ TEST_CASE("gradients match central differences: MLA") {
   CHECK(total >= 12);
 }
 
-// KDA (tiny-k3-fp32: KDA and MLA layers, latent MoE, single-copy Block
-// AttnRes, Muon, pp 2 x vp 2), every KDA role: the projections and their
+// KDA (tiny-k3-fp32 at four layers: KDA and MLA layers, latent MoE,
+// single-copy Block AttnRes, Muon, pp 2 x vp 2), every KDA role: the projections and their
 // short convolutions' taps, the low-rank gates, beta, a_log, dt_bias, the
 // gated norm (15 roles). Two microbatches and every
 // expert selected keep it short and smooth. The L2 norms of q and k curve
@@ -200,6 +200,9 @@ TEST_CASE("gradients match central differences: MLA") {
 TEST_CASE("gradients match central differences: KDA") {
   Json k3 = DenseRouting(LoadJson("examples/models/tiny-k3-fp32.json"));
   k3["train"]["microbatches"] = 2;
+  // Four layers (MLA, then three KDA layers with MoE, one per pipeline
+  // chunk) hold every KDA role: the other four only lengthened each run.
+  k3["arch"]["layers"] = 4;
   int total = CheckCase({"tiny-k3-fp32-kda", k3, "kda.", 3e-4f});
   CHECK(total == 15);
 }
