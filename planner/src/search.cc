@@ -186,7 +186,11 @@ SearchSpace SearchSpaceDefaults(const Model& base, const SearchOptions& o) {
   }
   fill(s.micro_batch, {1, 2, base.train.micro_batch});
   fill(s.zero, {p.zero});
-  fill(s.sp, {p.sp ? 1 : 0});
+  if (s.sp.empty()) {
+    // SP follows tp: the model's own sp is no reason to leave it off at tp > 1.
+    s.sp = {0, 1};
+    s.sp_follows_tp = true;
+  }
   fill(s.pipeline_zero2, {p.pipeline_zero2 ? 1 : 0});
   fill(s.grad_offload, {p.grad_offload_host ? 1 : 0});
   fill(s.lighter_ends, {0, 1});
@@ -225,6 +229,7 @@ Expected<std::vector<Layout>> EnumerateLayouts(const Model& base, const SearchOp
   for (int64_t tp : s.tp)
     for (int64_t sp : s.sp) {
       if (sp && tp == 1) continue;  // sequence parallelism is over the TP group
+      if (s.sp_follows_tp && (sp != 0) != (tp > 1)) continue;
       for (int64_t pp : s.pp)
         for (int64_t vp : s.vp) {
           if (vp > 1 && pp == 1) continue;  // interleaving is across pipeline ranks
@@ -589,6 +594,11 @@ Expected<bool> ApplyStepBound(std::vector<Candidate>* candidates, int top) {
       MarkStepBound(&cs[i], kth);  // again: a share's message names its own bound
       continue;
     }
+    // A layout that fits within the K-th best step is among the top K: its
+    // own earlier rounds (under a framework target, settings that were
+    // dropped later) may have solved slower than it ends, and must not
+    // demote it (DeepSeek-V3 on 2,048 H800 lost its only fitting layout so).
+    if (cs[i].verdict == Verdict::kFits && cs[i].step_s <= kth) continue;
     // Solved, not placed: canonical whichever share planned it. A share
     // stops at the first round whose solved step exceeds the K-th best step
     // it knew of, never below this one: the first round past this bound is
