@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # End-to-end checks of the memplan command line: exit codes, one-line errors
 # naming file and JSON pointer, no output left behind on failure.
-# Usage: cli_test.sh MEMPLAN [commands|import|search|hostile|calibrate] (default: all; the
+# Usage: cli_test.sh MEMPLAN [commands|import|search|firsthour|hostile|calibrate] (default: all; the
 # test suite runs them as three tests so that none nears its time limit).
 set -u
 memplan="$1"
@@ -412,6 +412,108 @@ grep -q "/graph" "$tmp/err" && ok || bad "search an explicit graph: $(cat "$tmp/
 expect_exit 2 "search -o onto its input" "$memplan" search "$tmp/expanded.json" --gpus 8 -o "$tmp/expanded.json"
 MEMPLAN_TIMING=1 "$memplan" plan "$root/examples/models/tiny-gpt.json" -q 2>"$tmp/err" && grep -q "peak RSS" "$tmp/err" && ok \
   || bad "MEMPLAN_TIMING without the planner's memory: $(cat "$tmp/err")"
+fi
+
+if want firsthour; then
+# A user's first hour (issue 42): what import, plan and search assumed, on
+# stderr with the flag or field that changes each, -q silencing it; the
+# --storage and --host-memory switches recorded in PLAN.json; search's SP
+# following tp, and its ends column saying what its key says.
+assumed() {  # assumed FILE ROW TEXT...: the assumptions block has ROW holding each TEXT
+  python3 - "$@" <<'PY'
+import sys
+err, row, texts = open(sys.argv[1]).read(), sys.argv[2], sys.argv[3:]
+lines = err.splitlines()
+assert lines and lines[0] == "assumptions (-q hides this):", err[:300]
+assert sum(l == lines[0] for l in lines) == 1, "the block is printed more than once"
+hits = [l for l in lines if l.startswith(row + " ")]
+assert len(hits) == 1, (row, err)
+for t in texts:
+    assert t in hits[0], (row, t, hits[0])
+PY
+}
+expect_exit 0 "import hf qwen3-30b-a3b" "$memplan" import hf "$root/tests/data/hf/qwen3-30b-a3b.json" --gpus 64 \
+  --global-batch 512 --seq 4096 --ep 8 -o "$tmp/qwen3.json"
+checked=0
+for row in "parameters|30.53 B total|3.35 B active per token" "hardware|h100 preset|79.65 GiB per GPU|--hardware" \
+           "budget|= 79.65 GiB less 1.59 GiB|budget" "dtypes|activations bf16|gradients fp32|train.grad_dtype" \
+           "optimizer|Adam|ZeRO-1|--optimizer, --zero" "layout|ep 8|dp 64|--tp --pp" "sequence parallel|off (tp 1)|--sp" \
+           "attention|flash|4 kv heads (GQA)|arch.attention" "MoE|128 experts, top 8|skew 1.20" \
+           "storage|keep,recompute,fp8,offload_host,offload_remote|fp8 changes numerics" \
+           "host memory|256.00 GiB pinned per GPU|2.00 TiB per node"; do
+  IFS='|' read -r -a parts <<<"$row"
+  assumed "$tmp/err" "${parts[@]}" && checked=$((checked + 1)) || bad "import's assumption ${parts[0]}: $(cat "$tmp/err")"
+done
+[ "$checked" -eq 11 ] && ok
+expect_exit 0 "import hf -q" "$memplan" import hf "$root/tests/data/hf/qwen3-30b-a3b.json" --gpus 64 \
+  --global-batch 512 --seq 4096 --ep 8 -q -o "$tmp/qwen3q.json"
+[ ! -s "$tmp/err" ] && cmp -s "$tmp/qwen3.json" "$tmp/qwen3q.json" && ok || bad "import -q: $(cat "$tmp/err")"
+# plan: the same block after planning (an error stays one line), -q none.
+expect_exit 0 "plan tiny-llama" "$memplan" plan "$root/examples/models/tiny-llama.json" --budget 35MiB -o "$tmp/fh.plan.json"
+assumed "$tmp/err" budget "35.00 MiB per GPU (--budget)" && assumed "$tmp/err" storage "--storage, storage" \
+  && assumed "$tmp/err" "host memory" "--host-memory, hardware.host_memory" && ok || bad "plan's assumptions: $(cat "$tmp/err")"
+expect_exit 0 "plan -q" "$memplan" plan "$root/examples/models/tiny-llama.json" -q -o "$tmp/q.plan.json"
+[ ! -s "$tmp/err" ] && ok || bad "plan -q printed: $(cat "$tmp/err")"
+# --storage: only the kinds given, recorded in PLAN.json's model; run
+# replays it; a kind that does not exist is a usage error, nothing written.
+expect_exit 0 "plan --storage keep,recompute" "$memplan" plan "$root/examples/models/tiny-llama.json" --budget 35MiB \
+  --storage keep,recompute -q -o "$tmp/kr.plan.json"
+python3 - "$tmp/fh.plan.json" "$tmp/kr.plan.json" <<'PY' && ok || bad "--storage keep,recompute is not what the plan did"
+import json, sys
+free, kr = (json.load(open(f)) for f in sys.argv[1:3])
+used = lambda p: {x for t in p["tensors"] for x in t["effective"]}
+assert used(free) - {"keep", "recompute"}, ("the unrestricted plan uses nothing else: no evidence", used(free))
+assert used(kr) <= {"keep", "recompute"} and "recompute" in used(kr), used(kr)
+assert kr["model"]["storage"] == ["keep", "recompute"] and "storage" not in free["model"], kr["model"].get("storage")
+PY
+expect_exit 0 "run the --storage plan" "$memplan" run "$tmp/kr.plan.json" -q -o "$tmp/kr.m.json"
+expect_exit 0 "plan --storage keep" "$memplan" plan "$root/examples/models/tiny-llama.json" --budget 35MiB --storage keep \
+  -q -o "$tmp/k.plan.json"
+grep -q "do not fit: --storage allows only keep" "$tmp/err" && ok || bad "--storage keep, not fitting: $(cat "$tmp/err")"
+expect_exit 2 "--storage with a kind that is not one" "$memplan" plan "$root/examples/models/tiny-llama.json" \
+  --storage keep,fp4 -o "$tmp/never.json"
+[ ! -e "$tmp/never.json" ] && [ "$(wc -l <"$tmp/err")" -eq 1 ] && grep -q -- '--storage: .*got "fp4"' "$tmp/err" && ok \
+  || bad "--storage fp4: $(cat "$tmp/err")"
+expect_exit 0 "plan --host-memory" "$memplan" plan "$root/examples/models/tiny-llama.json" --budget 35MiB \
+  --host-memory 64KiB -o "$tmp/hm.plan.json"
+python3 - "$tmp/fh.plan.json" "$tmp/hm.plan.json" <<'PY' && ok || bad "--host-memory is not in PLAN.json or not kept"
+import json, sys
+free, hm = (json.load(open(f)) for f in sys.argv[1:3])
+assert hm["model"]["hardware"]["host_memory"] == 64 << 10
+assert max(r["host_peak"] for r in free["ranks"]) > 64 << 10, "the free plan stays under 64 KiB anyway: no evidence"
+assert all(r["host_peak"] <= 64 << 10 for r in hm["ranks"]), [r["host_peak"] for r in hm["ranks"]]
+PY
+assumed "$tmp/err" "host memory" "64.00 KiB pinned per GPU" && grep -q "pinned to recompute so that offloaded activations fit" \
+  "$tmp/err" && ok || bad "--host-memory: $(cat "$tmp/err")"
+expect_exit 2 "--host-memory 0" "$memplan" plan "$root/examples/models/tiny-llama.json" --host-memory 0 -o "$tmp/never.json"
+[ ! -e "$tmp/never.json" ] && grep -q -- "--host-memory: expected a size between 1 B" "$tmp/err" && ok || bad "--host-memory 0: $(cat "$tmp/err")"
+# search: the block once, what the default space leaves out, SP following
+# tp (sp off in the model), the ends column equal to the key's ends=.
+python3 -c "import json,sys; m=json.load(open(sys.argv[1])); m['parallel']['sp']=False; json.dump(m, open(sys.argv[2],'w'))" \
+  "$root/examples/models/tiny-llama.json" "$tmp/nosp.json"
+expect_exit 0 "search, SP unset" "$memplan" search "$tmp/nosp.json" --gpus 8 -o "$tmp/sp.json"
+assumed "$tmp/err" "sequence parallel" "follows tp" && grep -q "^left out: .*other ZeRO stages" "$tmp/err" \
+  && [ "$(grep -c '^search space (defaults)' "$tmp/err")" -eq 1 ] && ok || bad "search's assumptions: $(cat "$tmp/err")"
+python3 - "$tmp/sp.json" "$tmp/out" <<'PY' && ok || bad "search: SP does not follow tp, or ends disagree"
+import json, re, sys
+s, table = json.load(open(sys.argv[1])), open(sys.argv[2]).read()
+assert s["space"]["sp_follows_tp"] is True
+layouts = [c["layout"] for c in s["layouts"]]
+assert any(l["tp"] > 1 for l in layouts) and all(l["sp"] == (l["tp"] > 1) for l in layouts)
+# The table's ends column, row by row, against the layout's key.
+rows = [l for l in table.splitlines() if re.match(r"^\s*\d+\s", l)][: len(s["ranked"])]
+shown = 0
+for line, i in zip(rows, s["ranked"]):
+    cells = line.split()
+    if len(cells) < 4: continue
+    assert cells[3] == str(s["layouts"][i]["layout"]["lighter_ends"]), (line, s["layouts"][i]["layout"])
+    shown += 1
+assert shown >= 3, shown
+assert "ends=-" not in table and " -1 " not in table
+PY
+expect_exit 0 "search --space sp=0" "$memplan" search "$tmp/nosp.json" --gpus 8 --space sp=0 -q -o "$tmp/sp0.json"
+[ ! -s "$tmp/err" ] && python3 -c "import json,sys; s=json.load(open(sys.argv[1])); assert all(not c['layout']['sp'] for c in s['layouts']) and 'sp_follows_tp' not in s['space']" \
+  "$tmp/sp0.json" && ok || bad "search --space sp=0 or -q: $(cat "$tmp/err")"
 fi
 
 if want hostile || want calibrate; then

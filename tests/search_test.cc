@@ -131,6 +131,8 @@ TEST_CASE("search: the best layout is the brute force's, which plans every combi
                         for (int64_t sp : s.sp)
                           for (int64_t ends : s.lighter_ends) {
                           if (ends > 0 && !LighterEndsLayout(base.arch.layers, pp, vp, ends)) continue;
+                          // The space's definition: sp given, or following tp.
+                          if (s.sp_follows_tp && (sp != 0) != (tp > 1)) continue;
                           Layout l;
                           l.lighter_ends = ends;
                           l.tp = tp, l.pp = pp, l.vp = vp, l.cp = cp, l.ep = ep;

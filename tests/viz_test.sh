@@ -78,7 +78,8 @@ if want browser; then
 # 2. A tiny model, plan only, in the browser.
 "$memplan" plan "$root/examples/models/tiny-llama.json" -o "$tmp/ll.plan.json" -q
 "$memplan" viz "$tmp/ll.plan.json" -o "$tmp/ll.html" >/dev/null && ok || bad "viz tiny-llama"
-browse "$tmp/ll.html" ll && ok || bad "chromium on the plan-only report"
+# (Opened at #memory: the anchor check below reads this page.)
+browse "$tmp/ll.html#memory" ll && ok || bad "chromium on the plan-only report"
 rendered ll ranks memory schedule && ok || bad "plan-only report: $(tail -3 "$tmp/ll.log")"
 
 # 3. The full report: plan + MEASURED.json + TRACE.json.
@@ -102,6 +103,67 @@ grep -q "down-sampled to 4000 points" "$tmp/k3.dom" && ok || bad "the K3-like re
 grep -q "outside the framework, per GPU (the bars' grey base; fits: peak + these &lt;= budget): cuda_context 512.00 MiB" "$tmp/k3.dom" \
   && ! grep -q 'class="note runtime-items"' "$tmp/ll.dom" && ok || bad "the runtime items are not in the K3-like report (or are in the host one)"
 echo "K3-like report: $(( $(date +%s) - start )) s in the browser, $(stat -c %s "$tmp/k3.html") bytes"
+
+# 4b. A report that reads right (issue 42), on the K3-like plan (GPU preset,
+# 725 saved tensors) and the tiny plan with a sweep and host offloads: the
+# header's facts; every category's colour apart (CIE76 delta E) and visible
+# on the white chart; one peak per memory chart, the table's, with the lower
+# bound named; the budget line net of the memory outside the framework;
+# y axes from 0; the tensor table collapsed with a control; the page opened
+# at #memory scrolled there and not blank; a sweep's infeasible budgets as a
+# shaded band with no y value; the host chart's pinned-memory line.
+python3 - "$tmp/k3.dom" "$tmp/k3.plan.json" "$tmp/r.dom" "$tmp/r.plan.json" <<'PY' && ok || bad "the report does not read right"
+import html, json, re, sys
+dom, plan, rdom, rplan = open(sys.argv[1]).read(), json.load(open(sys.argv[2])), open(sys.argv[3]).read(), json.load(open(sys.argv[4]))
+checked = 0
+def fmt(b):  # MP.fmtBytes
+    return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.2f} MiB" if b >= 2**20 else f"{b / 1024:.1f} KiB" if b >= 1024 else f"{b} B"
+facts = dict(re.findall(r'data-fact="([^"]+)"><dt>[^<]*</dt><dd>([^<]*)</dd>', dom))
+for key, want in [("step", " ms (modelled)"), ("tokens/s per GPU", "MFU"), ("global batch", "tokens"), ("layout", "ZeRO-"),
+                  ("hardware", "GiB per GPU"), ("dtypes", "bf16"), ("storage", "keep")]:
+    assert want in html.unescape(facts.get(key, "")), (key, facts)
+    checked += 1
+views = {m.group(1): dict(re.findall(r'data-([a-z-]+)="([^"]*)"', m.group(2)))
+         for m in re.finditer(r'<section id="([a-z]+)" class="view"([^>]*)>', dom)}
+assert int(views["ranks"]["colors"]) >= 6 and float(views["ranks"]["min-delta-e"]) >= 20, views["ranks"]
+assert float(views["ranks"]["min-contrast"]) >= 1.8, views["ranks"]
+for name in ("ranks", "memory"):
+    assert float(views[name]["y-min"]) == 0, (name, views[name])
+checked += 4
+for r in plan["ranks"]:
+    head = f"pp rank {r['pp_rank']}: peak {fmt(r['peak'])} (placed arena, as in the table); lower bound {fmt(r['lower_bound'])}"
+    assert head in dom, head
+    checked += 1
+runtime = plan["ranks"][0]["static"]["runtime"]
+assert runtime > 0 and f"budget less {fmt(runtime)} outside the framework" in dom, runtime
+assert int(views["tensors"]["rows"]) == 25 and f"show all {len(plan['tensors'])} rows" in dom, views["tensors"]
+body = dict(re.findall(r'data-([a-z-]+)="([^"]*)"', re.search(r"<body([^>]*)>", dom).group(1)))
+assert int(body["page-height"]) < 10000, body["page-height"]  # 21,700 px before the table was collapsed
+rviews = {m.group(1): dict(re.findall(r'data-([a-z-]+)="([^"]*)"', m.group(2)))
+          for m in re.finditer(r'<section id="([a-z]+)" class="view"([^>]*)>', rdom)}
+bad = sum(not p["fits"] for p in rplan["sweep"])
+assert int(rviews["tradeoff"]["infeasible"]) == bad and float(rviews["tradeoff"]["y-min"]) == 0, rviews["tradeoff"]
+assert bad == 0 or f"{bad} of {len(rplan['sweep'])} budgets do not fit (shaded)" in rdom, bad
+assert 'class="note host-limit"' in rdom and "pinned host memory per GPU" in rdom
+checked += 5
+print(f"report reads right: {checked} checks, {len(plan['ranks'])} memory headings, {bad} infeasible sweep points")
+PY
+# Opened at #memory: that view first under the header, the page at its
+# top, and the screenshot not blank (headless Chromium shows nothing of a
+# scrolled page, so the browser's jump to the anchor came out blank).
+timeout 90 "$chromium" --headless --no-sandbox --disable-gpu --no-first-run --user-data-dir="$tmp/profile" \
+  --host-resolver-rules="MAP * ~NOTFOUND" --virtual-time-budget=30000 --window-size=1000,700 \
+  --screenshot="$tmp/anchor.png" "file://$tmp/r.html#memory" >/dev/null 2>&1
+read -r _ _ ink < <(python3 "$root/tests/png_ink.py" "$tmp/anchor.png")
+[ "${ink:-0}" -gt 1000 ] && ok || bad "the report opened at #memory is blank ($ink pixels of ink)"
+python3 - "$tmp/ll.dom" <<'PY' && ok || bad "#memory is not the first view, or the page scrolled"
+import re, sys
+dom = open(sys.argv[1]).read()
+body = dict(re.findall(r'data-([a-z-]+)="([^"]*)"', re.search(r"<body([^>]*)>", dom).group(1)))
+first = re.search(r'<section id="([a-z]+)" class="view"', dom).group(1)
+assert first == "memory" and body["scroll-y"] == "0" and 0 < int(body["anchor-top"]) < 600, (first, body)
+PY
+echo "report opened at #memory: $ink sampled pixels of ink"
 
 # 5. Hostile strings (issue 23, class 1): a model name and trace events
 # whose names open an HTML comment and a script, close the data element, or

@@ -45,6 +45,17 @@ Expected<Command> ParseCommandLine(const std::vector<std::string>& args) {
                   "target megatron: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True");
   };
   target_options(plan);
+  // What may be done with saved tensors and how much host memory is there.
+  auto storage_options = [&](CLI::App* sub) {
+    sub->add_option("--storage", c.storage,
+                    "storage kinds the planner may choose, comma-separated from keep, recompute, fp8, offload_host, "
+                    "offload_remote (default: all; keep always). fp8 changes numerics; offloads need pinned host "
+                    "memory or another rank's");
+    sub->add_option("--host-memory", c.host_memory,
+                    "pinned host memory per GPU for offloads, a size (default: the hardware preset's); PLAN.json's "
+                    "model records it as hardware.host_memory");
+  };
+  storage_options(plan);
   plan->add_option("--solver", c.solver, "heuristic (default) or exact (MILP through CBC; small models)")
       ->check(CLI::IsMember({"heuristic", "exact"}));
   plan->add_flag("--sweep", c.sweep, "also print the budget / added step time trade-off curve");
@@ -58,7 +69,7 @@ Expected<Command> ParseCommandLine(const std::vector<std::string>& args) {
                    "same plan")
       ->check(kDecimal)->check(CLI::Range(1, 1024));
   bool plan_quiet = false;
-  plan->add_flag("-q,--quiet", plan_quiet, "no table");
+  plan->add_flag("-q,--quiet", plan_quiet, "no table, no assumptions, no progress");
 
   std::string search_model, search_out;
   bool search_quiet = false;
@@ -69,6 +80,7 @@ Expected<Command> ParseCommandLine(const std::vector<std::string>& args) {
   search->add_option("--gpus", c.gpus, "GPUs in the job (tp x pp x cp x dp)")->required()->check(kDecimal)->check(CLI::Range(1, 1 << 20));
   search->add_option("--budget", c.budget, "device budget, e.g. 120GiB (default: the model's)");
   target_options(search);
+  storage_options(search);
   search->add_option("--global-batch", c.global_batch,
                      "sequences per step (default: the model's micro_batch x microbatches x dp)")
       ->check(kDecimal)->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
@@ -85,7 +97,7 @@ Expected<Command> ParseCommandLine(const std::vector<std::string>& args) {
   search->add_flag("--exhaustive", c.exhaustive,
                    "plan every layout (default: stop planning layouts whose base step exceeds the top K's steps; "
                    "the best K are the same, the Pareto front then covers every layout)");
-  search->add_flag("-q,--quiet", search_quiet, "no table, no progress");
+  search->add_flag("-q,--quiet", search_quiet, "no table, no assumptions, no progress");
 
   std::string import_in, import_out;
   auto* import = app.add_subcommand(
@@ -111,6 +123,7 @@ Expected<Command> ParseCommandLine(const std::vector<std::string>& args) {
   hf->add_flag("--no-mtp", c.no_mtp, "plan without the checkpoint's multi-token-prediction layers");
   hf->add_option("--name", c.name, "the model's name (default: the config's _name_or_path, else the file's)");
   hf->add_option("-o,--output", import_out, "write MODEL.json (default: stdout)");
+  hf->add_flag("-q,--quiet", c.quiet, "no assumptions block on stderr");
   auto* megatron = import->add_subcommand("megatron", "From a Megatron-LM argument list (pretrain_gpt.py's)");
   megatron->add_option("args", import_in, "a file of arguments")->required();
   megatron->add_option("--gpus", c.gpus, "the world size (Megatron takes it from its launcher)")
@@ -123,6 +136,7 @@ Expected<Command> ParseCommandLine(const std::vector<std::string>& args) {
                      "store every tensor as the arguments say (their recompute and offload modules, the rest "
                      "kept, as Megatron does) instead of letting memplan decide the rest");
   megatron->add_option("-o,--output", import_out, "write MODEL.json (default: stdout)");
+  megatron->add_flag("-q,--quiet", c.quiet, "no assumptions block on stderr");
 
   std::string export_in, export_out;
   auto* exp = app.add_subcommand(
@@ -314,7 +328,9 @@ std::string SearchLaunchOptions(const Command& c, const std::string& model_diges
       {"--exhaustive", c.exhaustive ? "given" : "not given"},
       {"--target", c.target.empty() ? "the model's" : c.target},
       {"--headroom", c.headroom.empty() ? "the default" : c.headroom},
-      {"--expandable-segments", c.expandable_segments ? "given" : "not given"}};
+      {"--expandable-segments", c.expandable_segments ? "given" : "not given"},
+      {"--storage", c.storage.empty() ? "the model's" : c.storage},
+      {"--host-memory", c.host_memory.empty() ? "the model's" : c.host_memory}};
   std::string out;
   for (const auto& [name, value] : options) out += std::string(name) + "=" + value + "\n";
   return out;

@@ -32,6 +32,10 @@ struct Command {
   std::string target;
   std::string headroom;
   bool expandable_segments = false;
+  // plan, search: --storage (allowed kinds, planner::ParseStorageKinds) and
+  // --host-memory SIZE; "" keeps the model's.
+  std::string storage;
+  std::string host_memory;
   std::string solver = "heuristic";
   int threads = 0;  // --threads (0: the default, common/parallel.h)
   bool sweep = false;

@@ -44,8 +44,11 @@ Expected<bool> StageJson(OutputFiles& out, const std::string& path, const J& doc
 
 // --target, --headroom and --expandable-segments applied to `model`
 // (plan, search, export): the target's mechanisms (planner/target.h); the
-// headroom a size or a percentage of the device's memory.
-Expected<bool> ApplyTargetOptions(const Command& c, planner::Model* model);
+// headroom a size or a percentage of the device's memory. --storage and
+// --host-memory (plan, search) too: they become the model's `storage` and
+// `hardware.host_memory`, so PLAN.json's model records them and a replay
+// (run, check, export) plans the same.
+Expected<bool> ApplyModelOptions(const Command& c, planner::Model* model);
 
 // `memplan search` (search_command.cc).
 int RunSearch(const Command& c);

@@ -26,6 +26,7 @@
 #include "memplan/common/table.h"
 #include "memplan/common/units.h"
 #include "memplan/planner/model.h"
+#include "memplan/planner/assumptions.h"
 #include "memplan/planner/plan.h"
 #include "memplan/planner/target.h"
 #include "memplan/runtime/calibrate.h"
@@ -82,7 +83,7 @@ Expected<bool> CheckOutputs(std::vector<std::string> files, const std::string& i
   return OutputFiles::CheckAll(files, directories);
 }
 
-Expected<bool> ApplyTargetOptions(const Command& c, planner::Model* model) {
+Expected<bool> ApplyModelOptions(const Command& c, planner::Model* model) {
   if (!c.target.empty()) planner::ApplyTarget(model, *planner::TargetFromName(c.target));
   if (c.expandable_segments) {
     if (model->target.kind == planner::TargetKind::kMemplan) {
@@ -114,6 +115,17 @@ Expected<bool> ApplyTargetOptions(const Command& c, planner::Model* model) {
     model->headroom = bytes;
     model->headroom_given = true;
   }
+  if (!c.storage.empty()) {
+    auto kinds = planner::ParseStorageKinds(c.storage);
+    if (!kinds) return kinds.error();
+    model->storage = *kinds;
+  }
+  if (!c.host_memory.empty()) {
+    auto bytes = ParseBytes(c.host_memory);
+    if (!bytes) return Error{ErrorCode::kBadInput, "--host-memory: " + bytes.error().message};
+
+    model->hardware.host_memory = *bytes;
+  }
   return true;
 }
 
@@ -123,7 +135,7 @@ int RunPlan(const Command& c) {
   if (auto ok = CheckOutputs({c.output}, c.input); !ok) return Fail(ok.error());
   auto model = planner::LoadModel(c.input);
   if (!model) return Fail(Located(model.error(), c.input));
-  if (auto ok = ApplyTargetOptions(c, &*model); !ok) return Fail(ok.error());
+  if (auto ok = ApplyModelOptions(c, &*model); !ok) return Fail(ok.error());
   planner::PlanOptions options;
   if (!c.budget.empty()) {
     auto bytes = ParseBudget(c.budget);
@@ -152,6 +164,12 @@ int RunPlan(const Command& c) {
     }
   }
   if (!plan) return Fail(plan.error().code == ErrorCode::kBadInput ? Located(plan.error(), c.input) : plan.error());
+  if (!c.quiet) {
+    // What the plan took for granted (after planning: an error stays one line).
+    planner::AssumptionsContext context;
+    context.budget = options.budget;
+    std::fputs(planner::RenderAssumptions(plan->model, context).c_str(), stderr);
+  }
   for (const auto& w : plan->warnings) std::fprintf(stderr, "memplan: warning: %s\n", w.c_str());
   if (c.verify && !plan->verify_errors.empty()) {
     for (const auto& e : plan->verify_errors) std::fprintf(stderr, "memplan: verify: %s\n", e.c_str());

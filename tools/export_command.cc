@@ -71,7 +71,7 @@ int RunExport(const Command& c) {
     // compared; the settings are chosen for Megatron).
     Command for_megatron = c;
     for_megatron.target.clear();
-    if (auto ok = ApplyTargetOptions(for_megatron, &*model); !ok) return Fail(ok.error());
+    if (auto ok = ApplyModelOptions(for_megatron, &*model); !ok) return Fail(ok.error());
   }
   auto plan = planner::BuildPlan(*model);
   if (!plan) return Fail(plan.error());

@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "command_util.h"
+#include "memplan/planner/assumptions.h"
 #include "memplan/planner/import.h"
 #include "memplan/planner/model.h"
 
@@ -44,6 +45,14 @@ int RunImport(const Command& c) {
     model = planner::ImportMegatron(text.str(), c.input, o);
   }
   if (!model) return Fail(model.error());
+  if (!c.quiet) {
+    // What the import chose that the config or arguments did not say.
+    if (auto parsed = planner::ParseModel(Json::parse(model->dump()), c.output.empty() ? c.input : c.output)) {
+      planner::AssumptionsContext context;
+      context.verb = planner::AssumptionsFor::kImport;
+      std::fputs(planner::RenderAssumptions(*parsed, context).c_str(), stderr);
+    }
+  }
   if (c.output.empty()) {
     std::fputs((model->dump(2) + "\n").c_str(), stdout);
     return 0;

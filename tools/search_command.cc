@@ -16,6 +16,7 @@
 #include "memplan/common/table.h"
 #include "memplan/common/units.h"
 #include "memplan/planner/model.h"
+#include "memplan/planner/assumptions.h"
 #include "memplan/planner/search.h"
 #include "memplan/runtime/comm.h"
 
@@ -56,7 +57,7 @@ int RunSearch(const Command& c) {
   if (auto ok = CheckOutputs({c.output, c.best_model}, c.input); !ok) return Fail(ok.error());
   auto model = planner::LoadModel(c.input);
   if (!model) return Fail(Located(model.error(), c.input));
-  if (auto ok = ApplyTargetOptions(c, &*model); !ok) return Fail(ok.error());
+  if (auto ok = ApplyModelOptions(c, &*model); !ok) return Fail(ok.error());
   planner::SearchOptions options;
   options.gpus = c.gpus;
   options.top = c.top;
@@ -97,6 +98,13 @@ int RunSearch(const Command& c) {
   // search runs, whether or not a layout finished, with the time left at
   // the rate so far.
   const bool progress = !c.quiet && rank == 0;
+  if (progress) {
+    // What the search takes for granted, once (rank 0).
+    planner::AssumptionsContext context;
+    context.verb = planner::AssumptionsFor::kSearch;
+    context.budget = options.budget;
+    std::fputs((planner::RenderAssumptions(*model, context) + planner::DefaultSpaceNote(*model, options)).c_str(), stderr);
+  }
   const auto t0 = std::chrono::steady_clock::now();
   std::atomic<size_t> done_n{0}, total_n{mine.size()}, fit_n{0};
   auto report = [&](size_t n, size_t total, size_t fit) {

@@ -36,13 +36,21 @@ std::string Table::Render() const {
   for (const auto& row : rows_) {
     for (size_t c = 0; c < row.size(); ++c) width[c] = std::max(width[c], row[c].size());
   }
+  // A header sits over its column: right-aligned over numbers, left over
+  // text (a column with any text cell is text).
+  std::vector<bool> numeric(header_.size(), true);
+  for (const auto& row : rows_) {
+    for (size_t c = 0; c < row.size(); ++c) {
+      if (!row[c].empty() && !LooksNumeric(row[c])) numeric[c] = false;
+    }
+  }
   std::ostringstream out;
   auto emit = [&](const std::vector<std::string>& row, bool header) {
     for (size_t c = 0; c < row.size(); ++c) {
       if (c) out << "  ";
       size_t pad = width[c] - row[c].size();
       bool right = !header && LooksNumeric(row[c]);
-      if (header && c > 0) right = true;  // headers follow their numeric columns
+      if (header && c > 0) right = numeric[c];
       if (right) out << std::string(pad, ' ') << row[c];
       else if (c + 1 < row.size()) out << row[c] << std::string(pad, ' ');
       else out << row[c];

@@ -74,6 +74,9 @@ std::optional<std::string> StorageRefusal(const SavedTensor& t, Storage s, int64
     return std::optional<std::string>(t.name + " cannot be stored as " + name + " (" + why + ")");
   };
   if (t.shared && s != Storage::kKeep) return refuse("later layers read it in place: it is only kept");
+  for (Policy q : StoragePolicies(s)) {
+    if (!t.allowed.Allows(q)) return refuse("--storage leaves out " + std::string(PolicyName(q)));
+  }
   if (IsFp8(s) && !t.can_fp8) return refuse("fp8 needs a floating-point tensor");
   if (s == Storage::kRecompute && !t.can_recompute) return refuse("no producer chain in its layer");
   if (IsRemote(s) && pp < 2) return refuse("a remote offload needs a second pipeline rank");
@@ -91,16 +94,18 @@ double MemoryBound(const Hardware& hw, double bytes) { return hw.launch_s + Memo
 
 // Nearest legal storage for an annotation that cannot apply as written:
 // no fp8 for masks and indices, no recompute without a local producer, no
-// remote offload without a second pipeline rank.
+// remote offload without a second pipeline rank, nothing --storage leaves
+// out (a remote offload becomes a host one where that is allowed).
 Storage Fallback(const SavedTensor& t, Storage s, int64_t pp) {
   if (t.shared) return Storage::kKeep;
-  if (IsFp8(s) && !t.can_fp8) {
-    s = s == Storage::kFp8 ? Storage::kKeep : s == Storage::kFp8OffloadHost ? Storage::kOffloadHost
-                                                                           : Storage::kOffloadRemote;
-  }
-  if (s == Storage::kRecompute && !t.can_recompute) s = Storage::kKeep;
-  if (IsRemote(s) && pp < 2) s = s == Storage::kOffloadRemote ? Storage::kOffloadHost : Storage::kFp8OffloadHost;
-  return s;
+  if (s == Storage::kRecompute) return t.can_recompute && t.allowed.recompute ? s : Storage::kKeep;
+  const bool fp8 = IsFp8(s) && t.can_fp8 && t.allowed.fp8;
+  bool remote = IsRemote(s), host = IsOffload(s) && !remote;
+  if (remote && (pp < 2 || !t.allowed.offload_remote)) remote = false, host = true;
+  host = host && t.allowed.offload_host;
+  if (remote) return fp8 ? Storage::kFp8OffloadRemote : Storage::kOffloadRemote;
+  if (host) return fp8 ? Storage::kFp8OffloadHost : Storage::kOffloadHost;
+  return fp8 ? Storage::kFp8 : Storage::kKeep;
 }
 
 }  // namespace
@@ -445,6 +450,7 @@ PlanningProblem BuildProblem(const Model& model, std::vector<LayerGraph> layers,
           Chain chain;
           AddToChain(p.layers, info, layer, spec.name, true, &chain, 0);
           t.can_recompute = chain.legal;
+          t.allowed = model.storage;
           t.recompute_s = chain.seconds;
           t.recompute_extra_bytes = chain.extra_bytes;
           t.fp8_s = 2 * MemoryBound(hw, static_cast<double>(t.bytes + t.fp8_bytes));

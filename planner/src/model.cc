@@ -33,6 +33,71 @@ std::string_view PolicyName(Policy p) {
   return "?";
 }
 
+bool StorageKinds::Allows(Policy p) const {
+  switch (p) {
+    case Policy::kKeep: return true;
+    case Policy::kRecompute: return recompute;
+    case Policy::kFp8: return fp8;
+    case Policy::kOffloadHost: return offload_host;
+    case Policy::kOffloadRemote: return offload_remote;
+  }
+  return false;
+}
+
+namespace {
+
+constexpr Policy kAllPolicies[] = {Policy::kKeep, Policy::kRecompute, Policy::kFp8, Policy::kOffloadHost,
+                                   Policy::kOffloadRemote};
+
+bool* KindFlag(StorageKinds& k, Policy p) {
+  switch (p) {
+    case Policy::kRecompute: return &k.recompute;
+    case Policy::kFp8: return &k.fp8;
+    case Policy::kOffloadHost: return &k.offload_host;
+    case Policy::kOffloadRemote: return &k.offload_remote;
+    case Policy::kKeep: break;
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+Expected<StorageKinds> ParseStorageKinds(std::string_view list) {
+  StorageKinds k{false, false, false, false};
+  if (list.size() > 200) return Error{ErrorCode::kBadInput, "--storage: expected a short list of storage kinds"};
+  size_t start = 0;
+  while (start <= list.size()) {
+    const size_t comma = std::min(list.find(',', start), list.size());
+    const std::string_view word = list.substr(start, comma - start);
+    bool known = false;
+    for (Policy p : kAllPolicies) {
+      if (word != PolicyName(p)) continue;
+      known = true;
+      if (bool* flag = KindFlag(k, p)) *flag = true;
+    }
+    if (!known) {
+      return Error{ErrorCode::kBadInput, "--storage: expected a comma-separated list of keep, recompute, fp8, "
+                                         "offload_host, offload_remote, got \"" + std::string(word.substr(0, 40)) + "\""};
+    }
+    start = comma + 1;
+  }
+  return k;
+}
+
+std::vector<std::string> StorageKindNames(const StorageKinds& kinds) {
+  std::vector<std::string> out;
+  for (Policy p : kAllPolicies) {
+    if (kinds.Allows(p)) out.emplace_back(PolicyName(p));
+  }
+  return out;
+}
+
+std::string StorageKindsText(const StorageKinds& kinds) {
+  std::string out;
+  for (const auto& name : StorageKindNames(kinds)) out += (out.empty() ? "" : ",") + name;
+  return out;
+}
+
 std::vector<int64_t> DefaultPipelineLayout(int64_t layers, int64_t pp, int64_t vp) {
   int64_t per = (layers + pp - 1) / pp;
   std::vector<int64_t> out(static_cast<size_t>(pp), per);
@@ -481,6 +546,17 @@ Model ParseModelOrThrow(const Json& doc, const std::string& file) {
       m.policies.push_back(std::move(a));
     }
   }
+  if (const Json* kinds = r.Get("storage")) {
+    // Storage kinds allowed (--storage): names of policies, keep implied.
+    ExpectArray(*kinds, r.At("storage"));
+    if (kinds->size() > 8) ThrowAt(r.At("storage"), "expected at most the five storage kinds");
+    m.storage = StorageKinds{false, false, false, false};
+    for (size_t i = 0; i < kinds->size(); ++i) {
+      for (Policy p : ReadPolicy((*kinds)[i], r.At("storage").Child(i))) {
+        if (bool* flag = KindFlag(m.storage, p)) *flag = true;
+      }
+    }
+  }
   ParseTarget(r.Get("target"), r.At("target"), m);
   if (auto h = r.OptBytes("headroom")) {
     m.headroom = *h;
@@ -625,6 +701,7 @@ Json NormalizedModelJson(const Model& m) {
     policies.push_back({{"match", a.match}, {"policy", names}});
   }
   j["policies"] = policies;
+  if (!m.storage.All()) j["storage"] = StorageKindNames(m.storage);  // absent: every kind (digests unchanged)
   if (!m.graph.empty()) {
     Json layers = Json::array();
     for (const auto& g : m.graph) layers.push_back(Json::parse(g.ToJson().dump()));

@@ -504,7 +504,11 @@ Plan BuildPlanOrThrow(const Model& input, const PlanOptions& options) {
   }
   if (worst) {
     plan.warnings.push_back(std::to_string(over) + " of " + std::to_string(plan.ranks.size()) +
-                            " pp ranks do not fit: annotations pin what they would need to save (worst: rank " +
+                            " pp ranks do not fit: " +
+                            (model.storage.All() ? std::string("annotations pin what they would need to save")
+                                                 : "--storage allows only " + StorageKindsText(model.storage) +
+                                                       ", and annotations pin the rest") +
+                            " (worst: rank " +
                             std::to_string(worst->pp_rank) + " peaks at " + FormatBytes(worst->peak) + ", budget " +
                             FormatBytes(worst->budget) + ")");
   }

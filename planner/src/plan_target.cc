@@ -94,10 +94,21 @@ Plan PlanFrameworkSettings(const Model& input, const PlanOptions& options) {
     p.digest = ModelDigest(p.model);
     return p;
   };
-  if (input.target.settings) return plan_with(*input.target.settings);
+  // --storage: recompute settings need recompute, offload modules host offload.
+  auto allowed = [&](const FrameworkSettings& s) {
+    return (input.storage.recompute || s.granularity.empty()) && (input.storage.offload_host || s.offload_modules.empty());
+  };
+  if (input.target.settings) {
+    if (!allowed(*input.target.settings)) {
+      ThrowError(ErrorCode::kBadInput, "/target/settings: " + SettingsFlags(*input.target.settings) +
+                                           " uses a storage kind --storage leaves out (storage: " +
+                                           StorageKindsText(input.storage) + ")");
+    }
+    return plan_with(*input.target.settings);
+  }
 
   auto valid = [&](const FrameworkSettings& s) {
-    return !ValidateMegatronArgs(MegatronArgsOf(input, s)).has_value();
+    return allowed(s) && !ValidateMegatronArgs(MegatronArgsOf(input, s)).has_value();
   };
   FrameworkSettings current;
   Plan best = plan_with(current);
@@ -245,7 +256,10 @@ Plan PlanFrameworkSettings(const Model& input, const PlanOptions& options) {
     current = std::move(fewer[*pick]);
     progress("dropping what the fit does not need", best);
   }
-  if (Deficit(best) > 0) {
+  if (Deficit(best) > 0 && !input.storage.recompute) {
+    best.warnings.push_back("no Megatron offload settings fit the budget, and --storage leaves out recompute; the plan "
+                            "shows the settings that come closest");
+  } else if (Deficit(best) > 0) {
     // Full recompute, method block: the fewest checkpointed layers per
     // chunk that fit (memory falls as layers are added: bisection).
     const PipelineLayout layout = MakePipelineLayout(input);

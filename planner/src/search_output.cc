@@ -33,6 +33,7 @@ OrderedJson SpaceJson(const SearchSpace& s) {
   put("pipeline_zero2", s.pipeline_zero2);
   put("grad_offload", s.grad_offload);
   put("lighter_ends", s.lighter_ends);
+  if (s.sp_follows_tp) j["sp_follows_tp"] = true;
   return j;
 }
 
@@ -195,6 +196,40 @@ OrderedJson SearchToJson(const SearchResult& r) {
   return j;
 }
 
+std::string DefaultSpaceNote(const Model& base, const SearchOptions& o) {
+  const SearchSpace given = o.space;
+  const SearchSpace s = SearchSpaceDefaults(base, o);
+  auto list = [](const std::vector<int64_t>& v) {
+    std::string text;
+    for (int64_t x : v) text += (text.empty() ? "" : ",") + std::to_string(x);
+    return text;
+  };
+  std::string tried, left;
+  auto key = [&](const char* name, const std::vector<int64_t>& mine, const std::vector<int64_t>& values,
+                 const std::string& out) {
+    if (!mine.empty()) return;
+    tried += (tried.empty() ? "" : " ") + std::string(name) + "=" + list(values);
+    if (!out.empty()) left += (left.empty() ? "" : "; ") + out;
+  };
+  key("tp", given.tp, s.tp, "");
+  if (given.sp.empty()) tried += std::string(tried.empty() ? "" : " ") + "sp=follows-tp";
+  key("pp", given.pp, s.pp, "");
+  key("vp", given.vp, s.vp, s.vp.back() < 4 ? "vp > " + std::to_string(s.vp.back()) : "");
+  key("cp", given.cp, s.cp, s.cp.back() < 2 ? "context parallelism (cp=2,4,...)" : "");
+  key("ep", given.ep, s.ep, "");
+  key("micro_batch", given.micro_batch, s.micro_batch, "micro-batches > " + std::to_string(s.micro_batch.back()));
+  key("zero", given.zero, s.zero, "other ZeRO stages (zero=0,1,2,3)");
+  key("pipeline_zero2", given.pipeline_zero2, s.pipeline_zero2,
+      s.pipeline_zero2.size() < 2 ? "pipeline ZeRO-2 (pipeline_zero2=0,1)" : "");
+  key("grad_offload", given.grad_offload, s.grad_offload,
+      s.grad_offload.size() < 2 ? "host gradient offload (grad_offload=0,1 with pipeline_zero2=1)" : "");
+  key("lighter_ends", given.lighter_ends, s.lighter_ends, "ends lighter by more than one layer");
+  if (tried.empty()) return "";
+  std::string out = "search space (defaults): " + tried + (given.dp.empty() ? "; dp completes the grid" : "") + "\n";
+  if (!left.empty()) out += "left out: " + left + " (add with --space key=v1,v2)\n";
+  return out;
+}
+
 std::string RenderSearchTable(const SearchResult& r) {
   const auto& cs = r.candidates;
   int64_t planned = 0;
@@ -228,7 +263,7 @@ std::string RenderSearchTable(const SearchResult& r) {
       const Candidate& c = cs[r.ranked[k]];
       const Layout& l = c.layout;
       std::vector<std::string> row = {std::to_string(k + 1), std::to_string(l.tp) + (l.sp ? "+sp" : ""), std::to_string(l.pp),
-                l.lighter_ends ? "-" + std::to_string(l.lighter_ends) : "0",
+                std::to_string(l.lighter_ends),
                 std::to_string(l.vp), std::to_string(l.cp), std::to_string(l.ep), std::to_string(l.dp),
                 LayoutCells(l),
                 std::to_string(l.zero) + (l.pipeline_zero2 ? "+pz2" : "") + (l.grad_offload_host ? "+host" : ""),

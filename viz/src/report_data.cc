@@ -317,6 +317,12 @@ Expected<Json> BuildReportData(const ReportOptions& o, std::vector<std::string>*
   data["solver"] = plan->value("solver", std::string());
   data["budget"] = plan->value("budget", int64_t{0});
   data["parallel"] = (*plan)["model"].value("parallel", Json::object());
+  // The header's facts: batch and dtypes, hardware, storage kinds, target.
+  data["train"] = (*plan)["model"].value("train", Json::object());
+  data["hardware"] = (*plan)["model"].value("hardware", Json::object());
+  data["storage"] = (*plan)["model"].value("storage", Json{"keep", "recompute", "fp8", "offload_host", "offload_remote"});
+  data["target"] = (*plan)["model"].contains("target") ? (*plan)["model"]["target"].value("name", std::string("memplan"))
+                                                      : std::string("memplan");
   data["totals"] = plan->value("totals", Json::object());
   data["overhead"] = plan->value("overhead", Json::object());
   data["throughput"] = plan->value("throughput", Json(nullptr));  // plans since 2026-12-06

@@ -29,8 +29,14 @@ MP.views.memory = (section, data) => {
       value: (u, v) => (v == null ? "-" : v.toFixed(3) + " " + unit.name) }, opts)); cols.push(ys); };
     add("predicted live", "#4c78a8", live.map((v) => v / unit.div), { fill: "rgba(76,120,168,0.12)", paths: uPlot.paths.stepped({ align: 1 }) });
     add("planned arena (reserved)", "#111", t.map(() => m.reserved / unit.div), { dash: [6, 4] });
-    const budget = data.ranks[m.pp_rank].budget;
-    if (budget > 0 && budget <= 1.5 * maxBytes) add("budget", "#d62728", t.map(() => budget / unit.div));
+    // The budget net of what lies outside the framework (CUDA context,
+    // NCCL): the line these bytes must stay under.
+    const rank = data.ranks[m.pp_rank];
+    const net = rank.budget - rank.runtime;
+    if (rank.budget > 0 && net <= 1.5 * maxBytes) {
+      add(rank.runtime > 0 ? `budget less ${MP.fmtBytes(rank.runtime)} outside the framework` : "budget", "#d62728",
+          t.map(() => net / unit.div));
+    }
     // Measured timelines of every replica of this pipeline rank, each
     // scaled onto [0, predicted step] and merged on one x axis.
     const mine = measured.filter((r) => r.pp_rank === m.pp_rank);
@@ -70,10 +76,13 @@ MP.views.memory = (section, data) => {
       for (let i = 1; i < series.length; ++i) series[i].spanGaps = true;
       x = all;
     }
-    let title = `pp rank ${m.pp_rank}: peak ${MP.fmtBytes(m.peak_bytes)} at step ${m.peak_step} of ${m.steps}`;
+    // One peak figure, the table's: the placed arena; the live bytes' own
+    // maximum is the lower bound, named as such.
+    let title = `pp rank ${m.pp_rank}: peak ${MP.fmtBytes(rank.peak)} (placed arena, as in the table); ` +
+      `lower bound ${MP.fmtBytes(m.peak_bytes)} (live bytes at step ${m.peak_step} of ${m.steps})`;
     const box = MP.plot(plots, title, {
       height: 220, cursor: { drag: { x: true, y: false } },
-      scales: { x: { time: false } },
+      scales: { x: { time: false }, y: { range: MP.fromZero } },
       axes: [{ label: "time in the step (ms, predicted)", values: MP.msTicks }, { label: unit.name, size: 60 }],
       series,
     }, [x, ...ys]).root.parentElement;

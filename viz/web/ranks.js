@@ -14,7 +14,7 @@ MP.views.ranks = (section, data) => {
   // Memory outside the framework (CUDA context, NCCL communicators): under
   // the framework's bytes, so the bar's top is what the GPU holds.
   const outside = ranks.some((r) => r.runtime > 0);
-  if (outside) layers.unshift({ name: "outside the framework", color: "#6b6b6b", value: (r) => r.runtime });
+  if (outside) layers.unshift({ name: "outside the framework", color: MP.outsideColor, value: (r) => r.runtime });
   for (const p of policies) {
     layers.push({ name: "activations: " + p, color: MP.policyColors[p] || "#999", value: (r) => {
       const total = Object.values(r.activations_by_policy).reduce((a, b) => a + b, 0);
@@ -27,10 +27,18 @@ MP.views.ranks = (section, data) => {
   let acc = ranks.map(() => 0);
   for (const l of layers) { acc = acc.map((a, i) => a + l.value(ranks[i])); cumulative.push(acc.map((v) => v / unit.div)); }
   const bars = uPlot.paths.bars({ size: [0.55, 120] });
+  // Every category's colour apart from the others and from the page
+  // (recorded for the browser test; docs/viz.md).
+  const drawn = layers.map((l) => l.color);
+  const check = MP.paletteCheck(drawn);
+  section.dataset.colors = String(drawn.length);
+  section.dataset.minDeltaE = check.min === Infinity ? "100" : check.min.toFixed(1);
+  section.dataset.closestPair = check.pair;
+  section.dataset.minContrast = Math.min(...drawn.map((c) => MP.contrast(c, "#ffffff"))).toFixed(2);
   const series = [{ label: "pp rank" }];
   const values = [xs];
   for (let i = layers.length - 1; i >= 0; --i) {
-    series.push({ label: layers[i].name, fill: layers[i].color, stroke: layers[i].color, paths: bars, points: { show: false },
+    series.push({ label: layers[i].name, fill: layers[i].color, stroke: "#ffffff", width: 1, paths: bars, points: { show: false },
       value: (u, v, si, idx) => (idx == null ? "" : (layers[i].value(ranks[idx]) / unit.div).toFixed(2)) });
     values.push(cumulative[i]);
   }
@@ -45,7 +53,7 @@ MP.views.ranks = (section, data) => {
     values.push(ranks.map((r) => f(r) / unit.div));
   }
   MP.plot(section.querySelector(".plots"), `device memory per rank (${unit.name})`, {
-    scales: { x: { time: false, range: [-0.6, ranks.length - 0.4] } },
+    scales: { x: { time: false, range: [-0.6, ranks.length - 0.4] }, y: { range: MP.fromZero } },
     axes: [{ label: "pp rank", values: (u, ticks) => ticks.map((t) => (Number.isInteger(t) ? t : "")) },
            { label: unit.name, size: 60 }],
     series,
@@ -60,14 +68,28 @@ MP.views.ranks = (section, data) => {
       text: `outside the framework, per GPU (the bars' grey base; fits: peak + these <= budget): ${items}` }));
   }
   // Host memory at its peak (offloaded activations, host gradient
-  // partitions), apart.
+  // partitions), apart, against the pinned host memory per GPU.
   if (ranks.some((r) => r.host_peak > 0)) {
-    const hu = MP.unitFor(Math.max(...ranks.map((r) => r.host_peak)));
+    const limit = (data.hardware || {}).host_memory || 0;
+    const top = Math.max(...ranks.map((r) => r.host_peak));
+    const hu = MP.unitFor(Math.max(top, limit <= 1.5 * top ? limit : 0));
+    const hs = [{}, { label: "host_peak", fill: "#8c6d31", stroke: "#8c6d31", paths: bars, points: { show: false } }];
+    const hv = [xs, ranks.map((r) => r.host_peak / hu.div)];
+    if (limit > 0 && limit <= 1.5 * top) {
+      hs.push({ label: "host memory per GPU (hardware.host_memory)", stroke: "#d62728", width: 2, dash: [6, 4],
+                points: { show: false } });
+      hv.push(ranks.map(() => limit / hu.div));
+    }
     MP.plot(section.querySelector(".plots"), `host memory per GPU at its peak (${hu.name}): ranks[].host_peak`, {
-      height: 160, scales: { x: { time: false, range: [-0.6, ranks.length - 0.4] } },
+      height: 160, scales: { x: { time: false, range: [-0.6, ranks.length - 0.4] }, y: { range: MP.fromZero } },
       axes: [{ label: "pp rank", values: (u, t) => t.map((v) => (Number.isInteger(v) ? v : "")) }, { label: hu.name, size: 60 }],
-      series: [{}, { label: "host_peak", fill: "#8c6d31", stroke: "#8c6d31", paths: bars, points: { show: false } }],
-    }, [xs, ranks.map((r) => r.host_peak / hu.div)]);
+      series: hs,
+    }, hv);
+    if (limit > 0) {
+      section.querySelector(".plots").append(MP.el("div", { class: "note host-limit", text:
+        `pinned host memory per GPU: ${MP.fmtBytes(limit)} (hardware.host_memory, --host-memory); the largest ` +
+        `rank uses ${(100 * top / limit).toFixed(1)} %` + (limit > 1.5 * top ? " (the limit is off this scale)" : "") }));
+    }
   }
   const f = (v) => MP.fmt(v, unit);
   MP.table(section.querySelector(".tables"), [

@@ -3,8 +3,10 @@
 "use strict";
 MP.views.tensors = (section, data) => {
   const parent = section.querySelector(".tables");
+  // Largest first: the rows shown before "show all" are the ones that matter.
   const rows = data.tensors.map(([name, module, layer, pp, bytes, device, policy, to, addedMs]) =>
-    ({ name, module, layer, pp, bytes, device, policy, to, addedMs, saved: bytes - device }));
+    ({ name, module, layer, pp, bytes, device, policy, to, addedMs, saved: bytes - device }))
+    .sort((a, b) => b.bytes - a.bytes || (a.name < b.name ? -1 : 1));
   const input = MP.el("input", { class: "filter", type: "text", placeholder: "glob, e.g. *.moe.* or layer3.*" });
   const count = MP.el("span", { class: "note" });
   parent.append(MP.el("div", {}, [input, " ", count]));
@@ -18,7 +20,7 @@ MP.views.tensors = (section, data) => {
     { name: "device/mb", key: (r) => r.device, fmt: MP.fmtBytes },
     { name: "saved/mb", key: (r) => r.saved, fmt: MP.fmtBytes },
     { name: "added (ms, step)", key: (r) => r.addedMs, fmt: (v) => v.toFixed(3) },
-  ], rows, { sortable: true, limit: 500 });
+  ], rows, { sortable: true, limit: 25 });
   const apply = () => {
     const g = input.value.trim();
     let shown = rows;

@@ -88,6 +88,7 @@ struct SavedTensor {
   int64_t fp8_bytes = 0;
   bool can_fp8 = false;        // a floating-point activation
   bool can_recompute = false;  // a producer chain inside the chunk
+  StorageKinds allowed;        // the model's `storage` (--storage)
   double recompute_s = 0;      // one instance: the chain's ops, roofline
   int64_t recompute_extra_bytes = 0;  // chain intermediates at re-materialization
   double fp8_s = 0;            // one instance: quantize + dequantize at HBM bandwidth

@@ -270,6 +270,23 @@ Json EfficiencyJson(const Hardware::Efficiency& e);
 enum class Policy { kKeep, kRecompute, kFp8, kOffloadHost, kOffloadRemote };
 std::string_view PolicyName(Policy p);
 
+// The storage kinds plan and search may choose for saved tensors
+// (--storage, the model's `storage`; docs/formats.md): keep always, each
+// other kind allowed or not. A policy annotation naming a kind left out
+// falls back to the nearest allowed storage, as an illegal one does.
+struct StorageKinds {
+  bool recompute = true, fp8 = true, offload_host = true, offload_remote = true;
+  bool Allows(Policy p) const;
+  bool All() const { return recompute && fp8 && offload_host && offload_remote; }
+  bool operator==(const StorageKinds&) const = default;
+};
+// "keep,fp8" (--storage) into kinds; errors name the word that is not one.
+Expected<StorageKinds> ParseStorageKinds(std::string_view list);
+// The allowed kinds' names, keep first, in the order of Policy.
+std::vector<std::string> StorageKindNames(const StorageKinds& kinds);
+// The same as --storage spells it: "keep,recompute,fp8".
+std::string StorageKindsText(const StorageKinds& kinds);
+
 struct PolicyAnnotation {
   std::string match;             // fnmatch glob over tensor names
   std::vector<Policy> policy;    // a legal composition
@@ -334,6 +351,7 @@ struct Model {
   bool budget_given = false;
   std::vector<CostOverride> costs;
   std::vector<PolicyAnnotation> policies;
+  StorageKinds storage;  // written in the normalized model only when not all
   Options options;
   TargetConfig target;
   // What plan and search keep free under the budget (docs/targets.md,

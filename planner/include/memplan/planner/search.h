@@ -54,6 +54,9 @@ struct SearchSpace {
   std::vector<int64_t> tp, pp, vp, cp, ep, dp, micro_batch;
   std::vector<int64_t> zero, sp, pipeline_zero2, grad_offload;  // 0/1 (grad_offload: 1 = host)
   std::vector<int64_t> lighter_ends;
+  // sp not given: sequence parallelism follows tp (on exactly when tp > 1,
+  // as every Megatron recipe with tp > 1 runs it); set by SearchSpaceDefaults.
+  bool sp_follows_tp = false;
 };
 
 // The default pipeline layout (DefaultPipelineLayout) with `k` more layers
@@ -193,6 +196,10 @@ OrderedJson SearchToJson(const SearchResult& result);
 // The top-K table, why the best beats the next, the Pareto front and the
 // rejection counts, as `memplan search` prints them.
 std::string RenderSearchTable(const SearchResult& result);
+// One paragraph, printed once before a search: the values the default space
+// tries for each key the command line left to it, and what that leaves out
+// (with the --space argument that adds it); "" when every key was given.
+std::string DefaultSpaceNote(const Model& base, const SearchOptions& options);
 // One line: why ranked[0] beats ranked[1] (the terms of the step that differ).
 std::string WhyBestBeatsNext(const SearchResult& result);
 
