@@ -470,6 +470,16 @@ expect_exit 0 "run the --storage plan" "$memplan" run "$tmp/kr.plan.json" -q -o 
 expect_exit 0 "plan --storage keep" "$memplan" plan "$root/examples/models/tiny-llama.json" --budget 35MiB --storage keep \
   -q -o "$tmp/k.plan.json"
 grep -q "do not fit: --storage allows only keep" "$tmp/err" && ok || bad "--storage keep, not fitting: $(cat "$tmp/err")"
+# Under --target megatron: offload modules alone, no recompute setting.
+expect_exit 0 "plan --target megatron --storage keep,offload_host" "$memplan" plan "$root/examples/models/llama3-70b.json" \
+  --target megatron --storage keep,offload_host --budget 30GiB -q -o "$tmp/meg.plan.json"
+python3 - "$tmp/meg.plan.json" <<'PY' && ok || bad "--storage under --target megatron: $(cat "$tmp/err")"
+import json, sys
+p = json.load(open(sys.argv[1]))
+s = p["target_settings"]
+assert s["recompute_granularity"] == "none" and s["offload_modules"], s
+assert {x for t in p["tensors"] for x in t["effective"]} == {"keep", "offload_host"}
+PY
 expect_exit 2 "--storage with a kind that is not one" "$memplan" plan "$root/examples/models/tiny-llama.json" \
   --storage keep,fp4 -o "$tmp/never.json"
 [ ! -e "$tmp/never.json" ] && [ "$(wc -l <"$tmp/err")" -eq 1 ] && grep -q -- '--storage: .*got "fp4"' "$tmp/err" && ok \

@@ -120,9 +120,11 @@ Plan PlanFrameworkSettings(const Model& input, const PlanOptions& options) {
   FrameworkSettings maximal_settings;
   if (!selective_can_fit) {
     FrameworkSettings most;
-    most.granularity = "selective";
-    for (const auto& mod : MegatronRecomputeModules()) {
-      if (Applies(mod, suffixes)) most.recompute_modules.emplace_back(mod.name);
+    if (input.storage.recompute) {  // --storage: offload modules alone otherwise
+      most.granularity = "selective";
+      for (const auto& mod : MegatronRecomputeModules()) {
+        if (Applies(mod, suffixes)) most.recompute_modules.emplace_back(mod.name);
+      }
     }
     for (const auto& mod : MegatronOffloadModules()) {
       if (!Applies(mod, suffixes)) continue;
@@ -135,7 +137,11 @@ Plan PlanFrameworkSettings(const Model& input, const PlanOptions& options) {
       Plan q = plan_with(most);
       tried.emplace_back(most, -Deficit(q));
       selective_can_fit = Deficit(q) <= 0;
-      if (selective_can_fit) maximal = std::move(q), maximal_settings = std::move(most);
+      if (selective_can_fit) {
+        maximal = std::move(q), maximal_settings = std::move(most);
+      } else if (!input.storage.recompute && Deficit(q) < Deficit(best)) {
+        best = std::move(q);  // without recompute, the closest there is (below)
+      }
     }
   }
   // Selective recompute and fine-grained offload, one module at a time:
@@ -257,8 +263,9 @@ Plan PlanFrameworkSettings(const Model& input, const PlanOptions& options) {
     progress("dropping what the fit does not need", best);
   }
   if (Deficit(best) > 0 && !input.storage.recompute) {
-    best.warnings.push_back("no Megatron offload settings fit the budget, and --storage leaves out recompute; the plan "
-                            "shows the settings that come closest");
+    best.warnings.push_back("no Megatron offload settings fit the budget with its headroom of " +
+                            FormatBytes(best.headroom) + ", and --storage leaves out recompute; the plan shows the "
+                            "settings that come closest");
   } else if (Deficit(best) > 0) {
     // Full recompute, method block: the fewest checkpointed layers per
     // chunk that fit (memory falls as layers are added: bisection).
