@@ -5,14 +5,14 @@
 # page counts them), every view rendered with ink in its charts, within a
 # time limit. (Every bundled example's report: tests/plan_digests_test.sh.)
 # The browser section skips (77) without Chromium.
-# Usage: viz_test.sh MEMPLAN [reports|browser] (default: both).
+# Usage: viz_test.sh MEMPLAN [reports|browser|browser_large] (default: all).
 set -u
 memplan="$1"
 section="${2:-all}"
 want() { [ "$section" = all ] || [ "$section" = "$1" ]; }
 root="${MEMPLAN_SOURCE_ROOT:?}"
 chromium=$(command -v chromium || command -v chromium-browser || true)
-if want browser && [ -z "$chromium" ]; then echo "viz: chromium not found (apt install chromium)"; exit 77; fi
+if { want browser || want browser_large; } && [ -z "$chromium" ]; then echo "viz: chromium not found (apt install chromium)"; exit 77; fi
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 pass=0
@@ -61,7 +61,9 @@ print(f"{checked} views checked")
 PY
 }
 
-# A plan (with --sweep and remote offloads), its MEASURED.json and TRACE.json.
+# A plan (with --sweep and remote offloads), its MEASURED.json and TRACE.json
+# (every section but the large report reads them).
+if want browser || want reports; then
 python3 - "$root/examples/models/tiny-llama.json" "$tmp/remote.json" <<'PY'
 import json, sys
 m = json.load(open(sys.argv[1]))
@@ -72,6 +74,7 @@ PY
   "$memplan" run "$tmp/r.plan.json" --allocator eager -q -o "$tmp/r.m.json" --trace "$tmp/r.trace.json" &&
   "$memplan" viz "$tmp/r.plan.json" "$tmp/r.m.json" "$tmp/r.trace.json" -o "$tmp/r.html" >"$tmp/out" \
   && grep -q "measured, trace" "$tmp/out" && ok || bad "viz with measurement and trace: $(cat "$tmp/out")"
+fi
 
 
 if want browser; then
@@ -91,62 +94,20 @@ grep -q "check: pass" "$tmp/r.dom" && grep -q "eager dp0" "$tmp/r.dom" && grep -
   && grep -q "every rank within the plan" "$tmp/r.dom" \
   && grep -q 'class="heat"' "$tmp/r.dom" && ok || bad "full report: verdicts, measured series or PP balance missing"
 
-# 4. The K3-like plan (16 ranks, down-sampled timelines) within the limit.
-"$memplan" plan "$root/examples/models/kimi-k3-like.json" -o "$tmp/k3.plan.json" -q
-"$memplan" viz "$tmp/k3.plan.json" -o "$tmp/k3.html" >/dev/null && ok || bad "viz kimi-k3-like"
-start=$(date +%s)
-browse "$tmp/k3.html" k3 && ok || bad "chromium on the K3-like report"
-rendered k3 ranks memory schedule && ok || bad "K3-like report: $(tail -3 "$tmp/k3.log")"
-grep -q "down-sampled to 4000 points" "$tmp/k3.dom" && ok || bad "the K3-like report does not say it down-samples"
-# A GPU preset's plan: the memory outside the framework under the bars and
-# listed (docs/accounting.md section 9b); the host-only tiny plan has none.
-grep -q "outside the framework, per GPU (the bars' grey base; fits: peak + these &lt;= budget): cuda_context 512.00 MiB" "$tmp/k3.dom" \
-  && ! grep -q 'class="note runtime-items"' "$tmp/ll.dom" && ok || bad "the runtime items are not in the K3-like report (or are in the host one)"
-echo "K3-like report: $(( $(date +%s) - start )) s in the browser, $(stat -c %s "$tmp/k3.html") bytes"
-
-# 4b. A report that reads right (issue 42), on the K3-like plan (GPU preset,
-# 725 saved tensors) and the tiny plan with a sweep and host offloads: the
-# header's facts; every category's colour apart (CIE76 delta E) and visible
-# on the white chart; one peak per memory chart, the table's, with the lower
-# bound named; the budget line net of the memory outside the framework;
-# y axes from 0; the tensor table collapsed with a control; the page opened
-# at #memory scrolled there and not blank; a sweep's infeasible budgets as a
-# shaded band with no y value; the host chart's pinned-memory line.
-python3 - "$tmp/k3.dom" "$tmp/k3.plan.json" "$tmp/r.dom" "$tmp/r.plan.json" <<'PY' && ok || bad "the report does not read right"
-import html, json, re, sys
-dom, plan, rdom, rplan = open(sys.argv[1]).read(), json.load(open(sys.argv[2])), open(sys.argv[3]).read(), json.load(open(sys.argv[4]))
-checked = 0
-def fmt(b):  # MP.fmtBytes
-    return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.2f} MiB" if b >= 2**20 else f"{b / 1024:.1f} KiB" if b >= 1024 else f"{b} B"
-facts = dict(re.findall(r'data-fact="([^"]+)"><dt>[^<]*</dt><dd>([^<]*)</dd>', dom))
-for key, want in [("step", " ms (modelled)"), ("tokens/s per GPU", "MFU"), ("global batch", "tokens"), ("layout", "ZeRO-"),
-                  ("hardware", "GiB per GPU"), ("dtypes", "bf16"), ("storage", "keep")]:
-    assert want in html.unescape(facts.get(key, "")), (key, facts)
-    checked += 1
-views = {m.group(1): dict(re.findall(r'data-([a-z-]+)="([^"]*)"', m.group(2)))
-         for m in re.finditer(r'<section id="([a-z]+)" class="view"([^>]*)>', dom)}
-assert int(views["ranks"]["colors"]) >= 6 and float(views["ranks"]["min-delta-e"]) >= 20, views["ranks"]
-assert float(views["ranks"]["min-contrast"]) >= 1.8, views["ranks"]
-for name in ("ranks", "memory"):
-    assert float(views[name]["y-min"]) == 0, (name, views[name])
-checked += 4
-for r in plan["ranks"]:
-    head = f"pp rank {r['pp_rank']}: peak {fmt(r['peak'])} (placed arena, as in the table); lower bound {fmt(r['lower_bound'])}"
-    assert head in dom, head
-    checked += 1
-runtime = plan["ranks"][0]["static"]["runtime"]
-assert runtime > 0 and f"budget less {fmt(runtime)} outside the framework" in dom, runtime
-assert int(views["tensors"]["rows"]) == 25 and f"show all {len(plan['tensors'])} rows" in dom, views["tensors"]
-body = dict(re.findall(r'data-([a-z-]+)="([^"]*)"', re.search(r"<body([^>]*)>", dom).group(1)))
-assert int(body["page-height"]) < 10000, body["page-height"]  # 21,700 px before the table was collapsed
+# 3b. (issue 42) The full tiny report: a sweep's infeasible budgets as a
+# shaded band with no y value, y from 0, the host chart's pinned-memory
+# line; the host-only plan lists no memory outside the framework.
+python3 - "$tmp/r.dom" "$tmp/r.plan.json" "$tmp/ll.dom" <<'PY' && ok || bad "the tiny report does not read right"
+import json, re, sys
+rdom, rplan, lldom = open(sys.argv[1]).read(), json.load(open(sys.argv[2])), open(sys.argv[3]).read()
 rviews = {m.group(1): dict(re.findall(r'data-([a-z-]+)="([^"]*)"', m.group(2)))
           for m in re.finditer(r'<section id="([a-z]+)" class="view"([^>]*)>', rdom)}
 bad = sum(not p["fits"] for p in rplan["sweep"])
 assert int(rviews["tradeoff"]["infeasible"]) == bad and float(rviews["tradeoff"]["y-min"]) == 0, rviews["tradeoff"]
 assert bad == 0 or f"{bad} of {len(rplan['sweep'])} budgets do not fit (shaded)" in rdom, bad
 assert 'class="note host-limit"' in rdom and "pinned host memory per GPU" in rdom
-checked += 5
-print(f"report reads right: {checked} checks, {len(plan['ranks'])} memory headings, {bad} infeasible sweep points")
+assert 'class="note runtime-items"' not in lldom
+print(f"tiny report reads right: {bad} infeasible sweep points shaded")
 PY
 # Opened at #memory: that view first under the header, the page at its
 # top, and the screenshot not blank (headless Chromium shows nothing of a
@@ -199,6 +160,58 @@ want = html.escape("tiny <!--<script x</script><!-- &amp; \\u003c>", quote=False
 assert want in dom, "name not found"
 PY
 
+fi
+
+if want browser_large; then
+# 4. The K3-like plan (16 ranks, down-sampled timelines) within the limit.
+"$memplan" plan "$root/examples/models/kimi-k3-like.json" -o "$tmp/k3.plan.json" -q
+"$memplan" viz "$tmp/k3.plan.json" -o "$tmp/k3.html" >/dev/null && ok || bad "viz kimi-k3-like"
+start=$(date +%s)
+browse "$tmp/k3.html" k3 && ok || bad "chromium on the K3-like report"
+rendered k3 ranks memory schedule && ok || bad "K3-like report: $(tail -3 "$tmp/k3.log")"
+grep -q "down-sampled to 4000 points" "$tmp/k3.dom" && ok || bad "the K3-like report does not say it down-samples"
+# A GPU preset's plan: the memory outside the framework under the bars and
+# listed (docs/accounting.md section 9b); the host-only tiny plan has none.
+grep -q "outside the framework, per GPU (the bars' grey base; fits: peak + these &lt;= budget): cuda_context 512.00 MiB" "$tmp/k3.dom" \
+  && ok || bad "the runtime items are not in the K3-like report"
+echo "K3-like report: $(( $(date +%s) - start )) s in the browser, $(stat -c %s "$tmp/k3.html") bytes"
+
+# 4b. A report that reads right (issue 42), on the K3-like plan (GPU preset,
+# 725 saved tensors): the header's facts; every category's colour apart
+# (CIE76 delta E) and visible on the white chart; one peak per memory chart,
+# the table's, with the lower bound named; the budget line net of the memory
+# outside the framework; y axes from 0; the tensor table collapsed with a
+# control.
+python3 - "$tmp/k3.dom" "$tmp/k3.plan.json" <<'PY' && ok || bad "the K3-like report does not read right"
+import html, json, re, sys
+dom, plan = open(sys.argv[1]).read(), json.load(open(sys.argv[2]))
+checked = 0
+def fmt(b):  # MP.fmtBytes
+    return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.2f} MiB" if b >= 2**20 else f"{b / 1024:.1f} KiB" if b >= 1024 else f"{b} B"
+facts = dict(re.findall(r'data-fact="([^"]+)"><dt>[^<]*</dt><dd>([^<]*)</dd>', dom))
+for key, want in [("step", " ms (modelled)"), ("tokens/s per GPU", "MFU"), ("global batch", "tokens"), ("layout", "ZeRO-"),
+                  ("hardware", "GiB per GPU"), ("dtypes", "bf16"), ("storage", "keep")]:
+    assert want in html.unescape(facts.get(key, "")), (key, facts)
+    checked += 1
+views = {m.group(1): dict(re.findall(r'data-([a-z-]+)="([^"]*)"', m.group(2)))
+         for m in re.finditer(r'<section id="([a-z]+)" class="view"([^>]*)>', dom)}
+assert int(views["ranks"]["colors"]) >= 6 and float(views["ranks"]["min-delta-e"]) >= 20, views["ranks"]
+assert float(views["ranks"]["min-contrast"]) >= 1.8, views["ranks"]
+for name in ("ranks", "memory"):
+    assert float(views[name]["y-min"]) == 0, (name, views[name])
+checked += 4
+for r in plan["ranks"]:
+    head = f"pp rank {r['pp_rank']}: peak {fmt(r['peak'])} (placed arena, as in the table); lower bound {fmt(r['lower_bound'])}"
+    assert head in dom, head
+    checked += 1
+runtime = plan["ranks"][0]["static"]["runtime"]
+assert runtime > 0 and f"budget less {fmt(runtime)} outside the framework" in dom, runtime
+assert int(views["tensors"]["rows"]) == 25 and f"show all {len(plan['tensors'])} rows" in dom, views["tensors"]
+body = dict(re.findall(r'data-([a-z-]+)="([^"]*)"', re.search(r"<body([^>]*)>", dom).group(1)))
+assert int(body["page-height"]) < 10000, body["page-height"]  # 21,700 px before the table was collapsed
+checked += 1
+print(f"K3-like report reads right: {checked} checks, {len(plan['ranks'])} memory headings")
+PY
 fi
 
 if want reports; then
