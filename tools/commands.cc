@@ -123,7 +123,6 @@ Expected<bool> ApplyModelOptions(const Command& c, planner::Model* model) {
   if (!c.host_memory.empty()) {
     auto bytes = ParseBytes(c.host_memory);
     if (!bytes) return Error{ErrorCode::kBadInput, "--host-memory: " + bytes.error().message};
-
     model->hardware.host_memory = *bytes;
   }
   return true;

@@ -60,6 +60,15 @@ bool* KindFlag(StorageKinds& k, Policy p) {
   return nullptr;
 }
 
+// The policy a name spells (PolicyName's inverse): one list for --storage,
+// the model's `storage` and its policy annotations.
+std::optional<Policy> PolicyFromName(std::string_view name) {
+  for (Policy p : kAllPolicies) {
+    if (name == PolicyName(p)) return p;
+  }
+  return std::nullopt;
+}
+
 }  // namespace
 
 Expected<StorageKinds> ParseStorageKinds(std::string_view list) {
@@ -69,13 +78,10 @@ Expected<StorageKinds> ParseStorageKinds(std::string_view list) {
   while (start <= list.size()) {
     const size_t comma = std::min(list.find(',', start), list.size());
     const std::string_view word = list.substr(start, comma - start);
-    bool known = false;
-    for (Policy p : kAllPolicies) {
-      if (word != PolicyName(p)) continue;
-      known = true;
-      if (bool* flag = KindFlag(k, p)) *flag = true;
-    }
-    if (!known) {
+    const std::optional<Policy> p = PolicyFromName(word);
+    if (p) {
+      if (bool* flag = KindFlag(k, *p)) *flag = true;
+    } else {
       return Error{ErrorCode::kBadInput, "--storage: expected a comma-separated list of keep, recompute, fp8, "
                                          "offload_host, offload_remote, got \"" + std::string(word.substr(0, 40)) + "\""};
     }
@@ -141,11 +147,7 @@ DType ReadDType(ObjectReader& r, std::string_view key, std::initializer_list<std
 
 std::vector<Policy> ReadPolicy(const Json& value, const JsonLocation& where) {
   auto one = [&](const Json& v, const JsonLocation& w) {
-    std::string s = v.is_string() ? v.get<std::string>() : "";
-    for (Policy p : {Policy::kKeep, Policy::kRecompute, Policy::kFp8, Policy::kOffloadHost,
-                     Policy::kOffloadRemote}) {
-      if (s == PolicyName(p)) return p;
-    }
+    if (auto p = PolicyFromName(v.is_string() ? v.get<std::string>() : "")) return *p;
     ThrowAt(w, "expected one of keep|recompute|fp8|offload_host|offload_remote, got " + Brief(v));
   };
   std::vector<Policy> out;
