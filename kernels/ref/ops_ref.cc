@@ -133,30 +133,98 @@ void RefMath<T>::Gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t 
   GemmLd(trans_a, trans_b, m, n, k, alpha, a, trans_a ? m : k, b, trans_b ? k : n, beta, c, n);
 }
 
+namespace {
+
+// SSE-sized vectors (the baseline x86-64 target): 4 floats or 2 doubles.
+template <typename T>
+using GemmVec [[gnu::vector_size(16)]] = T;
+// op(B) is packed in panels of two vectors' columns: panel q holds
+// op(B)[p, q * W + j] at [(q * k + p) * W + j], zero beyond n.
+template <typename T>
+inline constexpr int64_t kGemmPanel = 2 * 16 / sizeof(T);
+
+// Four rows of C against one panel, eight accumulators in registers:
+// row r's sums take op(A)[r,p] * op(B)[p,j] for p = 0..k-1 in order.
+template <typename T>
+inline void GemmPanelRows(const T* const* a_rows, int64_t a_step, const T* panel, int64_t k, GemmVec<T>* out) {
+  constexpr int64_t kW = kGemmPanel<T>;
+  constexpr int64_t kHalf = kW / 2;
+  const T* a0 = a_rows[0];
+  const T* a1 = a_rows[1];
+  const T* a2 = a_rows[2];
+  const T* a3 = a_rows[3];
+  GemmVec<T> c0 = {}, c1 = {}, c2 = {}, c3 = {}, d0 = {}, d1 = {}, d2 = {}, d3 = {};
+  for (int64_t p = 0; p < k; ++p) {
+    GemmVec<T> lo, hi;
+    std::memcpy(&lo, panel + p * kW, sizeof lo);
+    std::memcpy(&hi, panel + p * kW + kHalf, sizeof hi);
+    const int64_t at = p * a_step;
+    const T v0 = a0[at], v1 = a1[at], v2 = a2[at], v3 = a3[at];
+    c0 += v0 * lo;
+    d0 += v0 * hi;
+    c1 += v1 * lo;
+    d1 += v1 * hi;
+    c2 += v2 * lo;
+    d2 += v2 * hi;
+    c3 += v3 * lo;
+    d3 += v3 * hi;
+  }
+  out[0] = c0;
+  out[1] = d0;
+  out[2] = c1;
+  out[3] = d1;
+  out[4] = c2;
+  out[5] = d2;
+  out[6] = c3;
+  out[7] = d3;
+}
+
+}  // namespace
+
 template <typename T>
 void RefMath<T>::GemmLd(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha, const T* a,
                         int64_t lda, const T* b, int64_t ldb, T beta, T* c, int64_t ldc) {
-  for (int64_t i0 = 0; i0 < m; i0 += kGemmTile) {
-    const int64_t mi = std::min(kGemmTile, m - i0);
-    for (int64_t j0 = 0; j0 < n; j0 += kGemmTile) {
-      const int64_t nj = std::min(kGemmTile, n - j0);
-      T acc[kGemmTile][kGemmTile] = {};
-      for (int64_t p = 0; p < k; ++p) {
-        for (int64_t i = 0; i < mi; ++i) {
-          const T av = trans_a ? a[p * lda + i0 + i] : a[(i0 + i) * lda + p];
-          T* row = acc[i];
-          if (trans_b) {
-            for (int64_t j = 0; j < nj; ++j) row[j] += av * b[(j0 + j) * ldb + p];
-          } else {
-            const T* brow = b + p * ldb + j0;
-            for (int64_t j = 0; j < nj; ++j) row[j] += av * brow[j];
-          }
-        }
+  // Every C[i,j] sums op(A)[i,p] * op(B)[p,j] for p = 0..k-1 in order into an
+  // accumulator that starts at 0, then C = alpha * acc (+ beta * C), as the
+  // header states. The order of the C elements computed does not change a
+  // bit: each is its own sum. op(B) is packed in panels and four rows of C
+  // accumulate in registers (built with -ffp-contract=off: no fused
+  // multiply-add, the roundings of the scalar loop).
+  constexpr int64_t kW = kGemmPanel<T>;
+  const int64_t panels = (n + kW - 1) / kW;
+  std::vector<T> packed(static_cast<size_t>(panels * k * kW), T(0));
+  for (int64_t q = 0; q < panels; ++q) {
+    const int64_t nj = std::min(kW, n - q * kW);
+    T* dst = packed.data() + q * k * kW;
+    for (int64_t p = 0; p < k; ++p) {
+      for (int64_t j = 0; j < nj; ++j) {
+        const int64_t col = q * kW + j;
+        dst[p * kW + j] = trans_b ? b[col * ldb + p] : b[p * ldb + col];
       }
-      for (int64_t i = 0; i < mi; ++i) {
-        T* crow = c + (i0 + i) * ldc + j0;
+    }
+  }
+  const int64_t a_step = trans_a ? lda : 1;
+  for (int64_t q = 0; q < panels; ++q) {
+    const int64_t j0 = q * kW;
+    const int64_t nj = std::min(kW, n - j0);
+    const T* panel = packed.data() + q * k * kW;
+    for (int64_t i0 = 0; i0 < m; i0 += 4) {
+      const int64_t rows = std::min<int64_t>(4, m - i0);
+      GemmVec<T> acc[8] = {};
+      if (k > 0) {  // with k == 0, A may be null
+        // Rows past m repeat the last row; their sums are not stored.
+        const T* a_rows[4];
+        for (int64_t r = 0; r < 4; ++r) {
+          const int64_t row = i0 + std::min(r, rows - 1);
+          a_rows[r] = trans_a ? a + row : a + row * lda;
+        }
+        GemmPanelRows<T>(a_rows, a_step, panel, k, acc);
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        T* crow = c + (i0 + r) * ldc + j0;
         for (int64_t j = 0; j < nj; ++j) {
-          crow[j] = beta == T(0) ? alpha * acc[i][j] : alpha * acc[i][j] + beta * crow[j];
+          const T sum = acc[2 * r + j / (kW / 2)][j % (kW / 2)];
+          crow[j] = beta == T(0) ? alpha * sum : alpha * sum + beta * crow[j];
         }
       }
     }

@@ -19,6 +19,7 @@
 #include <functional>
 #include <limits>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "memplan/kernels/ops.h"
@@ -109,6 +110,51 @@ TEST_CASE("Gemm matches a naive triple loop for every transpose") {
   VecF c = c0;
   ops->Gemm(false, false, m, n, 0, 1.f, nullptr, nullptr, 2.f, c.data(), nullptr);
   for (size_t i = 0; i < c.size(); ++i) CHECK(c[i] == 2.f * c0[i]);
+}
+
+TEST_CASE("Gemm is bit for bit the in-order float sum its header states") {
+  // RefMath::Gemm's law (ops_ref_impl.h): acc = 0; acc += op(A)[i,p] *
+  // op(B)[p,j] for p = 0..k-1; C = alpha * acc (+ beta * C). The packed,
+  // register-blocked loop must give exactly these bits (the executors'
+  // one-process against many-process checks compare losses bit for bit).
+  // Shapes straddle the 4-row and 8-column blocks; strides are padded.
+  auto ops = mk::MakeRefOps();
+  int checked = 0;
+  for (const auto& [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{1, 1, 1}, {5, 9, 3}, {7, 13, 70}, {4, 8, 16},
+                                {66, 3, 131}, {3, 66, 2}}) {
+    for (bool ta : {false, true}) {
+      for (bool tb : {false, true}) {
+        for (float beta : {0.f, 0.5f}) {
+          CAPTURE(m);
+          CAPTURE(n);
+          CAPTURE(k);
+          CAPTURE(Name(ta, tb));
+          CAPTURE(beta);
+          const int64_t lda = (ta ? m : k) + 3, ldb = (tb ? k : n) + 1, ldc = n + 2;
+          const VecF a = Rand((ta ? k : m) * lda, 21), b = Rand((tb ? n : k) * ldb, 22), c0 = Rand(m * ldc, 23);
+          VecF got = c0, want = c0;
+          mr::RefMath<float>::GemmLd(ta, tb, m, n, k, -1.25f, a.data(), lda, b.data(), ldb, beta, got.data(), ldc);
+          for (int64_t i = 0; i < m; ++i) {
+            for (int64_t j = 0; j < n; ++j) {
+              volatile float acc = 0.f;  // volatile: one rounding per step, as stated
+              for (int64_t p = 0; p < k; ++p) {
+                const float x = ta ? a[p * lda + i] : a[i * lda + p];
+                const float y = tb ? b[j * ldb + p] : b[p * ldb + j];
+                const volatile float prod = x * y;
+                acc = acc + prod;
+              }
+              float& out = want[i * ldc + j];
+              const volatile float scaled = -1.25f * acc;
+              out = beta == 0.f ? scaled : scaled + static_cast<float>(beta * out);
+            }
+          }
+          CHECK(Bytes(got) == Bytes(want));
+          ++checked;
+        }
+      }
+    }
+  }
+  CHECK(checked == 6 * 8);
 }
 
 TEST_CASE("Gemm backward (all transposes) matches finite differences") {
