@@ -1,10 +1,13 @@
 // doctest's main, plus one rule: a run that selects no test case fails. A
 // Meson test that filters cases by name (-tc=...) would otherwise pass
-// silently once the case it names is renamed.
+// silently once the case it names is renamed. The heap is tuned as the
+// memplan command tunes it (heap_tuning.h), so the tests time what users run.
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
 #include <cstdio>
+
+#include "memplan/common/heap_tuning.h"
 
 namespace {
 
@@ -33,6 +36,7 @@ struct SelectionListener : doctest::IReporter {
 DOCTEST_REGISTER_LISTENER("selection", 1, SelectionListener);
 
 int main(int argc, char** argv) {
+  memplan::KeepFreedHeapMemory();
   doctest::Context context(argc, argv);
   int result = context.run();
   if (context.shouldExit()) return result;  // --help, --list-test-cases...

@@ -6,9 +6,11 @@
 #include <vector>
 
 #include "cli.h"
+#include "memplan/common/heap_tuning.h"
 #include "memplan/runtime/comm.h"
 
 int main(int argc, char** argv) {
+  memplan::KeepFreedHeapMemory();
   // A reader that goes away (`memplan plan ... -o /dev/stdout | head`) is a
   // failed write (exit 5, outputs rolled back), not a killed process.
   std::signal(SIGPIPE, SIG_IGN);
