@@ -634,9 +634,18 @@ printf '\xef\xbb\xbf' | cat - "$gpt" >"$tmp/bom.json"
 expect_exit 0 "UTF-8 byte-order mark" "$memplan" plan "$tmp/bom.json" -q -o "$tmp/bom.plan.json"
 cmp -s "$tmp/bom.plan.json" "$tmp/gpt.plan.json" && ok || bad "a BOM changed the plan"
 # 7. Input size caps: endless devices and huge strings are refused, fast.
+#    A document is parsed as it is read: an endless device of garbage is
+#    refused at its first bad byte (each used to cost 256 MiB of reading, 3 s);
+#    a file over the cap is refused unread (a sparse 300 MiB file).
+start=$(date +%s)
 expect_exit 2 "plan /dev/zero" timeout 30 "$memplan" plan /dev/zero
-one_line_at /dev/zero "/: input exceeds the limit of 268435456 bytes"
+one_line_at /dev/zero "/: invalid JSON"
 expect_exit 2 "plan /dev/urandom" timeout 30 "$memplan" plan /dev/urandom
+one_line_at /dev/urandom "/: invalid JSON"
+truncate -s 300M "$tmp/huge.json"
+expect_exit 2 "a 300 MiB file" timeout 30 "$memplan" plan "$tmp/huge.json"
+one_line_at "$tmp/huge.json" "/: input exceeds the limit of 268435456 bytes"
+[ $(($(date +%s) - start)) -le 5 ] && ok || bad "endless devices and a huge file took $(($(date +%s) - start)) s"
 mk "$tmp/bigname.json" 'j["name"] = "x" * (1 << 20)'
 expect_exit 2 "1 MiB name" timeout 20 "$memplan" plan "$tmp/bigname.json" -o "$tmp/bigname.plan.json"
 one_line_at "$tmp/bigname.json" "/name: string of 1048576 bytes exceeds"

@@ -281,8 +281,23 @@ TEST_CASE("a FIFO nobody writes is refused after MEMPLAN_INPUT_TIMEOUT_S; one th
   auto written = memplan::ReadJsonFile(fifo);
   REQUIRE(written.ok());
   CHECK((*written)["a"].size() == 2);
-  ::unsetenv("MEMPLAN_INPUT_TIMEOUT_S");
   int status = 0;
+  ::waitpid(writer, &status, 0);
+  // A stream longer than the limit, valid as far as it goes: refused once
+  // the limit is passed, with the limit's message (not "invalid JSON").
+  writer = ::fork();
+  REQUIRE(writer >= 0);
+  if (writer == 0) {
+    FILE* f = std::fopen(fifo.c_str(), "w");
+    if (f) std::fputs("[1, 2, 3, 4, 5, 6, 7, 8]", f);
+    std::_Exit(f && std::fclose(f) == 0 ? 0 : 1);
+  }
+  memplan::JsonLimits small;
+  small.max_bytes = 10;
+  auto longer = memplan::ReadJsonFile(fifo, small);
+  REQUIRE(!longer.ok());
+  CHECK(longer.error().message == fifo + ": /: input exceeds the limit of 10 bytes");
+  ::unsetenv("MEMPLAN_INPUT_TIMEOUT_S");
   ::waitpid(writer, &status, 0);
   fs::remove_all(dir);
 }

@@ -13,6 +13,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <iterator>
+#include <optional>
+#include <string_view>
 #include <sstream>
 
 #include "memplan/common/units.h"
@@ -422,53 +425,164 @@ int InputTimeoutMs() {
 
 }  // namespace
 
-Expected<std::string> ReadInputFile(const std::string& path, int64_t max_bytes) {
-  // O_NONBLOCK: opening a FIFO nobody writes returns at once (a blocking
-  // open would wait for a writer forever); reads wait in poll() below.
-  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
-  if (fd < 0) return Error{ErrorCode::kBadInput, path + ": cannot open: " + std::strerror(errno)};
-  struct Closer {
-    int fd;
-    ~Closer() { ::close(fd); }
-  } closer{fd};
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) return Error{ErrorCode::kBadInput, path + ": cannot read: " + std::strerror(errno)};
-  if (S_ISDIR(st.st_mode)) return Error{ErrorCode::kBadInput, path + ": cannot read: is a directory"};
-  const bool stream = !S_ISREG(st.st_mode);
-  if (!stream) (void)::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
-  const int timeout_ms = stream ? InputTimeoutMs() : -1;
-  // Read one byte past the limit: a longer input (or an endless device) is
-  // refused without reading the rest.
-  std::string text;
-  const size_t cap = static_cast<size_t>(max_bytes) + 1;
-  char chunk[1 << 16];
-  while (text.size() < cap) {
-    if (stream) {
-      pollfd p{fd, POLLIN, 0};
-      int ready = ::poll(&p, 1, timeout_ms);
-      if (ready < 0 && errno == EINTR) continue;
-      if (ready < 0) return Error{ErrorCode::kBadInput, path + ": cannot read: " + std::strerror(errno)};
-      if (ready == 0) {
-        char seconds[32];
-        std::snprintf(seconds, sizeof seconds, "%g", timeout_ms / 1000.0);
-        return Error{ErrorCode::kBadInput, path + ": cannot read: no data for " + seconds +
-                                               " s (a FIFO or device nobody writes? MEMPLAN_INPUT_TIMEOUT_S sets the wait)"};
-      }
+namespace {
+
+// The input file at `path`, read a chunk at a time (ReadInputFile's rules):
+// at most max_bytes, never blocking for ever on a stream.
+class InputReader {
+ public:
+  InputReader(const std::string& path, int64_t max_bytes) : path_(path), max_bytes_(max_bytes) {
+    // O_NONBLOCK: opening a FIFO nobody writes returns at once (a blocking
+    // open would wait for a writer forever); reads wait in poll() below.
+    fd_ = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
+    if (fd_ < 0) {
+      Fail("cannot open: " + std::string(std::strerror(errno)));
+      return;
     }
-    const size_t want = std::min(sizeof chunk, cap - text.size());
-    const ssize_t got = ::read(fd, chunk, want);
-    if (got < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
-    if (got < 0) return Error{ErrorCode::kBadInput, path + ": cannot read: " + std::strerror(errno)};
-    if (got == 0) break;
-    text.append(chunk, static_cast<size_t>(got));
+    struct stat st {};
+    if (::fstat(fd_, &st) != 0) {
+      Fail("cannot read: " + std::string(std::strerror(errno)));
+      return;
+    }
+    if (S_ISDIR(st.st_mode)) {
+      Fail("cannot read: is a directory");
+      return;
+    }
+    stream_ = !S_ISREG(st.st_mode);
+    if (!stream_) {
+      (void)::fcntl(fd_, F_SETFL, ::fcntl(fd_, F_GETFL) & ~O_NONBLOCK);
+      if (st.st_size > max_bytes_) OverLimit();  // refused unread
+    }
+    timeout_ms_ = stream_ ? InputTimeoutMs() : -1;
   }
+  ~InputReader() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  InputReader(const InputReader&) = delete;
+  InputReader& operator=(const InputReader&) = delete;
+
+  // The next chunk (empty at the end or after an error). One byte past the
+  // limit is read: a longer input, or an endless device, is refused
+  // without reading the rest.
+  std::string_view Next() {
+    while (!error_ && !done_) {
+      if (total_ > max_bytes_) {
+        OverLimit();
+        break;
+      }
+      if (stream_) {
+        pollfd p{fd_, POLLIN, 0};
+        const int ready = ::poll(&p, 1, timeout_ms_);
+        if (ready < 0 && errno == EINTR) continue;
+        if (ready < 0) {
+          Fail("cannot read: " + std::string(std::strerror(errno)));
+          break;
+        }
+        if (ready == 0) {
+          char seconds[32];
+          std::snprintf(seconds, sizeof seconds, "%g", timeout_ms_ / 1000.0);
+          Fail("cannot read: no data for " + std::string(seconds) +
+               " s (a FIFO or device nobody writes? MEMPLAN_INPUT_TIMEOUT_S sets the wait)");
+          break;
+        }
+      }
+      const auto want = static_cast<size_t>(std::min<int64_t>(sizeof chunk_, max_bytes_ + 1 - total_));
+      const ssize_t got = ::read(fd_, chunk_, want);
+      if (got < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
+      if (got < 0) {
+        Fail("cannot read: " + std::string(std::strerror(errno)));
+        break;
+      }
+      if (got == 0) {
+        done_ = true;
+        break;
+      }
+      total_ += got;
+      if (total_ > max_bytes_) {
+        OverLimit();
+        break;
+      }
+      return {chunk_, static_cast<size_t>(got)};
+    }
+    return {};
+  }
+
+  const std::optional<Error>& error() const { return error_; }
+
+ private:
+  void Fail(const std::string& message) {
+    if (!error_) error_ = Error{ErrorCode::kBadInput, path_ + ": " + message};
+  }
+  void OverLimit() { Fail("/: input exceeds the limit of " + std::to_string(max_bytes_) + " bytes"); }
+
+  std::string path_;
+  int64_t max_bytes_;
+  int fd_ = -1;
+  bool stream_ = false;
+  bool done_ = false;
+  int timeout_ms_ = -1;
+  int64_t total_ = 0;
+  std::optional<Error> error_;
+  char chunk_[1 << 16];
+};
+
+// An input iterator over an InputReader's bytes for nlohmann's parser:
+// the document is parsed as it is read, so that garbage (/dev/urandom) is
+// refused at its first bad byte instead of after max_bytes of it.
+class InputBytes {
+ public:
+  using iterator_category = std::input_iterator_tag;
+  using value_type = char;
+  using difference_type = std::ptrdiff_t;
+  using pointer = const char*;
+  using reference = const char&;
+
+  InputBytes() = default;  // the end
+  explicit InputBytes(InputReader* reader) : reader_(reader) {}
+
+  reference operator*() const { return chunk_[at_]; }
+  InputBytes& operator++() {
+    ++at_;
+    return *this;
+  }
+  bool operator==(const InputBytes& other) const { return AtEnd() == other.AtEnd(); }
+  bool operator!=(const InputBytes& other) const { return !(*this == other); }
+
+ private:
+  bool AtEnd() const {
+    if (reader_ == nullptr) return true;
+    if (at_ < chunk_.size()) return false;
+    chunk_ = reader_->Next();
+    at_ = 0;
+    return chunk_.empty();
+  }
+
+  InputReader* reader_ = nullptr;
+  mutable std::string_view chunk_;
+  mutable size_t at_ = 0;
+};
+
+}  // namespace
+
+Expected<std::string> ReadInputFile(const std::string& path, int64_t max_bytes) {
+  InputReader reader(path, max_bytes);
+  std::string text;
+  for (std::string_view chunk = reader.Next(); !chunk.empty(); chunk = reader.Next()) text.append(chunk);
+  if (reader.error()) return *reader.error();
   return text;
 }
 
 Expected<Json> ReadJsonFile(const std::string& path, const JsonLimits& limits) {
-  auto text = ReadInputFile(path, limits.max_bytes);
-  if (!text) return text.error();
-  return ParseJsonText(*text, path, limits);
+  InputReader reader(path, limits.max_bytes);
+  if (reader.error()) return *reader.error();
+  BoundedDomBuilder builder(path, limits);
+  const bool ok = Json::sax_parse(InputBytes(&reader), InputBytes(), &builder);
+  // A read that failed or stopped at the limit ends the parser's input
+  // early: the reader's error is the one to say.
+  if (reader.error()) return *reader.error();
+  if (builder.error()) return *builder.error();
+  if (!ok) return Error{ErrorCode::kBadInput, path + ": /: invalid JSON"};
+  return builder.TakeRoot();
 }
 
 namespace {

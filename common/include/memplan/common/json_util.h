@@ -123,7 +123,10 @@ Expected<Json> ParseJsonText(std::string_view text, const std::string& file, con
 // Errors (kBadInput) are one line naming `path`.
 Expected<std::string> ReadInputFile(const std::string& path, int64_t max_bytes);
 
-// ReadInputFile, limited to limits.max_bytes, then ParseJsonText.
+// ReadInputFile's reading rules and ParseJsonText's parsing rules, but the
+// document is parsed as it is read: garbage (/dev/urandom) is refused at
+// its first bad byte, a stream longer than limits.max_bytes once that many
+// are read, and a regular file longer than that unread.
 Expected<Json> ReadJsonFile(const std::string& path, const JsonLimits& limits = {});
 
 // The pointer of the first number in `doc` that is not finite, or nullopt.
