@@ -18,10 +18,13 @@ trap 'rm -rf "$tmp"' EXIT
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
 # When a process exits non-zero, mpirun sends the others SIGTERM and waits
 # odls_base_sigkill_timeout (1 s) before SIGKILL, even when every process
-# has already gone: a second for each refused launch here (about 20). 0
-# also means never SIGKILL, so a stopped rank would hold mpirun for ever:
-# the launches that kill, stop or interrupt a rank (7-9, and 12, where
-# SIGTERM's handler removes the staged dump) set it back to 1 s ("graced").
+# has already gone: a second for each refused launch here (about 20). With
+# 0 a refusal's line must be out before any rank exits, which memplan
+# ensures (the ranks wait for rank 0 to say an error they agreed on), and
+# this also checks. 0 also means never SIGKILL, so a stopped rank would
+# hold mpirun for ever: the launches that kill, stop or interrupt a rank
+# (7-9, and 12, where SIGTERM's handler removes the staged dump), and the
+# usage error found before MPI starts, keep 1 s ("graced").
 export OMPI_MCA_odls_base_sigkill_timeout=0
 graced=(env OMPI_MCA_odls_base_sigkill_timeout=1 mpirun --oversubscribe)
 mpi=(mpirun --oversubscribe)
@@ -514,8 +517,10 @@ for other in "$root/examples/models/tiny-llama.json --gpus 8" "$root/examples/mo
   [ "$rc" -eq 2 ] && [ "$(grep -c '^memplan:' "$tmp/err")" -eq 1 ] && grep -q "search under mpirun: rank 1 was started with" "$tmp/err" \
     && [ ! -e "$tmp/search.mpi.json" ] && ok || bad "search with $other on rank 1: exit $rc: $(cat "$tmp/err")"
 done
-# A usage error under mpirun is said once.
-timeout 60 "${mpi[@]}" -np 2 "$memplan" search "$root/examples/models/tiny-gpt.json" -q >"$tmp/out" 2>"$tmp/err"
+# A usage error under mpirun is said once. (Found before MPI starts, so no
+# rank waits for rank 0 to say it: with no grace mpirun could end rank 0
+# first.)
+timeout 60 "${graced[@]}" -np 2 "$memplan" search "$root/examples/models/tiny-gpt.json" -q >"$tmp/out" 2>"$tmp/err"
 rc=$?
 [ "$rc" -ne 0 ] && [ "$(grep -c '^memplan:' "$tmp/err")" -eq 1 ] && ok || bad "usage error under mpirun: exit $rc: $(cat "$tmp/err")"
 # A process that exits before MPI starts (here: another command) no longer

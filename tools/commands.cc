@@ -471,10 +471,20 @@ int RunExecute(const Command& c) {
   const bool lead = !comm || comm->rank() == 0;
   // An error every rank has: rank 0 says it, every rank exits with its code.
   auto fail = [&](const Error& e) { return lead ? Fail(e) : static_cast<int>(e.code); };
+  // An error the ranks agreed on: the others also wait until rank 0 has
+  // said it, so that a launcher that ends the job at the first non-zero
+  // exit (mpirun at once with odls_base_sigkill_timeout 0, srun
+  // --kill-on-bad-exit) cannot cut the line. Every rank is here: each just
+  // took part in the agreement.
+  auto fail_agreed = [&](const Error& e) {
+    const int code = fail(e);
+    if (comm) comm->Barrier();
+    return code;
+  };
   // Before anything else (the options decide which collectives follow):
   // every rank was started with the same options.
   if (comm) {
-    if (auto same = AgreeOnOptions(*comm, c); !same) return fail(same.error());
+    if (auto same = AgreeOnOptions(*comm, c); !same) return fail_agreed(same.error());
   }
   Expected<std::monostate> local = std::monostate{};
   if (c.backend == "host" && c.allocator == "pool") {
@@ -485,7 +495,7 @@ int RunExecute(const Command& c) {
   auto plan_json = ReadJsonFile(c.input);
   if (local.ok() && !plan_json) local = plan_json.error();
   if (comm) local = runtime::Agree(*comm, local);
-  if (!local.ok()) return fail(local.error());
+  if (!local.ok()) return fail_agreed(local.error());
   OutputFiles out;
   runtime::RunOptions options;
   options.backend = c.backend == "cuda" ? runtime::BackendKind::kCuda : runtime::BackendKind::kHost;
@@ -504,7 +514,7 @@ int RunExecute(const Command& c) {
     if (comm) {
       Expected<std::monostate> st = std::monostate{};
       if (!staged) st = staged.error();
-      if (auto agreed = runtime::Agree(*comm, st); !agreed) return fail(agreed.error());
+      if (auto agreed = runtime::Agree(*comm, st); !agreed) return fail_agreed(agreed.error());
       staged = comm->AllGather(*staged).front();
     }
     if (!staged) return Fail(staged.error());
@@ -515,8 +525,10 @@ int RunExecute(const Command& c) {
       std::fprintf(stderr, "%.*s\n", static_cast<int>(line.size()), line.data());
     };
   }
+  bool agreed = false;
+  options.agreed_error = &agreed;
   auto result = runtime::RunPlan(*plan_json, options);
-  if (!result) return fail(Located(result.error(), c.input));
+  if (!result) return agreed ? fail_agreed(Located(result.error(), c.input)) : fail(Located(result.error(), c.input));
   if (!lead) return 0;
   for (const auto& w : result->warnings) std::fprintf(stderr, "memplan: warning: %s\n", OneLine(w).c_str());
   const auto& m = result->measured;

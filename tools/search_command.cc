@@ -87,8 +87,11 @@ int RunSearch(const Command& c) {
     // Each process searches its share by index and rank 0 merges them: all
     // must enumerate the same layouts of the same model and rank them alike.
     if (auto why = LaunchMismatch(comm->AllGather(SearchLaunchOptions(c, planner::ModelDigest(*model))))) {
-      if (rank != 0) return static_cast<int>(ErrorCode::kBadInput);  // rank 0 says it, once
-      return Fail({ErrorCode::kBadInput, "search under mpirun: " + *why});
+      // Rank 0 says it, once; the others wait until it has (run's rule).
+      const int code = rank == 0 ? Fail({ErrorCode::kBadInput, "search under mpirun: " + *why})
+                                 : static_cast<int>(ErrorCode::kBadInput);
+      comm->Barrier();
+      return code;
     }
   }
   std::vector<size_t> mine;

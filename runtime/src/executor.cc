@@ -269,7 +269,10 @@ Expected<RunResult> Executor::Run() {
   // A plan or a backend that fails on some rank fails every rank at once.
   Expected<std::monostate> local = Validate();
   if (local.ok()) local = MakeBackend();
-  if (auto s = AgreeAcrossRanks(local); !s.ok()) return s.error();
+  if (auto s = AgreeAcrossRanks(local); !s.ok()) {
+    if (options_.agreed_error != nullptr) *options_.agreed_error = true;
+    return s.error();
+  }
   // World ranks in Megatron's order (tp-cp-ep-dp-pp), tensor-parallel
   // fastest: ((pp rank * dp + data-parallel rank) * cp + context-parallel
   // rank) * tp + tensor-parallel rank (docs/runtime.md, "Process grid").

@@ -99,6 +99,10 @@ struct RunOptions {
   // gathered on rank 0 (RunResult on other ranks: their own rank only).
   // Null: every rank emulated in this process.
   Communicator* comm = nullptr;
+  // Set to true when RunPlan's error is such an agreed one (every rank
+  // returns it, before any work): the caller may then have the ranks wait
+  // for rank 0 to report it before they exit.
+  bool* agreed_error = nullptr;
   // Tests: may edit a parameter's initial values (e.g. to take finite
   // differences), called once per parameter, in rank order.
   std::function<void(const std::string& param, std::vector<float>* values)> init_hook;
