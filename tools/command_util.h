@@ -11,11 +11,19 @@
 #include "memplan/common/output.h"
 #include "memplan/common/status.h"
 #include "memplan/planner/model.h"
+#include "memplan/runtime/comm.h"
 
 namespace memplan::cli {
 
 // Prints "memplan: MESSAGE" on stderr; returns the error's exit code.
 int Fail(const Error& e);
+// An error every process of an mpirun launch agreed on (null `comm`: one
+// process, Fail): rank 0 says it, and every rank waits at a barrier until
+// it has, so that a launcher that ends the job at the first non-zero exit
+// (mpirun with odls_base_sigkill_timeout 0, srun --kill-on-bad-exit)
+// cannot cut the line. Call it only where every rank just agreed: each
+// must reach the barrier. Returns the error's exit code.
+int FailAgreed(runtime::Communicator* comm, const Error& e);
 // --budget SIZE; warns on stderr when a bare number is below a MiB (meant
 // in GiB, surely).
 Expected<int64_t> ParseBudget(const std::string& text);

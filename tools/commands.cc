@@ -45,6 +45,13 @@ int Fail(const Error& e) {
   return static_cast<int>(e.code);
 }
 
+int FailAgreed(runtime::Communicator* comm, const Error& e) {
+  if (comm == nullptr) return Fail(e);
+  const int code = comm->rank() == 0 ? Fail(e) : static_cast<int>(e.code);
+  comm->Barrier();
+  return code;
+}
+
 Expected<int64_t> ParseBudget(const std::string& text) {
   auto bytes = ParseBytes(text);
   if (!bytes) return Error{ErrorCode::kBadInput, "--budget: " + bytes.error().message};
@@ -471,16 +478,8 @@ int RunExecute(const Command& c) {
   const bool lead = !comm || comm->rank() == 0;
   // An error every rank has: rank 0 says it, every rank exits with its code.
   auto fail = [&](const Error& e) { return lead ? Fail(e) : static_cast<int>(e.code); };
-  // An error the ranks agreed on: the others also wait until rank 0 has
-  // said it, so that a launcher that ends the job at the first non-zero
-  // exit (mpirun at once with odls_base_sigkill_timeout 0, srun
-  // --kill-on-bad-exit) cannot cut the line. Every rank is here: each just
-  // took part in the agreement.
-  auto fail_agreed = [&](const Error& e) {
-    const int code = fail(e);
-    if (comm) comm->Barrier();
-    return code;
-  };
+  // An error the ranks agreed on: rank 0 says it, the others wait until it has.
+  auto fail_agreed = [&](const Error& e) { return FailAgreed(comm.get(), e); };
   // Before anything else (the options decide which collectives follow):
   // every rank was started with the same options.
   if (comm) {

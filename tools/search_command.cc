@@ -87,11 +87,7 @@ int RunSearch(const Command& c) {
     // Each process searches its share by index and rank 0 merges them: all
     // must enumerate the same layouts of the same model and rank them alike.
     if (auto why = LaunchMismatch(comm->AllGather(SearchLaunchOptions(c, planner::ModelDigest(*model))))) {
-      // Rank 0 says it, once; the others wait until it has (run's rule).
-      const int code = rank == 0 ? Fail({ErrorCode::kBadInput, "search under mpirun: " + *why})
-                                 : static_cast<int>(ErrorCode::kBadInput);
-      comm->Barrier();
-      return code;
+      return FailAgreed(comm.get(), {ErrorCode::kBadInput, "search under mpirun: " + *why});
     }
   }
   std::vector<size_t> mine;

@@ -395,18 +395,31 @@ class BoundedDomBuilder {
   std::optional<Error> error_;
 };
 
+// The document in [first, last) under `limits` (all but the size, which
+// the callers bound). `stopped`: a reason the input ended early (a failed
+// read, the size limit), said instead of the parser's "unexpected end".
+template <class It>
+Expected<Json> ParseBounded(It first, It last, const std::string& file, const JsonLimits& limits,
+                            const std::optional<Error>* stopped = nullptr) {
+  BoundedDomBuilder builder(file, limits);
+  const bool ok = Json::sax_parse(first, last, &builder);
+  if (stopped != nullptr && *stopped) return **stopped;
+  if (builder.error()) return *builder.error();
+  if (!ok) return Error{ErrorCode::kBadInput, file + ": /: invalid JSON"};
+  return builder.TakeRoot();
+}
+
+std::string OverLimitMessage(int64_t max_bytes) {
+  return "/: input exceeds the limit of " + std::to_string(max_bytes) + " bytes";
+}
+
 }  // namespace
 
 Expected<Json> ParseJsonText(std::string_view text, const std::string& file, const JsonLimits& limits) {
   if (static_cast<int64_t>(text.size()) > limits.max_bytes) {
-    return Error{ErrorCode::kBadInput, file + ": /: input exceeds the limit of " +
-                                           std::to_string(limits.max_bytes) + " bytes"};
+    return Error{ErrorCode::kBadInput, file + ": " + OverLimitMessage(limits.max_bytes)};
   }
-  BoundedDomBuilder builder(file, limits);
-  bool ok = Json::sax_parse(text.begin(), text.end(), &builder);
-  if (builder.error()) return *builder.error();
-  if (!ok) return Error{ErrorCode::kBadInput, file + ": /: invalid JSON"};
-  return builder.TakeRoot();
+  return ParseBounded(text.begin(), text.end(), file, limits);
 }
 
 namespace {
@@ -427,8 +440,11 @@ int InputTimeoutMs() {
 
 namespace {
 
-// The input file at `path`, read a chunk at a time (ReadInputFile's rules):
-// at most max_bytes, never blocking for ever on a stream.
+// The input file at `path`, read a chunk at a time: at most max_bytes (a
+// regular file longer than that is refused unread), and never blocking
+// for ever on a stream (a FIFO, terminal or device is opened non-blocking
+// and may stay silent at most $MEMPLAN_INPUT_TIMEOUT_S seconds, default 10,
+// between reads).
 class InputReader {
  public:
   InputReader(const std::string& path, int64_t max_bytes) : path_(path), max_bytes_(max_bytes) {
@@ -513,7 +529,7 @@ class InputReader {
   void Fail(const std::string& message) {
     if (!error_) error_ = Error{ErrorCode::kBadInput, path_ + ": " + message};
   }
-  void OverLimit() { Fail("/: input exceeds the limit of " + std::to_string(max_bytes_) + " bytes"); }
+  void OverLimit() { Fail(OverLimitMessage(max_bytes_)); }
 
   std::string path_;
   int64_t max_bytes_;
@@ -564,25 +580,10 @@ class InputBytes {
 
 }  // namespace
 
-Expected<std::string> ReadInputFile(const std::string& path, int64_t max_bytes) {
-  InputReader reader(path, max_bytes);
-  std::string text;
-  for (std::string_view chunk = reader.Next(); !chunk.empty(); chunk = reader.Next()) text.append(chunk);
-  if (reader.error()) return *reader.error();
-  return text;
-}
-
 Expected<Json> ReadJsonFile(const std::string& path, const JsonLimits& limits) {
   InputReader reader(path, limits.max_bytes);
   if (reader.error()) return *reader.error();
-  BoundedDomBuilder builder(path, limits);
-  const bool ok = Json::sax_parse(InputBytes(&reader), InputBytes(), &builder);
-  // A read that failed or stopped at the limit ends the parser's input
-  // early: the reader's error is the one to say.
-  if (reader.error()) return *reader.error();
-  if (builder.error()) return *builder.error();
-  if (!ok) return Error{ErrorCode::kBadInput, path + ": /: invalid JSON"};
-  return builder.TakeRoot();
+  return ParseBounded(InputBytes(&reader), InputBytes(), path, limits, &reader.error());
 }
 
 namespace {

@@ -115,18 +115,14 @@ struct JsonLimits {
 // cannot exhaust the stack.
 Expected<Json> ParseJsonText(std::string_view text, const std::string& file, const JsonLimits& limits = {});
 
-// The bytes of the input file at `path`, at most `max_bytes` of them (a
-// longer file, or an endless device such as /dev/zero, is refused after
-// that many). Never blocks forever: a FIFO, terminal or device is opened
-// non-blocking and may stay silent at most $MEMPLAN_INPUT_TIMEOUT_S seconds
-// (default 10) between reads; a FIFO nobody writes is refused after that.
-// Errors (kBadInput) are one line naming `path`.
-Expected<std::string> ReadInputFile(const std::string& path, int64_t max_bytes);
-
-// ReadInputFile's reading rules and ParseJsonText's parsing rules, but the
-// document is parsed as it is read: garbage (/dev/urandom) is refused at
-// its first bad byte, a stream longer than limits.max_bytes once that many
-// are read, and a regular file longer than that unread.
+// The JSON document in the file at `path`, under ParseJsonText's rules,
+// parsed as it is read: garbage (/dev/urandom) is refused at its first bad
+// byte; a stream longer than limits.max_bytes once that many are read, a
+// regular file longer than that unread. Never blocks forever: a FIFO,
+// terminal or device is opened non-blocking and may stay silent at most
+// $MEMPLAN_INPUT_TIMEOUT_S seconds (default 10) between reads; a FIFO
+// nobody writes is refused after that. Errors (kBadInput) are one line
+// naming `path`.
 Expected<Json> ReadJsonFile(const std::string& path, const JsonLimits& limits = {});
 
 // The pointer of the first number in `doc` that is not finite, or nullopt.
