@@ -20,12 +20,13 @@ fail=0
 ok() { pass=$((pass + 1)); }
 bad() { fail=$((fail + 1)); echo "FAIL: $*"; }
 
-# Opens REPORT.html headless; the DOM after the page's scripts ran, and what
-# the browser logged. Chromium logs every console message as CONSOLE.
-browse() {  # report.html name
-  timeout 90 "$chromium" --headless --no-sandbox --disable-gpu --no-first-run --user-data-dir="$tmp/profile" \
-    --host-resolver-rules="MAP * ~NOTFOUND" --enable-logging=stderr --v=0 --virtual-time-budget=30000 \
-    --window-size=1400,1000 --dump-dom "file://$1" >"$tmp/$2.dom" 2>"$tmp/$2.log"
+# Opens reports in one headless Chromium (tests/browse.py: a Chromium start
+# costs 1.7 s and two cores' worth of CPU): for each NAME=URL, the DOM once
+# the page says it is done ($tmp/NAME.dom), what the page and the browser
+# logged, one CONSOLE line each ($tmp/NAME.log), and a screenshot of the
+# viewport for --shot NAME ($tmp/NAME.png).
+browse() {  # [--shot NAME] NAME=URL ...
+  timeout 180 python3 "$root/tests/browse.py" "$chromium" "$tmp" "$@" 2>"$tmp/browse.err"
 }
 
 # Every view rendered, charts drawn, tables filled; nothing requested,
@@ -81,50 +82,6 @@ if want browser; then
 # 2. A tiny model, plan only, in the browser.
 "$memplan" plan "$root/examples/models/tiny-llama.json" -o "$tmp/ll.plan.json" -q
 "$memplan" viz "$tmp/ll.plan.json" -o "$tmp/ll.html" >/dev/null && ok || bad "viz tiny-llama"
-# (Opened at #memory: the anchor check below reads this page.)
-browse "$tmp/ll.html#memory" ll && ok || bad "chromium on the plan-only report"
-rendered ll ranks memory schedule && ok || bad "plan-only report: $(tail -3 "$tmp/ll.log")"
-
-# 3. The full report: plan + MEASURED.json + TRACE.json.
-browse "$tmp/r.html" r && ok || bad "chromium on the full report"
-rendered r ranks memory schedule tradeoff && ok || bad "full report: $(tail -3 "$tmp/r.log")"
-# The check's verdict per rank, the eager run's series and its step-by-step
-# verdict, the trace's lanes, the PP balance table.
-grep -q "check: pass" "$tmp/r.dom" && grep -q "eager dp0" "$tmp/r.dom" && grep -q "eager timeline dp0: pass" "$tmp/r.dom" \
-  && grep -q "every rank within the plan" "$tmp/r.dom" \
-  && grep -q 'class="heat"' "$tmp/r.dom" && ok || bad "full report: verdicts, measured series or PP balance missing"
-
-# 3b. (issue 42) The full tiny report: a sweep's infeasible budgets as a
-# shaded band with no y value, y from 0, the host chart's pinned-memory
-# line; the host-only plan lists no memory outside the framework.
-python3 - "$tmp/r.dom" "$tmp/r.plan.json" "$tmp/ll.dom" <<'PY' && ok || bad "the tiny report does not read right"
-import json, re, sys
-rdom, rplan, lldom = open(sys.argv[1]).read(), json.load(open(sys.argv[2])), open(sys.argv[3]).read()
-rviews = {m.group(1): dict(re.findall(r'data-([a-z-]+)="([^"]*)"', m.group(2)))
-          for m in re.finditer(r'<section id="([a-z]+)" class="view"([^>]*)>', rdom)}
-bad = sum(not p["fits"] for p in rplan["sweep"])
-assert int(rviews["tradeoff"]["infeasible"]) == bad and float(rviews["tradeoff"]["y-min"]) == 0, rviews["tradeoff"]
-assert bad == 0 or f"{bad} of {len(rplan['sweep'])} budgets do not fit (shaded)" in rdom, bad
-assert 'class="note host-limit"' in rdom and "pinned host memory per GPU" in rdom
-assert 'class="note runtime-items"' not in lldom
-print(f"tiny report reads right: {bad} infeasible sweep points shaded")
-PY
-# Opened at #memory: that view first under the header, the page at its
-# top, and the screenshot not blank (headless Chromium shows nothing of a
-# scrolled page, so the browser's jump to the anchor came out blank).
-timeout 90 "$chromium" --headless --no-sandbox --disable-gpu --no-first-run --user-data-dir="$tmp/profile" \
-  --host-resolver-rules="MAP * ~NOTFOUND" --virtual-time-budget=30000 --window-size=1000,700 \
-  --screenshot="$tmp/anchor.png" "file://$tmp/r.html#memory" >/dev/null 2>&1
-read -r _ _ ink < <(python3 "$root/tests/png_ink.py" "$tmp/anchor.png")
-[ "${ink:-0}" -gt 1000 ] && ok || bad "the report opened at #memory is blank ($ink pixels of ink)"
-python3 - "$tmp/ll.dom" <<'PY' && ok || bad "#memory is not the first view, or the page scrolled"
-import re, sys
-dom = open(sys.argv[1]).read()
-body = dict(re.findall(r'data-([a-z-]+)="([^"]*)"', re.search(r"<body([^>]*)>", dom).group(1)))
-first = re.search(r'<section id="([a-z]+)" class="view"', dom).group(1)
-assert first == "memory" and body["scroll-y"] == "0" and 0 < int(body["anchor-top"]) < 600, (first, body)
-PY
-echo "report opened at #memory: $ink sampled pixels of ink"
 
 # 5. Hostile strings (issue 23, class 1): a model name and trace events
 # whose names open an HTML comment and a script, close the data element, or
@@ -151,7 +108,49 @@ PY
   "$memplan" run "$tmp/h.plan.json" -q -o "$tmp/h.m.json" &&
   "$memplan" viz "$tmp/h.plan.json" "$tmp/h.m.json" "$tmp/h.trace.json" --force -o "$tmp/h.html" >/dev/null 2>&1 \
   && ok || bad "viz with hostile strings"
-browse "$tmp/h.html" h && ok || bad "chromium on the hostile report"
+# The three reports in one browser; the plan-only one opened at #memory
+# (the anchor check below reads its DOM and screenshot).
+browse --shot ll "ll=file://$tmp/ll.html#memory" "r=file://$tmp/r.html" "h=file://$tmp/h.html" \
+  && ok || bad "chromium on the reports: $(tail -5 "$tmp/browse.err")"
+rendered ll ranks memory schedule && ok || bad "plan-only report: $(tail -3 "$tmp/ll.log")"
+
+# 3. The full report: plan + MEASURED.json + TRACE.json.
+rendered r ranks memory schedule tradeoff && ok || bad "full report: $(tail -3 "$tmp/r.log")"
+# The check's verdict per rank, the eager run's series and its step-by-step
+# verdict, the trace's lanes, the PP balance table.
+grep -q "check: pass" "$tmp/r.dom" && grep -q "eager dp0" "$tmp/r.dom" && grep -q "eager timeline dp0: pass" "$tmp/r.dom" \
+  && grep -q "every rank within the plan" "$tmp/r.dom" \
+  && grep -q 'class="heat"' "$tmp/r.dom" && ok || bad "full report: verdicts, measured series or PP balance missing"
+
+# 3b. (issue 42) The full tiny report: a sweep's infeasible budgets as a
+# shaded band with no y value, y from 0, the host chart's pinned-memory
+# line; the host-only plan lists no memory outside the framework.
+python3 - "$tmp/r.dom" "$tmp/r.plan.json" "$tmp/ll.dom" <<'PY' && ok || bad "the tiny report does not read right"
+import json, re, sys
+rdom, rplan, lldom = open(sys.argv[1]).read(), json.load(open(sys.argv[2])), open(sys.argv[3]).read()
+rviews = {m.group(1): dict(re.findall(r'data-([a-z-]+)="([^"]*)"', m.group(2)))
+          for m in re.finditer(r'<section id="([a-z]+)" class="view"([^>]*)>', rdom)}
+bad = sum(not p["fits"] for p in rplan["sweep"])
+assert int(rviews["tradeoff"]["infeasible"]) == bad and float(rviews["tradeoff"]["y-min"]) == 0, rviews["tradeoff"]
+assert bad == 0 or f"{bad} of {len(rplan['sweep'])} budgets do not fit (shaded)" in rdom, bad
+assert 'class="note host-limit"' in rdom and "pinned host memory per GPU" in rdom
+assert 'class="note runtime-items"' not in lldom
+print(f"tiny report reads right: {bad} infeasible sweep points shaded")
+PY
+# Opened at #memory: that view first under the header, the page at its
+# top, and the screenshot not blank (headless Chromium shows nothing of a
+# scrolled page, so the browser's jump to the anchor came out blank).
+read -r _ _ ink < <(python3 "$root/tests/png_ink.py" "$tmp/ll.png")
+[ "${ink:-0}" -gt 1000 ] && ok || bad "the report opened at #memory is blank ($ink pixels of ink)"
+python3 - "$tmp/ll.dom" <<'PY' && ok || bad "#memory is not the first view, or the page scrolled"
+import re, sys
+dom = open(sys.argv[1]).read()
+body = dict(re.findall(r'data-([a-z-]+)="([^"]*)"', re.search(r"<body([^>]*)>", dom).group(1)))
+first = re.search(r'<section id="([a-z]+)" class="view"', dom).group(1)
+assert first == "memory" and body["scroll-y"] == "0" and 0 < int(body["anchor-top"]) < 600, (first, body)
+PY
+echo "report opened at #memory: $ink sampled pixels of ink"
+
 rendered h ranks memory schedule && ok || bad "hostile strings blank the report: $(tail -3 "$tmp/h.log")"
 python3 - "$tmp/h.dom" <<'PY' && ok || bad "the hostile model name is not shown as written"
 import html, sys
@@ -167,7 +166,7 @@ if want browser_large; then
 "$memplan" plan "$root/examples/models/kimi-k3-like.json" -o "$tmp/k3.plan.json" -q
 "$memplan" viz "$tmp/k3.plan.json" -o "$tmp/k3.html" >/dev/null && ok || bad "viz kimi-k3-like"
 start=$(date +%s)
-browse "$tmp/k3.html" k3 && ok || bad "chromium on the K3-like report"
+browse "k3=file://$tmp/k3.html" && ok || bad "chromium on the K3-like report: $(tail -5 "$tmp/browse.err")"
 rendered k3 ranks memory schedule && ok || bad "K3-like report: $(tail -3 "$tmp/k3.log")"
 grep -q "down-sampled to 4000 points" "$tmp/k3.dom" && ok || bad "the K3-like report does not say it down-samples"
 # A GPU preset's plan: the memory outside the framework under the bars and
