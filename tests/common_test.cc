@@ -17,6 +17,7 @@
 
 #include "memplan/common/parallel.h"
 #include "memplan/common/cleanup.h"
+#include "memplan/common/heap_tuning.h"
 #include "memplan/common/json_util.h"
 #include "memplan/common/table.h"
 #include "memplan/common/units.h"
@@ -359,4 +360,44 @@ TEST_CASE("ParallelFor: every index once, on any number of threads; the lowest f
   }
   SetThreads(0);
   CHECK(Threads() >= 1);
+}
+
+// tests/test_main.cc calls KeepFreedHeapMemory() first, as memplan's main
+// does (docs/design.md, "Process memory").
+TEST_CASE("the heap's first GiB is advised for transparent huge pages, and heap blocks land there") {
+  std::ifstream mode("/sys/kernel/mm/transparent_hugepage/enabled");
+  std::string modes((std::istreambuf_iterator<char>(mode)), std::istreambuf_iterator<char>());
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  const bool sanitized = true;
+#else
+  const bool sanitized = false;
+#endif
+  if (modes.empty() || modes.find("[never]") != std::string::npos || sanitized) {
+    MESSAGE("no transparent huge pages here (or a sanitizer's allocator): nothing to check");
+    CHECK(HugePageHeapRange().first == HugePageHeapRange().second);
+    return;
+  }
+  const auto [begin, end] = HugePageHeapRange();
+  REQUIRE(end > begin);
+  CHECK((begin & 4095) == 0);
+  CHECK(end - begin >= (size_t{1} << 30));
+  // A block of the heap (under the 32 MiB mmap threshold) lands in the range,
+  // and the kernel reports the range's mapping as eligible for huge pages.
+  std::vector<char> block(8 << 20, 1);
+  const auto at = reinterpret_cast<uintptr_t>(block.data());
+  CHECK(at >= begin);
+  CHECK(at < end);
+  std::ifstream smaps("/proc/self/smaps");
+  std::string line;
+  bool inside = false;
+  int eligible = -1;
+  while (std::getline(smaps, line)) {
+    unsigned long lo = 0, hi = 0;
+    if (std::sscanf(line.c_str(), "%lx-%lx ", &lo, &hi) == 2 && line.find(':') > line.find(' ')) {
+      inside = lo <= at && at < hi;
+    } else if (inside && line.rfind("THPeligible:", 0) == 0) {
+      eligible = std::atoi(line.c_str() + 12);
+    }
+  }
+  CHECK(eligible == 1);
 }
