@@ -10,7 +10,7 @@ at most), then writes OUTDIR/NAME.dom (document.documentElement.outerHTML,
 as --dump-dom prints it), OUTDIR/NAME.log (one "CONSOLE" line per console
 message, uncaught exception or browser log entry, as --enable-logging
 prints console messages) and, for --shot NAME, OUTDIR/NAME.png (the
-1400 x 1000 viewport). A page that never finishes is still written, with a
+viewport of a 1400 x 1000 window). A page that never finishes is still written, with a
 line saying so in its log: the caller's checks decide.
 
 Talks to the browser over the DevTools protocol on a pipe
@@ -117,7 +117,6 @@ def open_page(browser, out, name, url, shot):
     browser.call("Page.navigate", {"url": url}, session=session)
     notes = []
     deadline = time.monotonic() + PAGE_S
-    done = ""
     while time.monotonic() < deadline:
         done = browser.call("Runtime.evaluate", {"expression": "document.readyState === 'complete' && "
                                                  "document.body ? document.body.dataset.done || '' : ''",

@@ -379,7 +379,7 @@ TEST_CASE("the heap's first GiB is advised for transparent huge pages, and heap 
   }
   const auto [begin, end] = HugePageHeapRange();
   REQUIRE(end > begin);
-  CHECK((begin & 4095) == 0);
+  CHECK(begin % static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE)) == 0);
   CHECK(end - begin >= (size_t{1} << 30));
   // A block of the heap (under the 32 MiB mmap threshold) lands in the range,
   // and the kernel reports the range's mapping as eligible for huge pages.

@@ -527,7 +527,10 @@ int RunExecute(const Command& c) {
   bool agreed = false;
   options.agreed_error = &agreed;
   auto result = runtime::RunPlan(*plan_json, options);
-  if (!result) return agreed ? fail_agreed(Located(result.error(), c.input)) : fail(Located(result.error(), c.input));
+  if (!result) {
+    const Error e = Located(result.error(), c.input);
+    return agreed ? fail_agreed(e) : fail(e);
+  }
   if (!lead) return 0;
   for (const auto& w : result->warnings) std::fprintf(stderr, "memplan: warning: %s\n", OneLine(w).c_str());
   const auto& m = result->measured;

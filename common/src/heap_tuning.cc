@@ -49,7 +49,6 @@ void KeepFreedHeapMemory() {
   const char* want = std::getenv("MEMPLAN_HUGE_PAGES");
   if (want != nullptr && std::strcmp(want, "0") == 0) return;
   constexpr size_t kReserve = size_t{1} << 30;
-  constexpr uintptr_t kPage = 4096;
   const size_t request = mallinfo2().keepcost + 4096;
   if (request >= (size_t{32} << 20)) return;  // would be its own mmap
   mallopt(M_TOP_PAD, static_cast<int>(kReserve));
@@ -59,8 +58,9 @@ void KeepFreedHeapMemory() {
   std::free(block);
   mallopt(M_TOP_PAD, 256 << 20);
   // Page-aligned (the kernel backs the 2 MiB-aligned stretches inside).
-  const uintptr_t begin = (at + kPage - 1) & ~(kPage - 1);
-  const uintptr_t end = top & ~(kPage - 1);
+  const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = (at + page - 1) & ~(page - 1);
+  const uintptr_t end = top & ~(page - 1);
   if (at != 0 && end > begin && end - begin <= 2 * kReserve) {
     if (madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE) == 0) huge_range = {begin, end};
   }
